@@ -1,0 +1,197 @@
+// hytrain_native: the pybind11 seam. Glue only: arguments arrive already validated by python/hytrain
+// (tensors become raw addresses, sizes and dtype codes there), native code re-checks cheap invariants
+// and throws, and long native calls release the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+
+#include "hytrain/adamw.h"
+#include "hytrain/cpu_features.h"
+#include "hytrain/error.h"
+#include "hytrain/membench.h"
+#include "hytrain/pinned_pool.h"
+#ifdef HYTRAIN_WITH_CUDA
+#include "hytrain/cuda_env.h"
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace py = pybind11;
+using namespace hytrain;
+
+namespace {
+
+template <class T>
+T* as_ptr(std::uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+// One block of pool memory, exposed to Python through the buffer protocol; torch.frombuffer keeps a
+// reference to it, so the block returns to the pool only after the last tensor view is gone.
+struct Allocation {
+  Allocation(std::shared_ptr<PinnedPool> p, void* mem, std::size_t n)
+      : pool(std::move(p)), ptr(mem), nbytes(n) {}
+  Allocation(const Allocation&) = delete;
+  Allocation& operator=(const Allocation&) = delete;
+  ~Allocation() { pool->free(ptr); }
+
+  std::shared_ptr<PinnedPool> pool;
+  void* ptr;
+  std::size_t nbytes;
+};
+
+py::dict stats_dict(const PoolStats& s) {
+  py::dict d;
+  d["capacity"] = s.capacity;
+  d["reserved"] = s.reserved;
+  d["in_use"] = s.in_use;
+  d["peak_in_use"] = s.peak_in_use;
+  d["slabs"] = s.slabs;
+  d["allocations"] = s.allocations;
+  d["largest_free"] = s.largest_free;
+  return d;
+}
+
+std::vector<std::string> path_names(const std::vector<SimdPath>& paths) {
+  std::vector<std::string> out;
+  for (SimdPath p : paths) out.emplace_back(simd_path_name(p));
+  return out;
+}
+
+bool cuda_available() {
+#ifdef HYTRAIN_WITH_CUDA
+  return cuda::available();
+#else
+  return false;
+#endif
+}
+
+py::dict build_info() {
+  py::dict d;
+  d["version"] = HYTRAIN_VERSION;
+  d["compiler"] = HYTRAIN_COMPILER;
+  d["simd_compiled"] = path_names(compiled_simd_paths());
+  d["simd_selected"] = simd_path_name(best_simd_path());
+#ifdef _OPENMP
+  d["openmp"] = _OPENMP;
+  d["openmp_max_threads"] = omp_get_max_threads();
+#else
+  d["openmp"] = py::none();
+  d["openmp_max_threads"] = 1;
+#endif
+#ifdef HYTRAIN_WITH_CUDA
+  d["cuda"] = cuda::runtime_version();
+  d["cuda_architectures"] = HYTRAIN_CUDA_ARCHITECTURES;
+  d["cuda_driver"] = cuda::driver_version();
+  d["cuda_devices"] = cuda::device_names();
+#else
+  d["cuda"] = py::none();
+  d["cuda_architectures"] = py::none();
+  d["cuda_driver"] = py::none();
+  d["cuda_devices"] = std::vector<std::string>{};
+#endif
+  return d;
+}
+
+std::shared_ptr<PinnedPool> make_pool(std::size_t capacity, std::size_t slab_bytes, bool pinned,
+                                      std::size_t alignment) {
+  std::unique_ptr<HostAllocator> alloc;
+#ifdef HYTRAIN_WITH_CUDA
+  if (pinned) alloc = cuda::make_pinned_allocator();
+#else
+  if (pinned) HYTRAIN_THROW("page-locked memory needs a build with CUDA");
+#endif
+  if (!alloc) alloc = make_page_aligned_allocator();
+  return std::make_shared<PinnedPool>(std::move(alloc), capacity, slab_bytes, alignment);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(hytrain_native, m) {
+  m.doc() = "hytrain native core: CPU AdamW, pinned host pool, CUDA runtime (when built with it)";
+  py::register_exception<PoolExhausted>(m, "PoolExhaustedError", PyExc_MemoryError);
+
+  m.def("build_info", &build_info, "What this binary was built with.");
+  m.def("cuda_available", &cuda_available, "True when CUDA is compiled in and a GPU is usable.");
+  m.def("simd_paths_compiled", [] { return path_names(compiled_simd_paths()); });
+  m.def("cpu_supports", [](const std::string& name) { return cpu_supports(parse_simd_path(name)); });
+  m.def("best_simd_path", [] { return std::string(simd_path_name(best_simd_path())); });
+
+  m.def(
+      "adamw_step",
+      [](std::uintptr_t param, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+         std::uintptr_t max_exp_avg_sq, std::uintptr_t grad, int grad_dtype,
+         std::uintptr_t param_copy, int param_copy_dtype, int64_t numel, double lr, double beta1,
+         double beta2, double eps, double weight_decay, int64_t step, bool decoupled, bool amsgrad,
+         double grad_scale, int num_threads, const std::string& simd) {
+        const SimdPath path = parse_simd_path(simd);
+        AdamWTensor t;
+        t.param = as_ptr<float>(param);
+        t.exp_avg = as_ptr<float>(exp_avg);
+        t.exp_avg_sq = as_ptr<float>(exp_avg_sq);
+        t.max_exp_avg_sq = as_ptr<float>(max_exp_avg_sq);
+        t.grad = as_ptr<const void>(grad);
+        t.grad_dtype = static_cast<DType>(grad_dtype);
+        t.param_copy = as_ptr<void>(param_copy);
+        t.param_copy_dtype = static_cast<DType>(param_copy_dtype);
+        t.numel = numel;
+        AdamWConfig c;
+        c.lr = lr;
+        c.beta1 = beta1;
+        c.beta2 = beta2;
+        c.eps = eps;
+        c.weight_decay = weight_decay;
+        c.step = step;
+        c.decoupled = decoupled;
+        c.amsgrad = amsgrad;
+        c.grad_scale = grad_scale;
+        py::gil_scoped_release release;
+        return adamw_step(t, c, num_threads, path);
+      },
+      "Raw-pointer AdamW step; call hytrain.cpu_adam.adamw_step, which validates tensors.");
+
+  m.def(
+      "measure_host_bandwidth",
+      [](int64_t elements, int num_threads, int repeats) {
+        BandwidthResult r;
+        {
+          py::gil_scoped_release release;
+          r = measure_host_bandwidth(elements, num_threads, repeats);
+        }
+        py::dict d;
+        d["copy_gbps"] = r.copy_gbps;
+        d["triad_gbps"] = r.triad_gbps;
+        return d;
+      },
+      py::arg("elements"), py::arg("num_threads") = 0, py::arg("repeats") = 5);
+
+  py::class_<Allocation, std::shared_ptr<Allocation>>(m, "Allocation", py::buffer_protocol())
+      .def_property_readonly("ptr", [](const Allocation& a) {
+        return reinterpret_cast<std::uintptr_t>(a.ptr);
+      })
+      .def_property_readonly("nbytes", [](const Allocation& a) { return a.nbytes; })
+      .def_buffer([](Allocation& a) {
+        return py::buffer_info(a.ptr, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(a.nbytes)}, {1}, false);
+      });
+
+  py::class_<PinnedPool, std::shared_ptr<PinnedPool>>(m, "PinnedPool")
+      .def(py::init(&make_pool), py::arg("capacity_bytes"), py::arg("slab_bytes"),
+           py::arg("pinned"), py::arg("alignment") = PinnedPool::kDefaultAlignment)
+      .def(
+          "allocate",
+          [](std::shared_ptr<PinnedPool> self, std::size_t nbytes) {
+            void* p = self->allocate(nbytes);
+            return std::make_shared<Allocation>(self, p, nbytes);
+          },
+          py::arg("nbytes"))
+      .def("stats", [](const PinnedPool& p) { return stats_dict(p.stats()); })
+      .def("trim", &PinnedPool::trim)
+      .def_property_readonly("kind", &PinnedPool::kind)
+      .def_property_readonly("page_locked", &PinnedPool::page_locked)
+      .def_property_readonly("alignment", &PinnedPool::alignment);
+}

@@ -1,0 +1,105 @@
+// AdamW dispatch: validates the arguments, folds the bias corrections into scalars, picks the SIMD
+// range kernel and splits the tensor across OpenMP threads in contiguous, cache-line-aligned pieces
+// (one piece per thread: each thread streams its own region, which also keeps first-touch pages
+// local). Small tensors run on the calling thread, where a parallel region would cost more than it
+// saves.
+#include "hytrain/adamw.h"
+
+#include <cmath>
+#include <string>
+
+#include "hytrain/error.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace hytrain {
+
+namespace {
+
+using RangeFn = bool (*)(const AdamWTensor&, const AdamWScalars&, int64_t, int64_t);
+
+RangeFn range_kernel(SimdPath path) {
+  switch (resolve_simd_path(path)) {
+#ifdef HYTRAIN_HAVE_AVX512
+    case SimdPath::avx512: return kernels::adamw_range_avx512;
+#endif
+#ifdef HYTRAIN_HAVE_AVX2
+    case SimdPath::avx2: return kernels::adamw_range_avx2;
+#endif
+    default: return kernels::adamw_range_scalar;
+  }
+}
+
+constexpr int64_t kSerialBelow = 1 << 15;  // elements; below this one thread is faster
+constexpr int64_t kPieceAlign = 64;        // elements: 256 B of fp32, whole cache lines
+
+void check_config(const AdamWConfig& c) {
+  auto finite_nonneg = [](double x) { return std::isfinite(x) && x >= 0.0; };
+  HYTRAIN_CHECK(finite_nonneg(c.lr), "lr must be finite and >= 0");
+  HYTRAIN_CHECK(c.beta1 >= 0.0 && c.beta1 < 1.0, "beta1 must be in [0, 1)");
+  HYTRAIN_CHECK(c.beta2 >= 0.0 && c.beta2 < 1.0, "beta2 must be in [0, 1)");
+  HYTRAIN_CHECK(std::isfinite(c.eps) && c.eps > 0.0, "eps must be finite and > 0");
+  HYTRAIN_CHECK(finite_nonneg(c.weight_decay), "weight_decay must be finite and >= 0");
+  HYTRAIN_CHECK(std::isfinite(c.grad_scale), "grad_scale must be finite");
+  HYTRAIN_CHECK(c.step >= 1, "step must be >= 1, got " + std::to_string(c.step));
+}
+
+}  // namespace
+
+AdamWScalars make_adamw_scalars(const AdamWConfig& c) {
+  const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(c.step));
+  const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(c.step));
+  auto f = [](double x) { return static_cast<float>(x); };
+  AdamWScalars s{};
+  s.lr = f(c.lr);
+  s.beta1 = f(c.beta1);
+  s.beta2 = f(c.beta2);
+  s.one_minus_beta1 = f(1.0 - c.beta1);
+  s.one_minus_beta2 = f(1.0 - c.beta2);
+  s.eps = f(c.eps);
+  s.weight_decay = c.decoupled ? 0.0f : f(c.weight_decay);
+  s.param_decay = c.decoupled ? f(1.0 - c.lr * c.weight_decay) : 1.0f;
+  s.neg_step_size = f(-c.lr / bc1);
+  s.bias_correction2_sqrt = f(std::sqrt(bc2));
+  s.grad_scale = f(c.grad_scale);
+  s.amsgrad = c.amsgrad;
+  return s;
+}
+
+bool adamw_step(const AdamWTensor& t, const AdamWConfig& cfg, int num_threads, SimdPath path) {
+  check_config(cfg);
+  HYTRAIN_CHECK(t.numel >= 0, "numel must be >= 0");
+  const RangeFn kernel = range_kernel(path);
+  if (t.numel == 0) return false;
+  HYTRAIN_CHECK(t.param && t.exp_avg && t.exp_avg_sq && t.grad,
+                "param, exp_avg, exp_avg_sq and grad must be non-null");
+  HYTRAIN_CHECK(!cfg.amsgrad || t.max_exp_avg_sq, "amsgrad needs max_exp_avg_sq");
+  HYTRAIN_CHECK(t.param_copy == nullptr || t.param_copy_dtype != DType::f32,
+                "param_copy must be bfloat16 or float16");
+  const AdamWScalars s = make_adamw_scalars(cfg);
+
+  int threads = 1;
+#ifdef _OPENMP
+  threads = num_threads > 0 ? num_threads : omp_get_max_threads();
+#endif
+  if (threads <= 1 || t.numel < kSerialBelow) return kernel(t, s, 0, t.numel);
+
+  int nonfinite = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) reduction(| : nonfinite)
+  {
+    // Contiguous pieces of whole cache lines, sized by the team OpenMP actually gave us.
+    const int64_t team = omp_get_num_threads();
+    const int64_t per = (t.numel + team - 1) / team;
+    const int64_t piece = (per + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
+    const int64_t b = omp_get_thread_num() * piece;
+    const int64_t e = b + piece < t.numel ? b + piece : t.numel;
+    if (b < e) nonfinite |= kernel(t, s, b, e) ? 1 : 0;
+  }
+#endif
+  return nonfinite != 0;
+}
+
+}  // namespace hytrain

@@ -1,0 +1,145 @@
+// The AdamW element loop, written once over a small "vector traits" interface and instantiated by
+// each SIMD translation unit (adamw_scalar.cpp, adamw_avx2.cpp, adamw_avx512.cpp) with its own
+// traits and compiler flags. Keeping one body means the three paths cannot drift apart.
+//
+// Traits V provide: F (vector type), W (lanes), load/store (fp32), load_bf16/load_f16 (widen),
+// store_bf16/store_f16 (round to nearest even), set1, add, sub, mul, div, sqrt, max, fmadd(a,b,c) =
+// a*b+c, any_nan. The tail (fewer than W elements) goes through W-element stack buffers, so every
+// path handles any size with the same full-width code and no allocation.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "hytrain/adamw.h"
+
+namespace hytrain {
+namespace detail {
+
+template <class V, DType G>
+inline typename V::F load_grad(const void* base, int64_t i) {
+  if constexpr (G == DType::f32) {
+    return V::load(static_cast<const float*>(base) + i);
+  } else if constexpr (G == DType::bf16) {
+    return V::load_bf16(static_cast<const uint16_t*>(base) + i);
+  } else {
+    return V::load_f16(static_cast<const uint16_t*>(base) + i);
+  }
+}
+
+template <class V, DType C>
+inline void store_copy(void* base, int64_t i, typename V::F x) {
+  if constexpr (C == DType::bf16) {
+    V::store_bf16(static_cast<uint16_t*>(base) + i, x);
+  } else {
+    V::store_f16(static_cast<uint16_t*>(base) + i, x);
+  }
+}
+
+inline int64_t elem_size(DType t) { return t == DType::f32 ? 4 : 2; }
+
+// Pointers of one W-wide slice: either into the tensors or into tail buffers.
+struct Slice {
+  float* p;
+  float* m;
+  float* v;
+  float* vmax;
+  const void* g;
+  void* copy;
+};
+
+template <class V, DType G, bool kCopy, DType C, bool kAmsgrad>
+struct AdamWBody {
+  using F = typename V::F;
+  F b2, omb1, omb2, eps, wd, pdecay, nstep, bc2s, gscale, zero;
+
+  explicit AdamWBody(const AdamWScalars& s)
+      : b2(V::set1(s.beta2)), omb1(V::set1(s.one_minus_beta1)), omb2(V::set1(s.one_minus_beta2)),
+        eps(V::set1(s.eps)), wd(V::set1(s.weight_decay)), pdecay(V::set1(s.param_decay)),
+        nstep(V::set1(s.neg_step_size)), bc2s(V::set1(s.bias_correction2_sqrt)),
+        gscale(V::set1(s.grad_scale)), zero(V::set1(0.0f)) {}
+
+  // Updates W elements at offset i of the slice; `bad` accumulates g*0, which is NaN exactly when
+  // some g was non-finite.
+  inline void operator()(const Slice& x, int64_t i, F& bad) const {
+    F p = V::load(x.p + i);
+    F m = V::load(x.m + i);
+    F v = V::load(x.v + i);
+    F g = V::mul(load_grad<V, G>(x.g, i), gscale);
+    bad = V::fmadd(g, zero, bad);
+    g = V::fmadd(wd, p, g);  // Adam's L2 term; wd is 0 for AdamW
+    p = V::mul(p, pdecay);   // AdamW's decoupled decay; pdecay is 1 for Adam
+    m = V::fmadd(omb1, V::sub(g, m), m);
+    v = V::fmadd(V::mul(omb2, g), g, V::mul(v, b2));
+    F vd = v;
+    if constexpr (kAmsgrad) {
+      vd = V::max(V::load(x.vmax + i), v);
+      V::store(x.vmax + i, vd);
+    }
+    const F denom = V::add(V::div(V::sqrt(vd), bc2s), eps);
+    p = V::fmadd(nstep, V::div(m, denom), p);
+    V::store(x.p + i, p);
+    V::store(x.m + i, m);
+    V::store(x.v + i, v);
+    if constexpr (kCopy) store_copy<V, C>(x.copy, i, p);
+  }
+};
+
+template <class V, DType G, bool kCopy, DType C, bool kAmsgrad>
+bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end) {
+  constexpr int W = V::W;
+  using F = typename V::F;
+  const AdamWBody<V, G, kCopy, C, kAmsgrad> body(s);
+  F bad = V::set1(0.0f);
+
+  const Slice whole{t.param, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.grad, t.param_copy};
+  int64_t i = begin;
+  for (; i + W <= end; i += W) body(whole, i, bad);
+
+  const int64_t n = end - i;
+  if (n > 0) {
+    alignas(64) float p[W] = {}, m[W] = {}, v[W] = {}, vmax[W] = {};
+    alignas(64) unsigned char g[W * 4] = {};
+    alignas(64) uint16_t copy[W] = {};
+    const int64_t gsz = elem_size(G);
+    std::memcpy(p, t.param + i, n * 4);
+    std::memcpy(m, t.exp_avg + i, n * 4);
+    std::memcpy(v, t.exp_avg_sq + i, n * 4);
+    if (kAmsgrad) std::memcpy(vmax, t.max_exp_avg_sq + i, n * 4);
+    std::memcpy(g, static_cast<const unsigned char*>(t.grad) + i * gsz, n * gsz);
+    body(Slice{p, m, v, vmax, g, copy}, 0, bad);
+    std::memcpy(t.param + i, p, n * 4);
+    std::memcpy(t.exp_avg + i, m, n * 4);
+    std::memcpy(t.exp_avg_sq + i, v, n * 4);
+    if (kAmsgrad) std::memcpy(t.max_exp_avg_sq + i, vmax, n * 4);
+    if (kCopy) std::memcpy(static_cast<uint16_t*>(t.param_copy) + i, copy, n * 2);
+  }
+  return V::any_nan(bad);
+}
+
+template <class V, DType G, bool kCopy, DType C>
+bool adamw_range_ams(const AdamWTensor& t, const AdamWScalars& s, int64_t b, int64_t e) {
+  return s.amsgrad ? adamw_range_impl<V, G, kCopy, C, true>(t, s, b, e)
+                   : adamw_range_impl<V, G, kCopy, C, false>(t, s, b, e);
+}
+
+template <class V, DType G>
+bool adamw_range_copy(const AdamWTensor& t, const AdamWScalars& s, int64_t b, int64_t e) {
+  if (t.param_copy == nullptr) return adamw_range_ams<V, G, false, DType::bf16>(t, s, b, e);
+  if (t.param_copy_dtype == DType::bf16) return adamw_range_ams<V, G, true, DType::bf16>(t, s, b, e);
+  return adamw_range_ams<V, G, true, DType::f16>(t, s, b, e);
+}
+
+// Entry point of a SIMD translation unit: picks the instantiation for this tensor's dtypes.
+template <class V>
+bool adamw_range(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end) {
+  switch (t.grad_dtype) {
+    case DType::f32: return adamw_range_copy<V, DType::f32>(t, s, begin, end);
+    case DType::bf16: return adamw_range_copy<V, DType::bf16>(t, s, begin, end);
+    case DType::f16: return adamw_range_copy<V, DType::f16>(t, s, begin, end);
+  }
+  return false;
+}
+
+}  // namespace detail
+}  // namespace hytrain

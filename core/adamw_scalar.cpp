@@ -1,0 +1,37 @@
+// Scalar AdamW: the portable fallback and the reference the vector paths are compared with.
+// Built with -ffp-contract=off so it does what it says (no fused multiply-adds).
+#include <cmath>
+
+#include "adamw_kernel.h"
+
+namespace hytrain {
+namespace {
+
+struct VecScalar {
+  using F = float;
+  static constexpr int W = 1;
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F x) { *p = x; }
+  static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+  static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
+  static void store_bf16(uint16_t* p, F x) { *p = f32_to_bf16(x); }
+  static void store_f16(uint16_t* p, F x) { *p = f32_to_f16(x); }
+  static F set1(float x) { return x; }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F div(F a, F b) { return a / b; }
+  static F sqrt(F a) { return std::sqrt(a); }
+  static F max(F a, F b) { return a > b ? a : b; }
+  static F fmadd(F a, F b, F c) { return a * b + c; }
+  static bool any_nan(F a) { return std::isnan(a); }
+};
+
+}  // namespace
+
+namespace kernels {
+bool adamw_range_scalar(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end) {
+  return detail::adamw_range<VecScalar>(t, s, begin, end);
+}
+}  // namespace kernels
+}  // namespace hytrain

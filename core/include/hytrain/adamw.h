@@ -1,0 +1,76 @@
+// CPU AdamW: one fused, OpenMP-parallel pass over a flat fp32 tensor and its Adam states.
+//
+// Per element it reads the master weight p, m, v (and v_max for amsgrad) and the gradient (fp32,
+// bf16 or fp16), multiplies the gradient by `grad_scale` (loss-scale unscaling times the clipping
+// coefficient), updates m, v and p in place, and optionally writes a bf16/fp16 copy of the new weight
+// (the copy that goes back to the GPU). The math follows torch.optim.AdamW / Adam (foreach=False):
+//
+//   g  = grad * grad_scale                   (+ weight_decay * p        for Adam's L2 decay)
+//   p  = p * (1 - lr * weight_decay)         (AdamW's decoupled decay only)
+//   m  = m + (1 - beta1) * (g - m)
+//   v  = v * beta2 + (1 - beta2) * g * g
+//   v_max = max(v_max, v)                    (amsgrad; the denominator then uses v_max)
+//   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+#pragma once
+
+#include <cstdint>
+
+#include "hytrain/cpu_features.h"
+#include "hytrain/dtype.h"
+
+namespace hytrain {
+
+// Hyperparameters in double, as PyTorch holds them; they are folded into float scalars once per step.
+struct AdamWConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  int64_t step = 1;        // 1-based step number used for bias correction
+  bool decoupled = true;   // true: AdamW (decoupled decay); false: Adam with L2 decay
+  bool amsgrad = false;
+  double grad_scale = 1.0; // multiplier applied to every gradient element
+};
+
+struct AdamWTensor {
+  float* param = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  float* max_exp_avg_sq = nullptr;  // required when amsgrad
+  const void* grad = nullptr;
+  DType grad_dtype = DType::f32;
+  void* param_copy = nullptr;       // optional bf16/fp16 copy of the updated weight
+  DType param_copy_dtype = DType::bf16;
+  int64_t numel = 0;
+};
+
+// Scalars derived once per step from AdamWConfig (bias corrections folded in, computed in double as
+// PyTorch computes them in Python, then rounded to float).
+struct AdamWScalars {
+  float lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps;
+  float weight_decay;      // L2 coefficient (Adam) or 0
+  float param_decay;       // 1 - lr * weight_decay (AdamW) or 1
+  float neg_step_size;     // -lr / (1 - beta1^t)
+  float bias_correction2_sqrt;
+  float grad_scale;
+  bool amsgrad;
+};
+
+AdamWScalars make_adamw_scalars(const AdamWConfig& cfg);
+
+// Updates one tensor in place. Returns true when any gradient element was non-finite (the update is
+// still applied: callers that must skip on overflow check first). num_threads <= 0 means OpenMP's
+// default. Throws hytrain::Error on invalid arguments.
+bool adamw_step(const AdamWTensor& t, const AdamWConfig& cfg, int num_threads = 0,
+                SimdPath path = SimdPath::automatic);
+
+// Range kernels, one per SIMD translation unit; [begin, end) of the tensor, single-threaded.
+// Return true when a non-finite gradient element was seen.
+namespace kernels {
+bool adamw_range_scalar(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
+bool adamw_range_avx2(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
+bool adamw_range_avx512(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
+}  // namespace kernels
+
+}  // namespace hytrain

@@ -1,0 +1,30 @@
+// CUDA error checks: HYTRAIN_CUDA_CHECK throws hytrain::Error naming the call, file and line;
+// HYTRAIN_CUDA_CHECK_NOTHROW reports to stderr, for destructors.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <string>
+
+#include "hytrain/error.h"
+
+#define HYTRAIN_CUDA_CHECK(call)                                                            \
+  do {                                                                                      \
+    cudaError_t hytrain_err_ = (call);                                                      \
+    if (hytrain_err_ != cudaSuccess) {                                                      \
+      throw ::hytrain::Error(std::string("CUDA error in ") + #call + ": " +                 \
+                                 cudaGetErrorName(hytrain_err_) + ": " +                    \
+                                 cudaGetErrorString(hytrain_err_),                          \
+                             __FILE__, __LINE__);                                           \
+    }                                                                                       \
+  } while (0)
+
+#define HYTRAIN_CUDA_CHECK_NOTHROW(call)                                                    \
+  do {                                                                                      \
+    cudaError_t hytrain_err_ = (call);                                                      \
+    if (hytrain_err_ != cudaSuccess) {                                                      \
+      std::fprintf(stderr, "hytrain: CUDA error in %s: %s (%s:%d)\n", #call,                \
+                   cudaGetErrorString(hytrain_err_), __FILE__, __LINE__);                   \
+    }                                                                                       \
+  } while (0)

@@ -1,0 +1,33 @@
+"""hytrain: a heterogeneous CPU+GPU training engine for PyTorch.
+
+fp32 master weights and Adam states live in (pinned) host memory and are updated by a vectorised,
+multi-threaded CPU AdamW, while the GPU keeps only the bf16/fp16 training copy.
+"""
+
+from __future__ import annotations
+
+from ._native import native
+from .cpu_adam import adamw_step, set_simd_path, simd_paths
+from .pool import PinnedPool
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """Version, CUDA version and architectures (or None), SIMD paths, OpenMP of the native build."""
+    return dict(native().build_info())
+
+
+def cuda_available() -> bool:
+    """True when the native build has CUDA and a GPU is usable."""
+    return bool(native().cuda_available())
+
+
+def __getattr__(name):
+    if name == "PoolExhaustedError":
+        return native().PoolExhaustedError
+    raise AttributeError(f"module 'hytrain' has no attribute {name!r}")
+
+
+__all__ = ["PinnedPool", "PoolExhaustedError", "adamw_step", "build_info", "cuda_available",
+           "set_simd_path", "simd_paths", "__version__"]

@@ -1,0 +1,76 @@
+"""Argument checks run before any tensor's address crosses into native code.
+
+Every failure names the argument and says what was expected, as TypeError (wrong kind or dtype) or
+ValueError (wrong device, layout, size or value).
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+import torch
+
+# Codes shared with hytrain::DType in core/include/hytrain/dtype.h.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def tensor(name: str, t, *, dtypes, numel: int | None = None, device: str = "cpu") -> torch.Tensor:
+    """Checks that ``t`` is a dense, contiguous, aligned tensor on ``device`` of one of ``dtypes``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}; got {str(t.dtype).replace('torch.', '')}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+    if t.device.type != device:
+        raise ValueError(f"{name} must be on the {device} device, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first); strides {t.stride()}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(
+            f"{name} has {t.numel()} elements (shape {tuple(t.shape)}) but {numel} were expected"
+        )
+    if t.numel() > 0 and t.data_ptr() % t.element_size() != 0:
+        raise ValueError(f"{name} is not aligned to its element size ({t.element_size()} bytes)")
+    return t
+
+
+def distinct(**tensors: torch.Tensor | None) -> None:
+    """Checks that the given (non-empty) tensors do not share memory."""
+    spans = []
+    for name, t in tensors.items():
+        if t is None or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        spans.append((start, start + t.numel() * t.element_size(), name))
+    spans.sort()
+    for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise ValueError(f"{name_a} and {name_b} overlap in memory; they must be separate tensors")
+
+
+def real(name: str, x, *, lo: float | None = None, hi: float | None = None,
+         lo_open: bool = False, hi_open: bool = False) -> float:
+    """Checks a finite real scalar within [lo, hi] (or open ends)."""
+    if isinstance(x, bool) or not isinstance(x, Real):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    if lo is not None and (x < lo or (lo_open and x == lo)):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {x}")
+    if hi is not None and (x > hi or (hi_open and x == hi)):
+        raise ValueError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {x}")
+    return x
+
+
+def integer(name: str, x, *, lo: int | None = None) -> int:
+    if isinstance(x, bool) or not isinstance(x, Integral):
+        raise TypeError(f"{name} must be an integer, got {type(x).__name__}")
+    x = int(x)
+    if lo is not None and x < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {x}")
+    return x

@@ -1,0 +1,116 @@
+"""The CPU AdamW step on torch tensors: validated here, computed in ``hytrain_native``.
+
+One fused pass per tensor reads the fp32 master weight, m, v and the gradient (fp32, bf16 or fp16),
+scales the gradient, updates m, v and the weight in place and can write a bf16/fp16 copy of the new
+weight. The math is ``torch.optim.AdamW``'s (``decoupled=False`` gives ``torch.optim.Adam`` with L2
+weight decay), with bias correction and optional amsgrad.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _checks
+from ._native import native
+
+_SIMD_NAMES = ("auto", "scalar", "avx2", "avx512")
+_simd_path = os.environ.get("HYTRAIN_SIMD", "auto")
+
+
+def simd_paths() -> dict:
+    """The SIMD paths compiled in, which of them this CPU runs, and the one in use."""
+    nat = native()
+    compiled = list(nat.simd_paths_compiled())
+    return {
+        "compiled": compiled,
+        "supported": [p for p in compiled if nat.cpu_supports(p)],
+        "selected": nat.best_simd_path() if _simd_path == "auto" else _simd_path,
+    }
+
+
+def set_simd_path(name: str) -> None:
+    """Forces a SIMD path ("scalar", "avx2", "avx512") for every later step; "auto" picks the best.
+
+    The environment variable ``HYTRAIN_SIMD`` sets the initial choice.
+    """
+    global _simd_path
+    _simd_path = _check_simd(name)
+
+
+def _check_simd(name) -> str:
+    if not isinstance(name, str) or name not in _SIMD_NAMES:
+        raise ValueError(f"simd must be one of {', '.join(_SIMD_NAMES)}; got {name!r}")
+    if name != "auto" and not native().cpu_supports(name):
+        raise ValueError(f"simd path {name!r} is not available on this CPU/build: {simd_paths()}")
+    return name
+
+
+def adamw_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    decoupled: bool = True,
+    amsgrad: bool = False,
+    max_exp_avg_sq: torch.Tensor | None = None,
+    grad_scale: float = 1.0,
+    param_copy: torch.Tensor | None = None,
+    num_threads: int | None = None,
+    simd: str | None = None,
+) -> bool:
+    """One AdamW step on CPU tensors, in place. Returns True if any gradient element was non-finite.
+
+    ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with ``amsgrad``) are contiguous
+    float32 CPU tensors of the same number of elements; ``grad`` is float32, bfloat16 or float16;
+    ``param_copy``, if given, is bfloat16 or float16 and receives the updated weight rounded to
+    nearest even. ``step`` is the 1-based step count after this update (bias correction).
+    ``grad_scale`` multiplies every gradient element (loss-scale unscaling times clip coefficient).
+    The update is applied even when a non-finite gradient is reported.
+    """
+    fp32 = (torch.float32,)
+    _checks.tensor("param", param, dtypes=fp32)
+    n = param.numel()
+    _checks.tensor("grad", grad, dtypes=tuple(_checks.DTYPE_CODES), numel=n)
+    _checks.tensor("exp_avg", exp_avg, dtypes=fp32, numel=n)
+    _checks.tensor("exp_avg_sq", exp_avg_sq, dtypes=fp32, numel=n)
+    if amsgrad:
+        if max_exp_avg_sq is None:
+            raise ValueError("max_exp_avg_sq is required when amsgrad=True")
+        _checks.tensor("max_exp_avg_sq", max_exp_avg_sq, dtypes=fp32, numel=n)
+    elif max_exp_avg_sq is not None:
+        raise ValueError("max_exp_avg_sq was given but amsgrad=False")
+    if param_copy is not None:
+        _checks.tensor("param_copy", param_copy, dtypes=_checks.HALF_DTYPES, numel=n)
+    _checks.distinct(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                     max_exp_avg_sq=max_exp_avg_sq, param_copy=param_copy)
+
+    step = _checks.integer("step", step, lo=1)
+    lr = _checks.real("lr", lr, lo=0.0)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    beta1 = _checks.real("betas[0]", betas[0], lo=0.0, hi=1.0, hi_open=True)
+    beta2 = _checks.real("betas[1]", betas[1], lo=0.0, hi=1.0, hi_open=True)
+    eps = _checks.real("eps", eps, lo=0.0, lo_open=True)
+    weight_decay = _checks.real("weight_decay", weight_decay, lo=0.0)
+    grad_scale = _checks.real("grad_scale", grad_scale)
+    threads = 0 if num_threads is None else _checks.integer("num_threads", num_threads, lo=1)
+    path = _simd_path if simd is None else _check_simd(simd)
+
+    def addr(t):
+        return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+    copy_code = _checks.DTYPE_CODES[param_copy.dtype] if param_copy is not None else 1
+    return native().adamw_step(
+        addr(param), addr(exp_avg), addr(exp_avg_sq), addr(max_exp_avg_sq), addr(grad),
+        _checks.DTYPE_CODES[grad.dtype], addr(param_copy), copy_code, n,
+        lr, beta1, beta2, eps, weight_decay, step, bool(decoupled), bool(amsgrad), grad_scale,
+        threads, path,
+    )

@@ -1,0 +1,118 @@
+"""Pinned host memory pool, viewed from Python as torch CPU tensors without copies.
+
+Master weights, Adam states and copy staging live here. With a usable GPU the memory is page-locked
+(``cudaHostAlloc``), so host-device copies run asynchronously at full speed; otherwise it is
+page-aligned ordinary memory, and :attr:`PinnedPool.kind` says which. A tensor returned by
+:meth:`PinnedPool.empty` keeps its block alive: the memory goes back to the pool only when the last
+view of it is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from . import _checks
+from ._native import native
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(name: str, value) -> int:
+    """Accepts an integer byte count or a string such as ``"24GiB"`` or ``"512 MB"``."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name} must be a byte count like '24GiB' or '512MB', got {value!r}")
+        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return _checks.integer(name, value, lo=0)
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class PinnedPool:
+    """A capacity-limited pool of (page-locked when possible) host memory.
+
+    Args:
+        capacity: most bytes the pool may hold (int or string like ``"64GiB"``); default 80% of the
+            machine's physical memory. Past it, allocation raises :class:`PoolExhaustedError`.
+        slab_bytes: size of each slab reserved from the system (larger requests get their own).
+        pinned: ``"auto"`` (page-locked when a GPU is usable), ``True`` (page-locked, or an error)
+            or ``False`` (ordinary page-aligned memory).
+        alignment: alignment of every block, a power of two up to 4096 bytes.
+    """
+
+    def __init__(self, capacity=None, *, slab_bytes="256MiB", pinned="auto", alignment: int = 256):
+        capacity = int(0.8 * physical_memory_bytes()) if capacity is None else capacity
+        capacity = parse_bytes("capacity", capacity)
+        slab = parse_bytes("slab_bytes", slab_bytes)
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0 bytes, got {capacity}")
+        if slab <= 0:
+            raise ValueError(f"slab_bytes must be > 0, got {slab}")
+        alignment = _checks.integer("alignment", alignment, lo=1)
+        if alignment & (alignment - 1) or alignment > 4096:
+            raise ValueError(f"alignment must be a power of two <= 4096, got {alignment}")
+        nat = native()
+        if pinned == "auto":
+            pinned = nat.cuda_available()
+        elif not isinstance(pinned, bool):
+            raise TypeError(f"pinned must be 'auto', True or False, got {pinned!r}")
+        elif pinned and not nat.cuda_available():
+            raise ValueError("pinned=True needs CUDA compiled in and a usable GPU; use pinned='auto'")
+        self._pool = nat.PinnedPool(capacity, slab, pinned, alignment)
+
+    @property
+    def kind(self) -> str:
+        """``"cuda-pinned"`` or ``"page-aligned"``."""
+        return self._pool.kind
+
+    @property
+    def page_locked(self) -> bool:
+        return self._pool.page_locked
+
+    def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """An uninitialised CPU tensor backed by pool memory (no copy)."""
+        if isinstance(shape, int):
+            shape = (shape,)
+        shape = tuple(_checks.integer("shape", s, lo=0) for s in shape)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel == 0:
+            return torch.empty(shape, dtype=dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        block = self._pool.allocate(numel * itemsize)
+        return torch.frombuffer(block, dtype=dtype, count=numel).view(shape)
+
+    def zeros(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.empty(shape, dtype).zero_()
+
+    def copy_of(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A pool-backed copy of ``t`` (any device), optionally converted to ``dtype``."""
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+        out = self.empty(t.shape, dtype or t.dtype)
+        out.copy_(t.detach())
+        return out
+
+    def stats(self) -> dict:
+        """Bytes: capacity, reserved, in_use, peak_in_use, largest_free; counts: slabs, allocations."""
+        return dict(self._pool.stats())
+
+    def trim(self) -> int:
+        """Returns empty slabs to the system; returns the bytes released."""
+        return self._pool.trim()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"PinnedPool(kind={self.kind}, in_use={s['in_use']}, reserved={s['reserved']}, "
+                f"capacity={s['capacity']}, slabs={s['slabs']})")
