@@ -1,0 +1,152 @@
+// PinnedPool over page-aligned memory (the CUDA allocator only changes where slabs come from):
+// alignment, exact sizes, reuse, coalescing, capacity errors, and a multi-threaded stress test that
+// checks blocks never overlap and fragmentation stays bounded.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "check.h"
+#include "hytrain/error.h"
+#include "hytrain/pinned_pool.h"
+
+using namespace hytrain;
+
+namespace {
+constexpr std::size_t MiB = 1 << 20;
+PinnedPool make_pool(std::size_t capacity, std::size_t slab) {
+  return PinnedPool(make_page_aligned_allocator(), capacity, slab);
+}
+}  // namespace
+
+TEST(alignment_exact_sizes_and_reuse) {
+  PinnedPool pool(make_page_aligned_allocator(), 64 * MiB, 8 * MiB);
+  void* a = pool.allocate(1000);
+  void* b = pool.allocate(3 * MiB + 1);
+  CHECK(reinterpret_cast<std::uintptr_t>(a) % 256 == 0);
+  CHECK(reinterpret_cast<std::uintptr_t>(b) % 256 == 0);
+  PoolStats s = pool.stats();
+  CHECK(s.in_use == 1024 + (3 * MiB + 256));  // rounded to the alignment only
+  CHECK(s.slabs == 1 && s.reserved == 8 * MiB);
+  std::memset(a, 0xAB, 1000);
+  std::memset(b, 0xCD, 3 * MiB + 1);
+  pool.free(a);
+  void* c = pool.allocate(900);  // best fit: the freed block comes back
+  CHECK(c == a);
+  pool.free(b);
+  pool.free(c);
+  s = pool.stats();
+  CHECK(s.in_use == 0 && s.allocations == 0);
+  CHECK(s.largest_free == 8 * MiB);  // neighbours coalesced back into one block
+  CHECK(s.peak_in_use >= 1024 + 3 * MiB);
+  CHECK(pool.trim() == 8 * MiB && pool.stats().reserved == 0);
+}
+
+TEST(large_requests_get_their_own_slab_and_zero_bytes_work) {
+  auto pool = make_pool(256 * MiB, 4 * MiB);
+  void* big = pool.allocate(100 * MiB + 3);
+  void* z1 = pool.allocate(0);
+  void* z2 = pool.allocate(0);
+  CHECK(z1 != z2 && z1 && z2);
+  const PoolStats s = pool.stats();
+  // One slab of exactly the page-rounded request; the zero-byte blocks reuse its rounding slack.
+  CHECK(s.slabs == 1);
+  CHECK(s.reserved == ((100 * MiB + 3 + 4095) / 4096) * 4096);
+  CHECK(s.in_use == (100 * MiB + 256) + 2 * 256);
+  pool.free(big);
+  pool.free(z1);
+  pool.free(z2);
+}
+
+TEST(capacity_is_enforced_with_a_clear_error) {
+  auto pool = make_pool(16 * MiB, 8 * MiB);
+  void* a = pool.allocate(6 * MiB);
+  void* b = pool.allocate(6 * MiB);  // second slab
+  bool thrown = false;
+  try {
+    pool.allocate(6 * MiB);
+  } catch (const PoolExhausted& e) {
+    thrown = true;
+    const std::string msg = e.what();
+    CHECK(msg.find("requested 6291456 bytes") != std::string::npos);
+    CHECK(msg.find("available") != std::string::npos);
+    CHECK(msg.find("capacity 16777216 bytes") != std::string::npos);
+  }
+  CHECK(thrown);
+  pool.free(a);
+  // The failed request changed nothing; freed space is usable again.
+  void* c = pool.allocate(6 * MiB);
+  CHECK(c == a);
+  pool.free(b);
+  pool.free(c);
+  // Empty slabs are released to make room for a request larger than any slab.
+  void* d = pool.allocate(12 * MiB);
+  CHECK(pool.stats().slabs == 1);
+  pool.free(d);
+}
+
+TEST(bad_frees_throw) {
+  auto pool = make_pool(16 * MiB, 8 * MiB);
+  void* a = pool.allocate(100);
+  int local = 0;
+  CHECK_THROWS(pool.free(&local));
+  pool.free(a);
+  CHECK_THROWS(pool.free(a));  // double free
+}
+
+TEST(mixed_stress_no_overlap_bounded_fragmentation) {
+  auto pool = make_pool(1024 * MiB, 32 * MiB);
+  constexpr int kThreads = 4;
+  constexpr int kOps = 20000;
+  std::atomic<int> corrupt{0};
+  std::atomic<std::size_t> peak_live{0};
+  std::atomic<std::size_t> live_bytes{0};
+  auto worker = [&](int id) {
+    std::mt19937 rng(1000 + id);
+    std::vector<std::pair<unsigned char*, std::size_t>> mine;
+    for (int op = 0; op < kOps; ++op) {
+      const bool alloc = mine.size() < 8 || (mine.size() < 64 && rng() % 2 == 0);
+      if (alloc) {
+        // Sizes span three orders of magnitude, log-uniform, none a power of two.
+        const std::size_t sz = static_cast<std::size_t>(std::exp2(8 + (rng() % 1300) / 100.0)) + 13;
+        auto* p = static_cast<unsigned char*>(pool.allocate(sz));
+        std::memset(p, id * 37 + 1, sz);
+        mine.emplace_back(p, sz);
+        const std::size_t now = live_bytes += sz;
+        std::size_t prev = peak_live.load();
+        while (now > prev && !peak_live.compare_exchange_weak(prev, now)) {
+        }
+      } else {
+        const std::size_t k = rng() % mine.size();
+        auto [p, sz] = mine[k];
+        // Another thread writing into this block would have changed its fill byte.
+        if (p[0] != id * 37 + 1 || p[sz - 1] != id * 37 + 1 || p[sz / 2] != id * 37 + 1) ++corrupt;
+        pool.free(p);
+        live_bytes -= sz;
+        mine[k] = mine.back();
+        mine.pop_back();
+      }
+    }
+    for (auto [p, sz] : mine) {
+      live_bytes -= sz;
+      pool.free(p);
+    }
+  };
+  std::vector<std::thread> ts;
+  for (int i = 0; i < kThreads; ++i) ts.emplace_back(worker, i);
+  for (auto& t : ts) t.join();
+  const PoolStats s = pool.stats();
+  CHECK(corrupt == 0);
+  CHECK(s.in_use == 0 && s.allocations == 0);
+  std::printf("  peak live %.1f MiB, reserved %.1f MiB in %zu slabs\n",
+              peak_live.load() / double(MiB), s.reserved / double(MiB), s.slabs);
+  // No runaway fragmentation: reserved memory stays within a small factor of the peak live bytes.
+  CHECK(s.reserved <= 2 * peak_live.load() + 2 * 32 * MiB);
+  CHECK(s.largest_free == 32 * MiB || s.slabs == 0 || s.largest_free >= 32 * MiB);
+}
+
+HYTEST_MAIN()
