@@ -1,0 +1,114 @@
+"""PinnedPool from Python: zero-copy tensor views, lifetime, capacity errors, stats."""
+
+import gc
+
+import pytest
+import torch
+
+import hytrain
+from hytrain.pool import parse_bytes
+
+MiB = 1 << 20
+
+
+def test_views_share_pool_memory_without_copies():
+    pool = hytrain.PinnedPool(64 * MiB, slab_bytes=8 * MiB)
+    t = pool.empty((3, 5), torch.float32)
+    assert t.shape == (3, 5) and t.dtype == torch.float32 and t.device.type == "cpu"
+    assert t.data_ptr() % 256 == 0
+    assert pool.stats()["in_use"] == 256  # 60 bytes, rounded to the alignment only
+    u = pool.zeros(1000, torch.bfloat16)
+    assert torch.count_nonzero(u) == 0
+    t.copy_(torch.arange(15.0).view(3, 5))
+    assert torch.equal(t.flatten(), torch.arange(15.0))
+    assert pool.kind == ("cuda-pinned" if hytrain.cuda_available() else "page-aligned")
+    c = pool.copy_of(torch.arange(10, dtype=torch.int64), dtype=torch.float32)
+    assert torch.equal(c, torch.arange(10.0))
+
+
+def test_memory_lives_as_long_as_any_view():
+    pool = hytrain.PinnedPool(64 * MiB, slab_bytes=8 * MiB)
+    t = pool.empty(1 << 20)
+    view = t[10:20]
+    t.fill_(3.0)
+    del t
+    gc.collect()
+    assert pool.stats()["in_use"] == 4 * MiB  # the slice still holds the block
+    assert torch.all(view == 3.0)
+    del view
+    gc.collect()
+    assert pool.stats()["in_use"] == 0
+    # The pool object may go before its tensors: the tensor keeps the memory alive.
+    t = pool.empty(100)
+    del pool
+    gc.collect()
+    t.fill_(1.0)
+    assert t.sum() == 100
+
+
+def test_exhaustion_raises_with_sizes_and_keeps_state():
+    pool = hytrain.PinnedPool("16MiB", slab_bytes="8MiB")
+    a = pool.empty(3 * MiB // 4 * 2, torch.float32)  # 6 MiB
+    a.fill_(7.0)
+    with pytest.raises(hytrain.PoolExhaustedError) as info:
+        pool.empty((20 * MiB,), torch.uint8)
+    msg = str(info.value)
+    assert "requested 20971520 bytes" in msg and "available" in msg
+    assert isinstance(info.value, MemoryError)
+    assert torch.all(a == 7.0)  # the failed request changed nothing
+    b = pool.empty(2 * MiB, torch.uint8)  # and the pool still works
+    assert b.numel() == 2 * MiB
+
+
+def test_stats_and_trim():
+    pool = hytrain.PinnedPool(64 * MiB, slab_bytes=4 * MiB)
+    ts = [pool.empty(MiB, torch.uint8) for _ in range(6)]
+    s = pool.stats()
+    assert s["in_use"] == 6 * MiB and s["allocations"] == 6 and s["slabs"] == 2
+    assert s["reserved"] == 8 * MiB and s["capacity"] == 64 * MiB
+    del ts
+    gc.collect()
+    assert pool.stats()["peak_in_use"] == 6 * MiB
+    assert pool.trim() == 8 * MiB
+    assert pool.stats()["reserved"] == 0
+    assert "page-aligned" in repr(pool) or "cuda-pinned" in repr(pool)
+
+
+def test_empty_tensors_take_no_pool_memory():
+    pool = hytrain.PinnedPool(MiB)
+    t = pool.empty((0, 4))
+    assert t.shape == (0, 4) and pool.stats()["in_use"] == 0
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(capacity=0), ValueError, "capacity must be > 0"),
+    (dict(capacity="lots"), ValueError, "capacity must be a byte count"),
+    (dict(capacity=-5), ValueError, "capacity must be >= 0"),
+    (dict(capacity=MiB, slab_bytes=0), ValueError, "slab_bytes must be > 0"),
+    (dict(capacity=MiB, alignment=48), ValueError, "alignment must be a power of two"),
+    (dict(capacity=MiB, pinned="yes"), TypeError, "pinned must be"),
+])
+def test_bad_pool_config(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        hytrain.PinnedPool(**kw)
+
+
+def test_pinned_true_without_gpu_is_a_clear_error():
+    if hytrain.cuda_available():
+        pytest.skip("a GPU is usable here")
+    with pytest.raises(ValueError, match="pinned=True needs CUDA"):
+        hytrain.PinnedPool(MiB, pinned=True)
+
+
+def test_bad_view_arguments():
+    pool = hytrain.PinnedPool(MiB)
+    with pytest.raises(ValueError, match="shape must be >= 0"):
+        pool.empty((-1, 3))
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        pool.empty(3, "float32")
+
+
+def test_parse_bytes():
+    assert parse_bytes("x", "24GiB") == 24 * 1024**3
+    assert parse_bytes("x", "512 MB") == 512 * 1000**2
+    assert parse_bytes("x", 17) == 17
