@@ -165,6 +165,7 @@ PYBIND11_MODULE(hytrain_native, m) {
         py::dict d;
         d["copy_gbps"] = r.copy_gbps;
         d["triad_gbps"] = r.triad_gbps;
+        d["update_gbps"] = r.update_gbps;
         return d;
       },
       py::arg("elements"), py::arg("num_threads") = 0, py::arg("repeats") = 5);

@@ -48,7 +48,7 @@ BandwidthResult measure_host_bandwidth(int64_t n, int num_threads, int repeats) 
     c[i] = 0.5f;
   }
 
-  double best_copy = 1e30, best_triad = 1e30;
+  double best_copy = 1e30, best_triad = 1e30, best_update = 1e30;
   const float s = 1.0001f;
   for (int r = 0; r < repeats; ++r) {
     double t0 = seconds_now();
@@ -58,13 +58,18 @@ BandwidthResult measure_host_bandwidth(int64_t n, int num_threads, int repeats) 
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];
     double t2 = seconds_now();
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n; ++i) a[i] = a[i] + s * c[i];
+    double t3 = seconds_now();
     best_copy = std::min(best_copy, t1 - t0);
     best_triad = std::min(best_triad, t2 - t1);
+    best_update = std::min(best_update, t3 - t2);
   }
   alloc->deallocate(a, bytes);
   alloc->deallocate(b, bytes);
   alloc->deallocate(c, bytes);
-  return {2.0 * bytes / best_copy / 1e9, 3.0 * bytes / best_triad / 1e9};
+  return {2.0 * bytes / best_copy / 1e9, 3.0 * bytes / best_triad / 1e9,
+          3.0 * bytes / best_update / 1e9};
 }
 
 }  // namespace hytrain

@@ -1,0 +1,108 @@
+// CPU AdamW microbenchmark: G params/s and GB/s for each SIMD path, beside the host bandwidth (copy and
+// triad) measured in the same run over the same footprint.
+//
+// Bytes per parameter, each read once and each write once:
+//   fp32  : read p, m, v, g (16 B), write p, m, v (12 B)                   = 28 B
+//   mixed : read p, m, v (12 B) + bf16 g (2 B), write p, m, v (12 B) + bf16 copy (2 B) = 28 B
+// so the floor at triad bandwidth B is 28 / B seconds per parameter.
+//
+//   cpu_adam_bench [--params N] [--threads T] [--repeats R]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "hytrain/adamw.h"
+#include "hytrain/membench.h"
+#include "hytrain/pinned_pool.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+using namespace hytrain;
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+template <class T>
+T* alloc_touch(HostAllocator& a, int64_t n, T value, int threads) {
+  T* p = static_cast<T*>(a.allocate(n * sizeof(T)));
+  // First touch with the same static split the kernel uses, so pages sit near their threads.
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < n; ++i) p[i] = value;
+  return p;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t n = 256LL << 20;
+  int threads = 0, repeats = 5;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--params") n = std::atoll(argv[i + 1]);
+    else if (k == "--threads") threads = std::atoi(argv[i + 1]);
+    else if (k == "--repeats") repeats = std::atoi(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: %s [--params N] [--threads T] [--repeats R]\n", argv[0]);
+      return 2;
+    }
+  }
+#ifdef _OPENMP
+  if (threads <= 0) threads = omp_get_max_threads();
+#else
+  threads = 1;
+#endif
+  auto alloc = make_page_aligned_allocator();
+  float* p = alloc_touch<float>(*alloc, n, 0.5f, threads);
+  float* m = alloc_touch<float>(*alloc, n, 0.0f, threads);
+  float* v = alloc_touch<float>(*alloc, n, 0.0f, threads);
+  float* g32 = alloc_touch<float>(*alloc, n, 1e-3f, threads);
+  uint16_t* g16 = alloc_touch<uint16_t>(*alloc, n, f32_to_bf16(1e-3f), threads);
+  uint16_t* copy = alloc_touch<uint16_t>(*alloc, n, 0, threads);
+
+  // Triad over the fp32 case's footprint: three arrays holding 16 bytes per parameter in all.
+  const BandwidthResult bw = measure_host_bandwidth(n * 4 / 3, threads, repeats);
+  std::printf("CPU AdamW, %lld params, %d threads\n", static_cast<long long>(n), threads);
+  std::printf("host bandwidth: copy %.1f GB/s, triad %.1f GB/s, in-place update %.1f GB/s\n\n",
+              bw.copy_gbps, bw.triad_gbps, bw.update_gbps);
+  std::printf("%-8s %-6s %10s %9s %9s %9s %10s\n", "path", "case", "ms/step", "Gparam/s", "GB/s",
+              "vs triad", "vs update");
+
+  const double bytes_per_param = 28.0;
+  for (SimdPath path : compiled_simd_paths()) {
+    if (!cpu_supports(path)) continue;
+    for (int mixed = 0; mixed < 2; ++mixed) {
+      AdamWTensor t{p, m, v, nullptr, mixed ? static_cast<const void*>(g16) : g32,
+                    mixed ? DType::bf16 : DType::f32, mixed ? copy : nullptr, DType::bf16, n};
+      std::vector<double> times;
+      AdamWConfig c;
+      for (int r = 0; r <= repeats; ++r) {
+        c.step = r + 1;
+        const double t0 = now();
+        adamw_step(t, c, threads, path);
+        if (r > 0) times.push_back(now() - t0);  // the first run is warm-up
+      }
+      std::sort(times.begin(), times.end());
+      const double s = times[times.size() / 2];
+      const double gbps = bytes_per_param * n / s / 1e9;
+      std::printf("%-8s %-6s %10.2f %9.3f %9.1f %8.2fx %9.2fx\n", simd_path_name(path),
+                  mixed ? "mixed" : "fp32", s * 1e3, n / s / 1e9, gbps, gbps / bw.triad_gbps,
+                  gbps / bw.update_gbps);
+    }
+  }
+  for (void* q : {static_cast<void*>(p), static_cast<void*>(m), static_cast<void*>(v),
+                  static_cast<void*>(g32)}) {
+    alloc->deallocate(q, n * 4);
+  }
+  alloc->deallocate(g16, n * 2);
+  alloc->deallocate(copy, n * 2);
+  return 0;
+}

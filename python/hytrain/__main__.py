@@ -1,0 +1,107 @@
+"""Command line: ``hytrain info`` (also ``python -m hytrain info``).
+
+Prints what the native build contains, the devices it sees, and a quick measurement of the two rates
+that bound an offloaded optimizer step: the CPU AdamW rate and host memory bandwidth, plus the
+host-device copy bandwidth from pinned pool memory when a GPU is usable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def _time(fn, repeats=3):
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(params: int, threads: int) -> dict:
+    import hytrain
+
+    out = {}
+    g = (torch.randn(params) * 1e-3).to(torch.bfloat16)
+    p, m, v = torch.randn(params), torch.zeros(params), torch.zeros(params)
+    copy = torch.empty(params, dtype=torch.bfloat16)
+    step = [0]
+
+    def adam():
+        step[0] += 1
+        hytrain.adamw_step(p, g, m, v, step=step[0], param_copy=copy, num_threads=threads)
+
+    t = _time(adam)
+    out["cpu_adamw_gparams_per_s"] = params / t / 1e9
+    out["cpu_adamw_gbps"] = 28 * params / t / 1e9
+    bw = hytrain.native().measure_host_bandwidth(params, threads, 3)
+    out["host_triad_gbps"] = bw["triad_gbps"]
+    out["host_update_gbps"] = bw["update_gbps"]
+    if hytrain.cuda_available() and torch.cuda.is_available():
+        pool = hytrain.PinnedPool(4 * params * 2 + (64 << 20))
+        host = pool.empty(params, torch.float32)
+        dev = torch.empty(params, dtype=torch.float32, device="cuda")
+        nbytes = 4 * params
+
+        def h2d():
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+
+        def d2h():
+            host.copy_(dev, non_blocking=True)
+            torch.cuda.synchronize()
+
+        out["h2d_gbps"] = nbytes / _time(h2d) / 1e9
+        out["d2h_gbps"] = nbytes / _time(d2h) / 1e9
+    return out
+
+
+def cmd_info(args) -> int:
+    import hytrain
+
+    info = hytrain.build_info()
+    info["torch"] = torch.__version__
+    info["torch_cuda_devices"] = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available() else [])
+    info["cpu_count"] = os.cpu_count()
+    info["simd"] = hytrain.simd_paths()
+    if not args.no_measure:
+        info["measured"] = measure(args.params, args.threads or torch.get_num_threads())
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    width = max(len(k) for k in info)
+    for k, val in info.items():
+        if isinstance(val, dict):
+            val = ", ".join(f"{a}={b:.2f}" if isinstance(b, float) else f"{a}={b}" for a, b in val.items())
+        print(f"{k:<{width}}  {val}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="hytrain", description="hytrain: CPU+GPU training engine")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="build info, devices, CPU AdamW rate and copy bandwidth")
+    p_info.add_argument("--params", type=int, default=16 * 2**20,
+                        help="parameters in the quick AdamW measurement (default 16M)")
+    p_info.add_argument("--threads", type=int, default=0, help="threads (default: torch's)")
+    p_info.add_argument("--no-measure", action="store_true", help="skip the measurements")
+    p_info.add_argument("--json", action="store_true", help="print one JSON object")
+    p_info.set_defaults(fn=cmd_info)
+    args = ap.parse_args(argv)
+    if getattr(args, "params", 1) <= 0:
+        ap.error("--params must be > 0")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

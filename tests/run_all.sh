@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Builds and runs the C++ tests (ctest) and the Python tests (pytest) against the installed package.
+# GPU tests are skipped where no GPU is usable.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${HYTRAIN_TEST_BUILD_DIR:-build/tests}
+cmake -S . -B "$build" -G Ninja -DHYTRAIN_BUILD_TESTS=ON -DHYTRAIN_BUILD_PYTHON=OFF ${HYTRAIN_CMAKE_ARGS:-}
+cmake --build "$build" --parallel
+ctest --test-dir "$build" --output-on-failure
+python3 -m pytest -q "$@"
