@@ -117,6 +117,14 @@ PYBIND11_MODULE(hytrain_native, m) {
 
   m.def("build_info", &build_info, "What this binary was built with.");
   m.def("cuda_available", &cuda_available, "True when CUDA is compiled in and a GPU is usable.");
+  m.def("is_page_locked", [](std::uintptr_t address) {
+#ifdef HYTRAIN_WITH_CUDA
+    return cuda::available() && cuda::is_page_locked(reinterpret_cast<const void*>(address));
+#else
+    (void)address;
+    return false;
+#endif
+  }, "True when CUDA knows the address as page-locked host memory.");
   m.def("simd_paths_compiled", [] { return path_names(compiled_simd_paths()); });
   m.def("cpu_supports", [](const std::string& name) { return cpu_supports(parse_simd_path(name)); });
   m.def("best_simd_path", [] { return std::string(simd_path_name(best_simd_path())); });

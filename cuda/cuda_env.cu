@@ -60,6 +60,15 @@ std::vector<std::string> device_names() {
   return names;
 }
 
+bool is_page_locked(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeHost;
+}
+
 std::unique_ptr<HostAllocator> make_pinned_allocator() {
   HYTRAIN_CHECK(available(), "page-locked CUDA host memory needs a usable GPU");
   return std::make_unique<CudaPinnedAllocator>();

@@ -112,3 +112,10 @@ def test_parse_bytes():
     assert parse_bytes("x", "24GiB") == 24 * 1024**3
     assert parse_bytes("x", "512 MB") == 512 * 1000**2
     assert parse_bytes("x", 17) == 17
+
+
+def test_page_aligned_pool_is_not_page_locked():
+    pool = hytrain.PinnedPool(MiB, pinned=False)
+    t = pool.empty(1000)
+    assert pool.kind == "page-aligned" and not pool.page_locked
+    assert not hytrain.native().is_page_locked(t.data_ptr())

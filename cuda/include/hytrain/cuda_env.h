@@ -19,6 +19,9 @@ std::string runtime_version();  // "13.0" (compiled-against runtime)
 std::string driver_version();   // "" when no driver
 std::vector<std::string> device_names();
 
+// Whether the driver knows `p` as page-locked host memory (cudaPointerGetAttributes).
+bool is_page_locked(const void* p);
+
 // Page-locked host memory from cudaHostAlloc (portable across devices). Requires available().
 std::unique_ptr<HostAllocator> make_pinned_allocator();
 
