@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <tuple>
 
 #include "hytrain/adamw.h"
 #include "hytrain/cpu_features.h"
@@ -13,6 +14,7 @@
 #include "hytrain/membench.h"
 #include "hytrain/pinned_pool.h"
 #ifdef HYTRAIN_WITH_CUDA
+#include "hytrain/cuda_adamw.h"
 #include "hytrain/cuda_env.h"
 #endif
 
@@ -177,6 +179,44 @@ PYBIND11_MODULE(hytrain_native, m) {
         return d;
       },
       py::arg("elements"), py::arg("num_threads") = 0, py::arg("repeats") = 5);
+
+#ifdef HYTRAIN_WITH_CUDA
+  // Rows: (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, weight, numel), addresses as ints.
+  using Row = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t,
+                         std::uintptr_t, std::uintptr_t, int64_t>;
+  py::class_<cuda::AdamWGroup>(m, "CudaAdamWGroup")
+      .def(py::init([](const std::vector<Row>& rows, int grad_dtype, bool has_weight,
+                       int weight_dtype, bool amsgrad, int device) {
+             std::vector<cuda::AdamWTensorRef> refs;
+             for (const Row& r : rows) {
+               refs.push_back({as_ptr<float>(std::get<0>(r)), as_ptr<float>(std::get<1>(r)),
+                               as_ptr<float>(std::get<2>(r)), as_ptr<float>(std::get<3>(r)),
+                               as_ptr<const void>(std::get<4>(r)), as_ptr<void>(std::get<5>(r)),
+                               std::get<6>(r)});
+             }
+             return std::make_unique<cuda::AdamWGroup>(refs, static_cast<DType>(grad_dtype),
+                                                       has_weight, static_cast<DType>(weight_dtype),
+                                                       amsgrad, device);
+           }))
+      .def("step",
+           [](cuda::AdamWGroup& g, int64_t step, double lr, double beta1, double beta2, double eps,
+              double weight_decay, bool decoupled, bool amsgrad, double grad_scale,
+              std::uintptr_t grad_scale_ptr, std::uintptr_t found_inf_ptr, std::uintptr_t stream) {
+             AdamWConfig c;
+             c.step = step;
+             c.lr = lr;
+             c.beta1 = beta1;
+             c.beta2 = beta2;
+             c.eps = eps;
+             c.weight_decay = weight_decay;
+             c.decoupled = decoupled;
+             c.amsgrad = amsgrad;
+             c.grad_scale = grad_scale;
+             g.step(c, as_ptr<const float>(grad_scale_ptr), as_ptr<const float>(found_inf_ptr),
+                    stream);
+           })
+      .def_property_readonly("numel", &cuda::AdamWGroup::numel);
+#endif
 
   py::class_<Allocation, std::shared_ptr<Allocation>>(m, "Allocation", py::buffer_protocol())
       .def_property_readonly("ptr", [](const Allocation& a) {

@@ -35,7 +35,9 @@ RangeFn range_kernel(SimdPath path) {
 constexpr int64_t kSerialBelow = 1 << 15;  // elements; below this one thread is faster
 constexpr int64_t kPieceAlign = 64;        // elements: 256 B of fp32, whole cache lines
 
-void check_config(const AdamWConfig& c) {
+}  // namespace
+
+void validate_adamw_config(const AdamWConfig& c) {
   auto finite_nonneg = [](double x) { return std::isfinite(x) && x >= 0.0; };
   HYTRAIN_CHECK(finite_nonneg(c.lr), "lr must be finite and >= 0");
   HYTRAIN_CHECK(c.beta1 >= 0.0 && c.beta1 < 1.0, "beta1 must be in [0, 1)");
@@ -46,7 +48,6 @@ void check_config(const AdamWConfig& c) {
   HYTRAIN_CHECK(c.step >= 1, "step must be >= 1, got " + std::to_string(c.step));
 }
 
-}  // namespace
 
 AdamWScalars make_adamw_scalars(const AdamWConfig& c) {
   const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(c.step));
@@ -69,7 +70,7 @@ AdamWScalars make_adamw_scalars(const AdamWConfig& c) {
 }
 
 bool adamw_step(const AdamWTensor& t, const AdamWConfig& cfg, int num_threads, SimdPath path) {
-  check_config(cfg);
+  validate_adamw_config(cfg);
   HYTRAIN_CHECK(t.numel >= 0, "numel must be >= 0");
   const RangeFn kernel = range_kernel(path);
   if (t.numel == 0) return false;

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._native import native
 from .cpu_adam import adamw_step, set_simd_path, simd_paths
+from .cuda_adam import CudaAdamW
 from .pool import PinnedPool
 
 __version__ = "0.1.0"
@@ -29,5 +30,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'hytrain' has no attribute {name!r}")
 
 
-__all__ = ["PinnedPool", "PoolExhaustedError", "adamw_step", "build_info", "cuda_available",
+__all__ = ["CudaAdamW", "PinnedPool", "PoolExhaustedError", "adamw_step", "build_info", "cuda_available",
            "set_simd_path", "simd_paths", "__version__"]

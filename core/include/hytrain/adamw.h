@@ -57,6 +57,8 @@ struct AdamWScalars {
   bool amsgrad;
 };
 
+// Throws hytrain::Error naming the first out-of-range hyperparameter.
+void validate_adamw_config(const AdamWConfig& cfg);
 AdamWScalars make_adamw_scalars(const AdamWConfig& cfg);
 
 // Updates one tensor in place. Returns true when any gradient element was non-finite (the update is

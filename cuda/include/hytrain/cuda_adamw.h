@@ -1,0 +1,63 @@
+// Fused multi-tensor AdamW on the GPU: one launch updates a whole list of tensors (fp32 master
+// weight, m, v resident on the device), reading fp32/bf16/fp16 gradients and writing the bf16/fp16
+// model weight in place. The math is the CPU kernel's, operation for operation with the same fused
+// multiply-adds and correctly rounded sqrt/divide, so a block gives bit-identical results on either
+// side and can move between them without changing the training trajectory.
+//
+// The gradient multiplier (unscale times clip coefficient) and a non-finite flag are read from device
+// memory, so no host synchronisation is needed: a non-zero flag turns the launch into a no-op.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "hytrain/adamw.h"
+
+namespace hytrain {
+namespace cuda {
+
+struct AdamWTensorRef {
+  float* param = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  float* max_exp_avg_sq = nullptr;  // amsgrad only
+  const void* grad = nullptr;
+  void* weight = nullptr;           // the model's bf16/fp16 weight, or null
+  int64_t numel = 0;
+};
+
+// A fixed list of tensors on one device, with its chunk table uploaded once at construction.
+class AdamWGroup {
+ public:
+  AdamWGroup(const std::vector<AdamWTensorRef>& tensors, DType grad_dtype, bool has_weight,
+             DType weight_dtype, bool amsgrad, int device);
+  ~AdamWGroup();
+  AdamWGroup(const AdamWGroup&) = delete;
+  AdamWGroup& operator=(const AdamWGroup&) = delete;
+
+  // Enqueues one step on `stream` (a cudaStream_t; 0 = legacy default). `grad_scale` and
+  // `found_inf` are device pointers to one float each, or null (scale 1, never skip). cfg.grad_scale
+  // multiplies on top of *grad_scale. cfg.amsgrad must match the group's.
+  void step(const AdamWConfig& cfg, const float* grad_scale, const float* found_inf,
+            std::uintptr_t stream);
+
+  int64_t numel() const { return numel_; }
+  int64_t num_tensors() const { return num_tensors_; }
+
+ private:
+  void* descs_ = nullptr;   // device AdamWTensorRef[num_tensors_]
+  void* chunks_ = nullptr;  // device chunk table
+  int64_t num_chunks_ = 0;
+  int64_t num_tensors_ = 0;
+  int64_t numel_ = 0;
+  DType grad_dtype_;
+  bool has_weight_;
+  DType weight_dtype_;
+  bool amsgrad_;
+  bool vectorized_;
+  int device_;
+  int grid_;
+};
+
+}  // namespace cuda
+}  // namespace hytrain

@@ -1,0 +1,124 @@
+"""Fused multi-tensor AdamW on the GPU, validated here, computed in ``hytrain_native``.
+
+One launch updates a fixed list of tensors: fp32 master weights and Adam states resident on one GPU,
+gradients in fp32, bf16 or fp16 (one dtype per group), and optionally the model's bf16/fp16 weights
+written in place. Results are bit-identical to :func:`hytrain.adamw_step` on the CPU (AVX2/AVX-512
+paths) for the same inputs. The gradient multiplier and a non-finite flag may be device tensors, so
+no host synchronisation is needed; a non-zero ``found_inf`` makes the step a no-op on the device.
+
+The group records the tensors' addresses: gradients must arrive in the same buffers every step (as
+they do in the pipeline's flat gradient buffers), and the tensors must outlive the group, which keeps
+references to them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+from ._native import native
+
+_FP32 = (torch.float32,)
+
+
+class CudaAdamW:
+    """A fused AdamW over lists of same-length CUDA tensors.
+
+    Args:
+        params, exp_avgs, exp_avg_sqs: fp32 CUDA tensors, contiguous, one device.
+        grads: gradients, all fp32, all bf16 or all fp16, matching sizes.
+        weights: optional bf16/fp16 model weights receiving the updated values.
+        max_exp_avg_sqs: required with ``amsgrad=True``.
+    """
+
+    def __init__(self, params, exp_avgs, exp_avg_sqs, grads, *, weights=None, amsgrad=False,
+                 max_exp_avg_sqs=None):
+        lists = {"params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "grads": grads}
+        if weights is not None:
+            lists["weights"] = weights
+        if amsgrad:
+            if max_exp_avg_sqs is None:
+                raise ValueError("max_exp_avg_sqs is required when amsgrad=True")
+            lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+        elif max_exp_avg_sqs is not None:
+            raise ValueError("max_exp_avg_sqs was given but amsgrad=False")
+        for name, seq in lists.items():
+            if not isinstance(seq, (list, tuple)):
+                raise TypeError(f"{name} must be a list of tensors, got {type(seq).__name__}")
+            if len(seq) != len(params):
+                raise ValueError(f"{name} has {len(seq)} tensors but params has {len(params)}")
+        if not params:
+            raise ValueError("params is empty")
+        if not isinstance(params[0], torch.Tensor) or params[0].device.type != "cuda":
+            dev = getattr(params[0], "device", type(params[0]).__name__)
+            raise ValueError(f"params[0] must be a CUDA tensor, got {dev}")
+        device = params[0].device
+        grad_dtype = getattr(grads[0], "dtype", None)
+        weight_dtype = getattr(weights[0], "dtype", None) if weights is not None else None
+        rows = []
+        for i, p in enumerate(params):
+            n = _checks.tensor(f"params[{i}]", p, dtypes=_FP32, device="cuda").numel()
+            ts = {k: seq[i] for k, seq in lists.items()}
+            for k, t in ts.items():
+                if k == "grads":
+                    _checks.tensor(f"grads[{i}]", t, dtypes=(grad_dtype,) if grad_dtype in
+                                   _checks.DTYPE_CODES else tuple(_checks.DTYPE_CODES),
+                                   numel=n, device="cuda")
+                elif k == "weights":
+                    _checks.tensor(f"weights[{i}]", t, dtypes=(weight_dtype,) if weight_dtype in
+                                   _checks.HALF_DTYPES else _checks.HALF_DTYPES, numel=n, device="cuda")
+                else:
+                    _checks.tensor(f"{k}[{i}]", t, dtypes=_FP32, numel=n, device="cuda")
+                if t.device != device:
+                    raise ValueError(f"{k}[{i}] is on {t.device} but params[0] is on {device}")
+            _checks.distinct(**{f"{k}[{i}]": t for k, t in ts.items()})
+
+            def addr(t):
+                return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+            rows.append((addr(p), addr(ts["exp_avgs"]), addr(ts["exp_avg_sqs"]),
+                         addr(ts.get("max_exp_avg_sqs")), addr(ts["grads"]),
+                         addr(ts.get("weights")), n))
+        if not native().cuda_available():
+            raise RuntimeError("CudaAdamW needs hytrain built with CUDA and a usable GPU")
+        self._refs = lists  # keep the tensors alive as long as the group holds their addresses
+        self.amsgrad = bool(amsgrad)
+        self.device = device
+        self._group = native().CudaAdamWGroup(
+            rows, _checks.DTYPE_CODES[grad_dtype], weights is not None,
+            _checks.DTYPE_CODES[weight_dtype] if weight_dtype is not None else 1, self.amsgrad,
+            device.index if device.index is not None else torch.cuda.current_device())
+
+    def step(self, *, step: int, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+             weight_decay: float = 1e-2, decoupled: bool = True, grad_scale: float = 1.0,
+             grad_scale_tensor: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+             stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueues one step on ``stream`` (default: the current stream of the group's device).
+
+        The gradient multiplier is ``grad_scale * grad_scale_tensor`` (a one-element fp32 tensor on
+        the device, optional); a non-zero ``found_inf`` (likewise) skips the update on the device.
+        """
+        step = _checks.integer("step", step, lo=1)
+        lr = _checks.real("lr", lr, lo=0.0)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        beta1 = _checks.real("betas[0]", betas[0], lo=0.0, hi=1.0, hi_open=True)
+        beta2 = _checks.real("betas[1]", betas[1], lo=0.0, hi=1.0, hi_open=True)
+        eps = _checks.real("eps", eps, lo=0.0, lo_open=True)
+        weight_decay = _checks.real("weight_decay", weight_decay, lo=0.0)
+        grad_scale = _checks.real("grad_scale", grad_scale)
+        ptrs = []
+        for name, t in (("grad_scale_tensor", grad_scale_tensor), ("found_inf", found_inf)):
+            if t is None:
+                ptrs.append(0)
+                continue
+            _checks.tensor(name, t, dtypes=_FP32, numel=1, device="cuda")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device} but the group is on {self.device}")
+            ptrs.append(t.data_ptr())
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        elif stream.device != self.device:
+            raise ValueError(f"stream is on {stream.device} but the group is on {self.device}")
+        self._group.step(step, lr, beta1, beta2, eps, weight_decay, bool(decoupled), self.amsgrad,
+                         grad_scale, ptrs[0], ptrs[1], stream.cuda_stream)
