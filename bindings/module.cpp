@@ -46,6 +46,21 @@ struct Allocation {
   std::size_t nbytes;
 };
 
+AdamWConfig make_config(int64_t step, double lr, double beta1, double beta2, double eps,
+                        double weight_decay, bool decoupled, bool amsgrad, double grad_scale) {
+  AdamWConfig c;
+  c.step = step;
+  c.lr = lr;
+  c.beta1 = beta1;
+  c.beta2 = beta2;
+  c.eps = eps;
+  c.weight_decay = weight_decay;
+  c.decoupled = decoupled;
+  c.amsgrad = amsgrad;
+  c.grad_scale = grad_scale;
+  return c;
+}
+
 py::dict stats_dict(const PoolStats& s) {
   py::dict d;
   d["capacity"] = s.capacity;
@@ -149,16 +164,8 @@ PYBIND11_MODULE(hytrain_native, m) {
         t.param_copy = as_ptr<void>(param_copy);
         t.param_copy_dtype = static_cast<DType>(param_copy_dtype);
         t.numel = numel;
-        AdamWConfig c;
-        c.lr = lr;
-        c.beta1 = beta1;
-        c.beta2 = beta2;
-        c.eps = eps;
-        c.weight_decay = weight_decay;
-        c.step = step;
-        c.decoupled = decoupled;
-        c.amsgrad = amsgrad;
-        c.grad_scale = grad_scale;
+        const AdamWConfig c =
+            make_config(step, lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, grad_scale);
         py::gil_scoped_release release;
         return adamw_step(t, c, num_threads, path);
       },
@@ -202,16 +209,8 @@ PYBIND11_MODULE(hytrain_native, m) {
            [](cuda::AdamWGroup& g, int64_t step, double lr, double beta1, double beta2, double eps,
               double weight_decay, bool decoupled, bool amsgrad, double grad_scale,
               std::uintptr_t grad_scale_ptr, std::uintptr_t found_inf_ptr, std::uintptr_t stream) {
-             AdamWConfig c;
-             c.step = step;
-             c.lr = lr;
-             c.beta1 = beta1;
-             c.beta2 = beta2;
-             c.eps = eps;
-             c.weight_decay = weight_decay;
-             c.decoupled = decoupled;
-             c.amsgrad = amsgrad;
-             c.grad_scale = grad_scale;
+             const AdamWConfig c = make_config(step, lr, beta1, beta2, eps, weight_decay, decoupled,
+                                               amsgrad, grad_scale);
              g.step(c, as_ptr<const float>(grad_scale_ptr), as_ptr<const float>(found_inf_ptr),
                     stream);
            })

@@ -74,3 +74,17 @@ def integer(name: str, x, *, lo: int | None = None) -> int:
     if lo is not None and x < lo:
         raise ValueError(f"{name} must be >= {lo}, got {x}")
     return x
+
+
+def adamw_hparams(*, step, lr, betas, eps, weight_decay, grad_scale):
+    """Validates AdamW hyperparameters; returns (step, lr, beta1, beta2, eps, weight_decay, grad_scale)."""
+    step = integer("step", step, lo=1)
+    lr = real("lr", lr, lo=0.0)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    beta1 = real("betas[0]", betas[0], lo=0.0, hi=1.0, hi_open=True)
+    beta2 = real("betas[1]", betas[1], lo=0.0, hi=1.0, hi_open=True)
+    eps = real("eps", eps, lo=0.0, lo_open=True)
+    weight_decay = real("weight_decay", weight_decay, lo=0.0)
+    grad_scale = real("grad_scale", grad_scale)
+    return step, lr, beta1, beta2, eps, weight_decay, grad_scale

@@ -92,15 +92,8 @@ def adamw_step(
     _checks.distinct(param=param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
                      max_exp_avg_sq=max_exp_avg_sq, param_copy=param_copy)
 
-    step = _checks.integer("step", step, lo=1)
-    lr = _checks.real("lr", lr, lo=0.0)
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    beta1 = _checks.real("betas[0]", betas[0], lo=0.0, hi=1.0, hi_open=True)
-    beta2 = _checks.real("betas[1]", betas[1], lo=0.0, hi=1.0, hi_open=True)
-    eps = _checks.real("eps", eps, lo=0.0, lo_open=True)
-    weight_decay = _checks.real("weight_decay", weight_decay, lo=0.0)
-    grad_scale = _checks.real("grad_scale", grad_scale)
+    step, lr, beta1, beta2, eps, weight_decay, grad_scale = _checks.adamw_hparams(
+        step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
     threads = 0 if num_threads is None else _checks.integer("num_threads", num_threads, lo=1)
     path = _simd_path if simd is None else _check_simd(simd)
 

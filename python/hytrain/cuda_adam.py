@@ -98,15 +98,9 @@ class CudaAdamW:
         The gradient multiplier is ``grad_scale * grad_scale_tensor`` (a one-element fp32 tensor on
         the device, optional); a non-zero ``found_inf`` (likewise) skips the update on the device.
         """
-        step = _checks.integer("step", step, lo=1)
-        lr = _checks.real("lr", lr, lo=0.0)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        beta1 = _checks.real("betas[0]", betas[0], lo=0.0, hi=1.0, hi_open=True)
-        beta2 = _checks.real("betas[1]", betas[1], lo=0.0, hi=1.0, hi_open=True)
-        eps = _checks.real("eps", eps, lo=0.0, lo_open=True)
-        weight_decay = _checks.real("weight_decay", weight_decay, lo=0.0)
-        grad_scale = _checks.real("grad_scale", grad_scale)
+        step, lr, beta1, beta2, eps, weight_decay, grad_scale = _checks.adamw_hparams(
+            step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            grad_scale=grad_scale)
         ptrs = []
         for name, t in (("grad_scale_tensor", grad_scale_tensor), ("found_inf", found_inf)):
             if t is None:
