@@ -38,6 +38,11 @@ def tensor(name: str, t, *, dtypes, numel: int | None = None, device: str = "cpu
     return t
 
 
+def address(t: torch.Tensor | None) -> int:
+    """The address handed to native code: 0 for a missing or empty tensor."""
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
 def distinct(**tensors: torch.Tensor | None) -> None:
     """Checks that the given (non-empty) tensors do not share memory."""
     spans = []

@@ -97,10 +97,8 @@ def adamw_step(
     threads = 0 if num_threads is None else _checks.integer("num_threads", num_threads, lo=1)
     path = _simd_path if simd is None else _check_simd(simd)
 
-    def addr(t):
-        return 0 if t is None or t.numel() == 0 else t.data_ptr()
-
     copy_code = _checks.DTYPE_CODES[param_copy.dtype] if param_copy is not None else 1
+    addr = _checks.address
     return native().adamw_step(
         addr(param), addr(exp_avg), addr(exp_avg_sq), addr(max_exp_avg_sq), addr(grad),
         _checks.DTYPE_CODES[grad.dtype], addr(param_copy), copy_code, n,

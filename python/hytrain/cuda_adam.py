@@ -55,27 +55,23 @@ class CudaAdamW:
         device = params[0].device
         grad_dtype = getattr(grads[0], "dtype", None)
         weight_dtype = getattr(weights[0], "dtype", None) if weights is not None else None
+        # Gradients (and weights) share one dtype per group: the first tensor's, if it is allowed.
+        def one_dtype(first, allowed_dtypes):
+            return (first,) if first in allowed_dtypes else allowed_dtypes
+
+        allowed = {k: _FP32 for k in lists}
+        allowed["grads"] = one_dtype(grad_dtype, tuple(_checks.DTYPE_CODES))
+        allowed["weights"] = one_dtype(weight_dtype, _checks.HALF_DTYPES)
         rows = []
         for i, p in enumerate(params):
             n = _checks.tensor(f"params[{i}]", p, dtypes=_FP32, device="cuda").numel()
             ts = {k: seq[i] for k, seq in lists.items()}
             for k, t in ts.items():
-                if k == "grads":
-                    _checks.tensor(f"grads[{i}]", t, dtypes=(grad_dtype,) if grad_dtype in
-                                   _checks.DTYPE_CODES else tuple(_checks.DTYPE_CODES),
-                                   numel=n, device="cuda")
-                elif k == "weights":
-                    _checks.tensor(f"weights[{i}]", t, dtypes=(weight_dtype,) if weight_dtype in
-                                   _checks.HALF_DTYPES else _checks.HALF_DTYPES, numel=n, device="cuda")
-                else:
-                    _checks.tensor(f"{k}[{i}]", t, dtypes=_FP32, numel=n, device="cuda")
+                _checks.tensor(f"{k}[{i}]", t, dtypes=allowed[k], numel=n, device="cuda")
                 if t.device != device:
                     raise ValueError(f"{k}[{i}] is on {t.device} but params[0] is on {device}")
             _checks.distinct(**{f"{k}[{i}]": t for k, t in ts.items()})
-
-            def addr(t):
-                return 0 if t is None or t.numel() == 0 else t.data_ptr()
-
+            addr = _checks.address
             rows.append((addr(p), addr(ts["exp_avgs"]), addr(ts["exp_avg_sqs"]),
                          addr(ts.get("max_exp_avg_sqs")), addr(ts["grads"]),
                          addr(ts.get("weights")), n))
