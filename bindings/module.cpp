@@ -15,7 +15,9 @@
 #include "hytrain/pinned_pool.h"
 #ifdef HYTRAIN_WITH_CUDA
 #include "hytrain/cuda_adamw.h"
+#include "hytrain/cuda_copy.h"
 #include "hytrain/cuda_env.h"
+#include "hytrain/cuda_grad_norm.h"
 #endif
 
 #ifdef _OPENMP
@@ -131,6 +133,7 @@ std::shared_ptr<PinnedPool> make_pool(std::size_t capacity, std::size_t slab_byt
 PYBIND11_MODULE(hytrain_native, m) {
   m.doc() = "hytrain native core: CPU AdamW, pinned host pool, CUDA runtime (when built with it)";
   py::register_exception<PoolExhausted>(m, "PoolExhaustedError", PyExc_MemoryError);
+  py::register_exception<Timeout>(m, "DeviceTimeoutError", PyExc_TimeoutError);
 
   m.def("build_info", &build_info, "What this binary was built with.");
   m.def("cuda_available", &cuda_available, "True when CUDA is compiled in and a GPU is usable.");
@@ -215,6 +218,56 @@ PYBIND11_MODULE(hytrain_native, m) {
                     stream);
            })
       .def_property_readonly("numel", &cuda::AdamWGroup::numel);
+
+  // Rows: (address, numel, dtype code).
+  using GradRow = std::tuple<std::uintptr_t, int64_t, int>;
+  py::class_<cuda::GradNormGroup>(m, "CudaGradNormGroup")
+      .def(py::init([](const std::vector<GradRow>& rows, int device) {
+        std::vector<cuda::GradRef> refs;
+        for (const GradRow& r : rows) {
+          refs.push_back({as_ptr<const void>(std::get<0>(r)), std::get<1>(r),
+                          static_cast<DType>(std::get<2>(r))});
+        }
+        return std::make_unique<cuda::GradNormGroup>(refs, device);
+      }))
+      .def("accumulate", [](cuda::GradNormGroup& g, std::uintptr_t sumsq, std::uintptr_t found_inf,
+                            std::uintptr_t stream) {
+        g.accumulate(as_ptr<float>(sumsq), as_ptr<float>(found_inf), stream);
+      })
+      .def_property_readonly("numel", &cuda::GradNormGroup::numel);
+  m.def("cuda_clip_multiplier", [](std::uintptr_t sumsq, std::uintptr_t inv_scale,
+                                   double host_inv_scale, double max_norm, std::uintptr_t out,
+                                   int device, std::uintptr_t stream) {
+    cuda::clip_multiplier(as_ptr<const float>(sumsq), as_ptr<const float>(inv_scale),
+                          static_cast<float>(host_inv_scale), static_cast<float>(max_norm),
+                          as_ptr<float>(out), device, stream);
+  });
+
+  py::class_<cuda::CopyStream>(m, "CudaCopyStream")
+      .def(py::init([](int device, const std::string& direction, int priority, std::size_t ring) {
+             HYTRAIN_CHECK(direction == "d2h" || direction == "h2d",
+                           "direction must be 'd2h' or 'h2d', got '" + direction + "'");
+             return std::make_unique<cuda::CopyStream>(
+                 device,
+                 direction == "d2h" ? cuda::CopyDirection::device_to_host
+                                    : cuda::CopyDirection::host_to_device,
+                 priority, ring);
+           }),
+           py::arg("device"), py::arg("direction"), py::arg("priority") = 0,
+           py::arg("ring") = 1024)
+      .def("copy", [](cuda::CopyStream& c, std::uintptr_t dst, std::uintptr_t src,
+                      std::size_t bytes, std::uintptr_t after_stream) {
+        return c.copy(as_ptr<void>(dst), as_ptr<const void>(src), bytes, after_stream);
+      })
+      .def("make_wait", &cuda::CopyStream::make_wait)
+      .def("query", &cuda::CopyStream::query)
+      .def("wait", &cuda::CopyStream::wait, py::arg("ticket"), py::arg("timeout_s") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def("times_ms", &cuda::CopyStream::times_ms)
+      .def_property_readonly("issued", &cuda::CopyStream::issued)
+      .def_property_readonly("completed", &cuda::CopyStream::completed)
+      .def_property_readonly("handle", &cuda::CopyStream::handle)
+      .def_property_readonly("device", &cuda::CopyStream::device);
 #endif
 
   py::class_<Allocation, std::shared_ptr<Allocation>>(m, "Allocation", py::buffer_protocol())

@@ -2,13 +2,11 @@
 // on the device); a persistent grid strides over the chunks, each thread moving 4 elements per
 // iteration with 16-byte fp32 loads when every pointer is aligned for it. Explicit _rn intrinsics
 // pin every rounding to the CPU kernel's (nvcc would otherwise contract a*b+c on its own).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 #include <string>
 
 #include "cuda_check.h"
+#include "dtype_convert.cuh"
 #include "hytrain/cuda_adamw.h"
 #include "hytrain/error.h"
 
@@ -30,41 +28,6 @@ struct Scalars {
   float b2, omb1, omb2, eps, wd, pdecay, nstep, bc2s, host_scale;
   bool amsgrad;
 };
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    HYTRAIN_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device) HYTRAIN_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { HYTRAIN_CUDA_CHECK_NOTHROW(cudaSetDevice(prev_)); }
-
- private:
-  int prev_ = 0;
-};
-
-// ---- element conversions, bit-compatible with core/include/hytrain/dtype.h ----------------------
-
-template <DType D>
-__device__ __forceinline__ float widen(uint16_t h) {
-  if constexpr (D == DType::bf16) {
-    return __uint_as_float(static_cast<uint32_t>(h) << 16);
-  } else {
-    return __half2float(__ushort_as_half(h));
-  }
-}
-
-template <DType D>
-__device__ __forceinline__ uint16_t narrow(float x) {
-  if constexpr (D == DType::bf16) {
-    uint32_t u = __float_as_uint(x);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-  } else {
-    return __half_as_ushort(__float2half_rn(x));
-  }
-}
 
 template <DType G>
 __device__ __forceinline__ float load_grad(const void* g, int64_t i) {

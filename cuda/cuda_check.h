@@ -1,5 +1,6 @@
 // CUDA error checks: HYTRAIN_CUDA_CHECK throws hytrain::Error naming the call, file and line;
-// HYTRAIN_CUDA_CHECK_NOTHROW reports to stderr, for destructors.
+// HYTRAIN_CUDA_CHECK_NOTHROW reports to stderr, for destructors. DeviceGuard makes a device current
+// for a scope.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,3 +29,23 @@
                    cudaGetErrorString(hytrain_err_), __FILE__, __LINE__);                   \
     }                                                                                       \
   } while (0)
+
+namespace hytrain {
+namespace cuda {
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    HYTRAIN_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device) HYTRAIN_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { HYTRAIN_CUDA_CHECK_NOTHROW(cudaSetDevice(prev_)); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
+}  // namespace cuda
+}  // namespace hytrain

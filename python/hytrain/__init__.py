@@ -7,8 +7,10 @@ multi-threaded CPU AdamW, while the GPU keeps only the bf16/fp16 training copy.
 from __future__ import annotations
 
 from ._native import native
+from .copies import CopyStream
 from .cpu_adam import adamw_step, set_simd_path, simd_paths
 from .cuda_adam import CudaAdamW
+from .grad_norm import CudaGradNorm, clip_multiplier
 from .pool import PinnedPool
 
 __version__ = "0.1.0"
@@ -27,8 +29,11 @@ def cuda_available() -> bool:
 def __getattr__(name):
     if name == "PoolExhaustedError":
         return native().PoolExhaustedError
+    if name == "DeviceTimeoutError":
+        return native().DeviceTimeoutError
     raise AttributeError(f"module 'hytrain' has no attribute {name!r}")
 
 
-__all__ = ["CudaAdamW", "PinnedPool", "PoolExhaustedError", "adamw_step", "build_info", "cuda_available",
+__all__ = ["CopyStream", "CudaAdamW", "CudaGradNorm", "DeviceTimeoutError", "PinnedPool",
+           "PoolExhaustedError", "adamw_step", "build_info", "clip_multiplier", "cuda_available",
            "set_simd_path", "simd_paths", "__version__"]

@@ -20,6 +20,12 @@ class PoolExhausted : public Error {
   using Error::Error;
 };
 
+// Raised when a host wait on device work passes its deadline.
+class Timeout : public Error {
+ public:
+  using Error::Error;
+};
+
 }  // namespace hytrain
 
 #define HYTRAIN_THROW(msg) throw ::hytrain::Error((msg), __FILE__, __LINE__)

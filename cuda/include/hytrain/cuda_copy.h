@@ -1,0 +1,83 @@
+// A copy stream: one direction of host<->device traffic on its own CUDA stream, separate from the
+// compute stream (which PyTorch owns and passes in as a handle).
+//
+// Every copy gets a ticket, 1, 2, 3... in issue order. Because a stream runs its work in order, "ticket
+// n has landed" is one counter: a host function enqueued after each copy advances `completed`, wakes
+// host waiters and calls an optional listener (the pipeline's hook for "this block's gradients are on
+// the host"). A ring of timed events, one start/end pair per ticket, lets another stream wait for a
+// ticket on the device and gives each copy's start and end times for traces and bandwidth.
+//
+// Host waits never hang on a failed stream: they poll the stream for errors while waiting and throw
+// hytrain::Error naming the CUDA call.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+namespace hytrain {
+namespace cuda {
+
+enum class CopyDirection { device_to_host, host_to_device };
+
+class CopyStream {
+ public:
+  // priority: 0 = default, negative = higher (CUDA's convention, clamped to the device's range).
+  CopyStream(int device, CopyDirection direction, int priority = 0, std::size_t ring = 1024);
+  ~CopyStream();  // waits for queued work, then releases the stream and events
+  CopyStream(const CopyStream&) = delete;
+  CopyStream& operator=(const CopyStream&) = delete;
+
+  // Enqueues dst <- src (bytes). When after_stream is non-zero, the copy first waits on the device
+  // for all work already enqueued on that stream (the compute stream that produced the data).
+  // Returns the copy's ticket. Blocks only when `ring` copies are still in flight.
+  uint64_t copy(void* dst, const void* src, std::size_t bytes, std::uintptr_t after_stream);
+
+  // Makes `stream` wait on the device until `ticket` has landed (no host synchronisation).
+  void make_wait(std::uintptr_t stream, uint64_t ticket);
+
+  bool query(uint64_t ticket) const { return completed() >= ticket; }
+  // Blocks the host until `ticket` has landed. timeout_s < 0 waits forever. Throws hytrain::Error on a
+  // CUDA error in the stream, hytrain::Timeout when the timeout passes.
+  void wait(uint64_t ticket, double timeout_s = -1.0);
+
+  uint64_t issued() const { return issued_.load(std::memory_order_acquire); }
+  uint64_t completed() const { return completed_.load(std::memory_order_acquire); }
+
+  // (start_ms, end_ms) of a landed ticket, relative to the stream's creation; the ticket must be one
+  // of the last `ring` issued.
+  std::pair<double, double> times_ms(uint64_t ticket);
+
+  // Called on CUDA's host-callback thread with each landed ticket, in order. It must be quick and
+  // must not call CUDA. Set it before the first copy.
+  void set_listener(std::function<void(uint64_t)> listener);
+
+  std::uintptr_t handle() const { return reinterpret_cast<std::uintptr_t>(stream_); }
+  int device() const { return device_; }
+  CopyDirection direction() const { return direction_; }
+
+ private:
+  static void on_landed(void* self);
+  std::size_t slot(uint64_t ticket) const { return ticket % start_events_.size(); }
+
+  int device_;
+  CopyDirection direction_;
+  void* stream_ = nullptr;            // cudaStream_t
+  void* epoch_ = nullptr;             // cudaEvent_t recorded at creation
+  std::vector<void*> start_events_;   // ring of cudaEvent_t
+  std::vector<void*> end_events_;
+  std::mutex issue_mutex_;
+  std::atomic<uint64_t> issued_{0};
+  std::atomic<uint64_t> completed_{0};
+  std::mutex wait_mutex_;
+  std::condition_variable landed_;
+  std::function<void(uint64_t)> listener_;
+};
+
+}  // namespace cuda
+}  // namespace hytrain
