@@ -256,7 +256,7 @@ PYBIND11_MODULE(hytrain_native, m) {
            py::arg("device"), py::arg("direction"), py::arg("priority") = 0,
            py::arg("ring") = 1024)
       .def("copy", [](cuda::CopyStream& c, std::uintptr_t dst, std::uintptr_t src,
-                      std::size_t bytes, std::uintptr_t after_stream) {
+                      std::size_t bytes, std::optional<std::uintptr_t> after_stream) {
         return c.copy(as_ptr<void>(dst), as_ptr<const void>(src), bytes, after_stream);
       })
       .def("make_wait", &cuda::CopyStream::make_wait)

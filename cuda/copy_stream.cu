@@ -1,6 +1,7 @@
 // Copy streams with host completion notification; see hytrain/cuda_copy.h.
 #include <chrono>
 #include <string>
+#include <thread>
 
 #include "cuda_check.h"
 #include "hytrain/cuda_copy.h"
@@ -14,8 +15,9 @@ namespace {
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 cudaEvent_t as_event(void* e) { return static_cast<cudaEvent_t>(e); }
 
-// How often a host wait looks at the stream for errors while no completion has arrived.
-constexpr auto kErrorPoll = std::chrono::milliseconds(2);
+std::string error_text(const char* what, cudaError_t e) {
+  return std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+}
 
 }  // namespace
 
@@ -40,18 +42,25 @@ CopyStream::CopyStream(int device, CopyDirection direction, int priority, std::s
     cudaEvent_t a = nullptr, b = nullptr;
     HYTRAIN_CUDA_CHECK(cudaEventCreate(&a));
     start_events_[i] = a;
-    HYTRAIN_CUDA_CHECK(cudaEventCreate(&b));
+    HYTRAIN_CUDA_CHECK(cudaEventCreateWithFlags(&b, cudaEventBlockingSync));
     end_events_[i] = b;
   }
   cudaEvent_t e = nullptr;
   HYTRAIN_CUDA_CHECK(cudaEventCreate(&e));
   epoch_ = e;
   HYTRAIN_CUDA_CHECK(cudaEventRecord(e, s));
+  poller_ = std::thread([this] { poll_loop(); });
 }
 
 CopyStream::~CopyStream() {
   DeviceGuard guard(device_);
   if (stream_) HYTRAIN_CUDA_CHECK_NOTHROW(cudaStreamSynchronize(as_stream(stream_)));
+  {
+    std::lock_guard<std::mutex> lock(wait_mutex_);
+    stop_ = true;
+  }
+  work_.notify_all();
+  if (poller_.joinable()) poller_.join();
   for (void* e : start_events_) if (e) HYTRAIN_CUDA_CHECK_NOTHROW(cudaEventDestroy(as_event(e)));
   for (void* e : end_events_) if (e) HYTRAIN_CUDA_CHECK_NOTHROW(cudaEventDestroy(as_event(e)));
   if (epoch_) HYTRAIN_CUDA_CHECK_NOTHROW(cudaEventDestroy(as_event(epoch_)));
@@ -64,16 +73,35 @@ void CopyStream::set_listener(std::function<void(uint64_t)> listener) {
   listener_ = std::move(listener);
 }
 
-void CopyStream::on_landed(void* self) {
-  auto* cs = static_cast<CopyStream*>(self);
-  const uint64_t t = cs->completed_.fetch_add(1, std::memory_order_acq_rel) + 1;
-  if (cs->listener_) cs->listener_(t);
-  { std::lock_guard<std::mutex> lock(cs->wait_mutex_); }  // a waiter is either asleep or sees t
-  cs->landed_.notify_all();
+void CopyStream::poll_loop() {
+  // The poller's own current device: events of this device are waited on here.
+  if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
+  for (;;) {
+    const uint64_t next = completed() + 1;
+    {
+      std::unique_lock<std::mutex> lock(wait_mutex_);
+      work_.wait(lock, [&] { return stop_ || issued() >= next; });
+      if (issued() < next) return;  // stopping, nothing left in flight
+    }
+    // Sleeps until the copy's end event fires. The slot cannot be reused before `next` is counted.
+    const cudaError_t st = cudaEventSynchronize(as_event(end_events_[slot(next)]));
+    if (st != cudaSuccess) {
+      {
+        std::lock_guard<std::mutex> lock(wait_mutex_);
+        error_ = error_text("cudaEventSynchronize on the copy stream", st);
+      }
+      landed_.notify_all();
+      return;
+    }
+    completed_.store(next, std::memory_order_release);
+    if (listener_) listener_(next);
+    { std::lock_guard<std::mutex> lock(wait_mutex_); }  // a waiter is either asleep or sees `next`
+    landed_.notify_all();
+  }
 }
 
 uint64_t CopyStream::copy(void* dst, const void* src, std::size_t bytes,
-                          std::uintptr_t after_stream) {
+                          std::optional<std::uintptr_t> after_stream) {
   HYTRAIN_CHECK(bytes == 0 || (dst != nullptr && src != nullptr), "copy pointers must be non-null");
   std::lock_guard<std::mutex> lock(issue_mutex_);
   const uint64_t ticket = issued() + 1;
@@ -81,11 +109,11 @@ uint64_t CopyStream::copy(void* dst, const void* src, std::size_t bytes,
   if (ticket > start_events_.size()) wait(ticket - start_events_.size());
   DeviceGuard guard(device_);
   cudaStream_t s = as_stream(stream_);
-  if (after_stream != 0) {
+  if (after_stream.has_value()) {
     cudaEvent_t e = as_event(start_events_[slot(ticket)]);
     // The start event doubles as the "producer is done" marker: recorded on the producer's stream,
     // waited on here, then re-recorded below as this copy's start.
-    HYTRAIN_CUDA_CHECK(cudaEventRecord(e, reinterpret_cast<cudaStream_t>(after_stream)));
+    HYTRAIN_CUDA_CHECK(cudaEventRecord(e, reinterpret_cast<cudaStream_t>(*after_stream)));
     HYTRAIN_CUDA_CHECK(cudaStreamWaitEvent(s, e, 0));
   }
   HYTRAIN_CUDA_CHECK(cudaEventRecord(as_event(start_events_[slot(ticket)]), s));
@@ -93,8 +121,11 @@ uint64_t CopyStream::copy(void* dst, const void* src, std::size_t bytes,
                                                                           : cudaMemcpyHostToDevice;
   if (bytes > 0) HYTRAIN_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, s));
   HYTRAIN_CUDA_CHECK(cudaEventRecord(as_event(end_events_[slot(ticket)]), s));
-  HYTRAIN_CUDA_CHECK(cudaLaunchHostFunc(s, &CopyStream::on_landed, this));
-  issued_.store(ticket, std::memory_order_release);
+  {
+    std::lock_guard<std::mutex> wl(wait_mutex_);
+    issued_.store(ticket, std::memory_order_release);
+  }
+  work_.notify_one();
   return ticket;
 }
 
@@ -110,29 +141,18 @@ void CopyStream::make_wait(std::uintptr_t stream, uint64_t ticket) {
 
 void CopyStream::wait(uint64_t ticket, double timeout_s) {
   HYTRAIN_CHECK(ticket <= issued(), "ticket " + std::to_string(ticket) + " was never issued");
-  using clock = std::chrono::steady_clock;
-  const auto deadline =
-      clock::now() + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(
-                         timeout_s < 0 ? 0.0 : timeout_s));
+  const auto ready = [&] { return query(ticket) || !error_.empty(); };
   std::unique_lock<std::mutex> lock(wait_mutex_);
-  while (!query(ticket)) {
-    landed_.wait_for(lock, kErrorPoll, [&] { return query(ticket); });
-    if (query(ticket)) break;
-    // A failed stream never runs its host functions: look for the error instead of waiting forever.
-    const cudaError_t st = cudaStreamQuery(as_stream(stream_));
-    if (st != cudaSuccess && st != cudaErrorNotReady) {
-      throw Error(std::string("CUDA error in the copy stream while waiting for ticket ") +
-                      std::to_string(ticket) + ": " + cudaGetErrorName(st) + ": " +
-                      cudaGetErrorString(st),
+  if (timeout_s < 0) {
+    landed_.wait(lock, ready);
+  } else if (!landed_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready)) {
+    throw Timeout("copy ticket " + std::to_string(ticket) + " had not landed after " +
+                      std::to_string(timeout_s) + " s (" + std::to_string(completed()) + " of " +
+                      std::to_string(issued()) + " copies done)",
                   __FILE__, __LINE__);
-    }
-    if (timeout_s >= 0 && clock::now() >= deadline) {
-      throw Timeout("copy ticket " + std::to_string(ticket) + " had not landed after " +
-                        std::to_string(timeout_s) + " s (" + std::to_string(completed()) +
-                        " of " + std::to_string(issued()) + " copies done)",
-                    __FILE__, __LINE__);
-    }
   }
+  if (!query(ticket)) throw Error(error_ + " (waiting for ticket " + std::to_string(ticket) + ")",
+                                  __FILE__, __LINE__);
 }
 
 std::pair<double, double> CopyStream::times_ms(uint64_t ticket) {

@@ -80,7 +80,7 @@ class CopyStream:
         if host.numel() > 0 and not native().is_page_locked(host.data_ptr()):
             raise ValueError(f"{host_name} is pageable host memory; copy streams need page-locked memory "
                              "(allocate it from hytrain.PinnedPool or call .pin_memory())")
-        after_handle = 0
+        after_handle = None  # note: torch's default stream has handle 0, a valid stream
         if after is not None:
             if after.device != self.device:
                 raise ValueError(f"after is a stream on {after.device} but this copy stream is on {self.device}")

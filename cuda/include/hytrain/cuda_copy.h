@@ -2,10 +2,12 @@
 // compute stream (which PyTorch owns and passes in as a handle).
 //
 // Every copy gets a ticket, 1, 2, 3... in issue order. Because a stream runs its work in order, "ticket
-// n has landed" is one counter: a host function enqueued after each copy advances `completed`, wakes
-// host waiters and calls an optional listener (the pipeline's hook for "this block's gradients are on
-// the host"). A ring of timed events, one start/end pair per ticket, lets another stream wait for a
-// ticket on the device and gives each copy's start and end times for traces and bandwidth.
+// n has landed" is one counter. A ring of timed events holds a start/end pair per ticket; a poller
+// thread sleeps on each end event in turn (blocking-sync events: no spinning core), then advances
+// `completed`, wakes host waiters and calls an optional listener (the pipeline's hook for "this
+// block's gradients are on the host"). Nothing is enqueued on the stream for the host's sake, so the
+// notification never stalls the copies behind it. The same events let another stream wait for a ticket
+// on the device and give each copy's start and end times for traces and bandwidth.
 //
 // Host waits never hang on a failed stream: they poll the stream for errors while waiting and throw
 // hytrain::Error naming the CUDA call.
@@ -17,6 +19,9 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -33,10 +38,12 @@ class CopyStream {
   CopyStream(const CopyStream&) = delete;
   CopyStream& operator=(const CopyStream&) = delete;
 
-  // Enqueues dst <- src (bytes). When after_stream is non-zero, the copy first waits on the device
-  // for all work already enqueued on that stream (the compute stream that produced the data).
-  // Returns the copy's ticket. Blocks only when `ring` copies are still in flight.
-  uint64_t copy(void* dst, const void* src, std::size_t bytes, std::uintptr_t after_stream);
+  // Enqueues dst <- src (bytes). With after_stream (a cudaStream_t; 0 is the legacy default stream),
+  // the copy first waits on the device for all work already enqueued on that stream (the compute
+  // stream that produced the data). Returns the copy's ticket. Blocks only when `ring` copies are
+  // still in flight.
+  uint64_t copy(void* dst, const void* src, std::size_t bytes,
+                std::optional<std::uintptr_t> after_stream);
 
   // Makes `stream` wait on the device until `ticket` has landed (no host synchronisation).
   void make_wait(std::uintptr_t stream, uint64_t ticket);
@@ -53,8 +60,8 @@ class CopyStream {
   // of the last `ring` issued.
   std::pair<double, double> times_ms(uint64_t ticket);
 
-  // Called on CUDA's host-callback thread with each landed ticket, in order. It must be quick and
-  // must not call CUDA. Set it before the first copy.
+  // Called on the poller thread with each landed ticket, in order. It must be quick; it must not
+  // call this stream's methods. Set it before the first copy.
   void set_listener(std::function<void(uint64_t)> listener);
 
   std::uintptr_t handle() const { return reinterpret_cast<std::uintptr_t>(stream_); }
@@ -62,7 +69,7 @@ class CopyStream {
   CopyDirection direction() const { return direction_; }
 
  private:
-  static void on_landed(void* self);
+  void poll_loop();
   std::size_t slot(uint64_t ticket) const { return ticket % start_events_.size(); }
 
   int device_;
@@ -74,9 +81,13 @@ class CopyStream {
   std::mutex issue_mutex_;
   std::atomic<uint64_t> issued_{0};
   std::atomic<uint64_t> completed_{0};
-  std::mutex wait_mutex_;
-  std::condition_variable landed_;
+  std::mutex wait_mutex_;             // guards the two condition variables, stop_ and error_
+  std::condition_variable landed_;    // completed_ advanced (or an error)
+  std::condition_variable work_;      // issued_ advanced (or stop)
+  bool stop_ = false;
+  std::string error_;                 // first CUDA error the poller saw
   std::function<void(uint64_t)> listener_;
+  std::thread poller_;
 };
 
 }  // namespace cuda
