@@ -13,6 +13,7 @@
 #include "hytrain/error.h"
 #include "hytrain/membench.h"
 #include "hytrain/pinned_pool.h"
+#include "hytrain/update_engine.h"
 #ifdef HYTRAIN_WITH_CUDA
 #include "hytrain/cuda_adamw.h"
 #include "hytrain/cuda_copy.h"
@@ -269,6 +270,49 @@ PYBIND11_MODULE(hytrain_native, m) {
       .def_property_readonly("handle", &cuda::CopyStream::handle)
       .def_property_readonly("device", &cuda::CopyStream::device);
 #endif
+
+  // Job rows: (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, grad_dtype, param_copy,
+  // param_copy_dtype, numel, lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
+  // grad_scale), addresses as ints, validated by python/hytrain.
+  using JobRow = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t,
+                            std::uintptr_t, int, std::uintptr_t, int, int64_t, double, double,
+                            double, double, double, int64_t, bool, bool, double>;
+  py::class_<UpdateEngine>(m, "UpdateEngine")
+      .def(py::init([](int workers, int64_t slice_elems, const std::string& simd) {
+             return std::make_unique<UpdateEngine>(workers, slice_elems, parse_simd_path(simd));
+           }),
+           py::arg("workers"), py::arg("slice_elems"), py::arg("simd") = "auto")
+      .def("submit", [](UpdateEngine& e, int64_t block, const std::vector<JobRow>& rows) {
+        std::vector<UpdateJob> jobs;
+        jobs.reserve(rows.size());
+        for (const JobRow& r : rows) {
+          UpdateJob j;
+          j.tensor.param = as_ptr<float>(std::get<0>(r));
+          j.tensor.exp_avg = as_ptr<float>(std::get<1>(r));
+          j.tensor.exp_avg_sq = as_ptr<float>(std::get<2>(r));
+          j.tensor.max_exp_avg_sq = as_ptr<float>(std::get<3>(r));
+          j.tensor.grad = as_ptr<const void>(std::get<4>(r));
+          j.tensor.grad_dtype = static_cast<DType>(std::get<5>(r));
+          j.tensor.param_copy = as_ptr<void>(std::get<6>(r));
+          j.tensor.param_copy_dtype = static_cast<DType>(std::get<7>(r));
+          j.tensor.numel = std::get<8>(r);
+          j.config = make_config(std::get<14>(r), std::get<9>(r), std::get<10>(r), std::get<11>(r),
+                                 std::get<12>(r), std::get<13>(r), std::get<15>(r),
+                                 std::get<16>(r), std::get<17>(r));
+          jobs.push_back(j);
+        }
+        py::gil_scoped_release release;
+        e.submit(block, jobs);
+      })
+      .def("wait", &UpdateEngine::wait, py::call_guard<py::gil_scoped_release>())
+      .def("wait_all", &UpdateEngine::wait_all, py::call_guard<py::gil_scoped_release>())
+      .def("done", &UpdateEngine::done)
+      .def("timing", [](UpdateEngine& e, int64_t block) {
+        const BlockTiming t = e.timing(block);
+        return std::make_tuple(t.submit_ns, t.start_ns, t.end_ns, t.elements);
+      })
+      .def_property_readonly("workers", &UpdateEngine::workers);
+  m.def("steady_now_ns", &steady_now_ns, "The clock of UpdateEngine timings (ns).");
 
   py::class_<Allocation, std::shared_ptr<Allocation>>(m, "Allocation", py::buffer_protocol())
       .def_property_readonly("ptr", [](const Allocation& a) {

@@ -11,6 +11,7 @@ from .copies import CopyStream
 from .cpu_adam import adamw_step, set_simd_path, simd_paths
 from .cuda_adam import CudaAdamW
 from .grad_norm import CudaGradNorm, clip_multiplier
+from .hybrid_adam import HybridAdamW
 from .pool import PinnedPool
 
 __version__ = "0.1.0"
@@ -34,6 +35,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'hytrain' has no attribute {name!r}")
 
 
-__all__ = ["CopyStream", "CudaAdamW", "CudaGradNorm", "DeviceTimeoutError", "PinnedPool",
+__all__ = ["CopyStream", "CudaAdamW", "CudaGradNorm", "DeviceTimeoutError", "HybridAdamW", "PinnedPool",
            "PoolExhaustedError", "adamw_step", "build_info", "clip_multiplier", "cuda_available",
            "set_simd_path", "simd_paths", "__version__"]

@@ -1,0 +1,166 @@
+// UpdateEngine: see hytrain/update_engine.h.
+#include "hytrain/update_engine.h"
+
+#include <chrono>
+
+#include "hytrain/error.h"
+
+namespace hytrain {
+
+int64_t steady_now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+namespace {
+
+int64_t element_bytes(DType d) { return d == DType::f32 ? 4 : 2; }
+
+// The sub-tensor [begin, end) of a job's tensor: every pointer offset by `begin` elements.
+AdamWTensor slice_of(const AdamWTensor& t, int64_t begin, int64_t end) {
+  AdamWTensor s = t;
+  s.param = t.param + begin;
+  s.exp_avg = t.exp_avg + begin;
+  s.exp_avg_sq = t.exp_avg_sq + begin;
+  if (t.max_exp_avg_sq) s.max_exp_avg_sq = t.max_exp_avg_sq + begin;
+  s.grad = static_cast<const char*>(t.grad) + begin * element_bytes(t.grad_dtype);
+  if (t.param_copy) {
+    s.param_copy = static_cast<char*>(t.param_copy) + begin * element_bytes(t.param_copy_dtype);
+  }
+  s.numel = end - begin;
+  return s;
+}
+
+}  // namespace
+
+UpdateEngine::UpdateEngine(int workers, int64_t slice_elems, SimdPath path)
+    : queue_(4096), slice_elems_(slice_elems), path_(path) {
+  HYTRAIN_CHECK(workers >= 1 && workers <= 1024, "workers must be in [1, 1024]");
+  HYTRAIN_CHECK(slice_elems >= 1024, "slice_elems must be at least 1024");
+  path_ = resolve_simd_path(path);
+  for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { run_worker(); });
+}
+
+UpdateEngine::~UpdateEngine() {
+  queue_.close();  // workers drain what is queued, then exit
+  for (auto& t : threads_) t.join();
+}
+
+void UpdateEngine::set_on_complete(std::function<void(int64_t)> fn) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  on_complete_ = std::move(fn);
+}
+
+void UpdateEngine::submit(int64_t block, const std::vector<UpdateJob>& jobs) {
+  // Validate everything before anything is queued: a refused submit changes nothing.
+  for (const UpdateJob& j : jobs) {
+    validate_adamw_config(j.config);
+    HYTRAIN_CHECK(j.tensor.numel >= 0, "numel must be >= 0");
+    HYTRAIN_CHECK(j.tensor.numel == 0 || (j.tensor.param && j.tensor.exp_avg &&
+                                          j.tensor.exp_avg_sq && j.tensor.grad),
+                  "tensor pointers must be non-null");
+    HYTRAIN_CHECK(!j.config.amsgrad || j.tensor.numel == 0 || j.tensor.max_exp_avg_sq,
+                  "amsgrad needs max_exp_avg_sq");
+  }
+  Block* b = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& slot = blocks_[block];
+    if (slot && !slot->complete) {
+      HYTRAIN_THROW("block " + std::to_string(block) + " is still being updated");
+    }
+    slot = std::make_shared<Block>();
+    b = slot.get();
+    b->id = block;
+    b->jobs = jobs;
+    for (int i = 0; i < static_cast<int>(jobs.size()); ++i) {
+      const int64_t n = jobs[i].tensor.numel;
+      for (int64_t s = 0; s < n; s += slice_elems_) {
+        b->slices.push_back({b, i, s, std::min(n, s + slice_elems_)});
+      }
+      b->timing.elements += n;
+    }
+    b->timing.submit_ns = steady_now_ns();
+    b->remaining.store(static_cast<int64_t>(b->slices.size()));
+    b->complete = b->slices.empty();
+    if (b->complete) b->timing.start_ns = b->timing.end_ns = b->timing.submit_ns;
+  }
+  if (b->slices.empty()) {
+    completed_.notify_all();
+    if (on_complete_) on_complete_(block);
+    return;
+  }
+  for (Slice& s : b->slices) {
+    HYTRAIN_CHECK(queue_.push(&s), "the update engine is shutting down");
+  }
+}
+
+void UpdateEngine::run_worker() {
+  Slice* s = nullptr;
+  while (queue_.pop(s)) {
+    Block& b = *s->block;
+    int64_t zero = 0;
+    b.start_ns.compare_exchange_strong(zero, steady_now_ns());
+    if (!b.failed.load(std::memory_order_acquire)) {
+      const UpdateJob& j = b.jobs[s->job];
+      try {
+        adamw_step(slice_of(j.tensor, s->begin, s->end), j.config, 1, path_);
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lock(b.error_mutex);
+        if (!b.failed.load()) b.error = e.what();
+        b.failed.store(true, std::memory_order_release);
+      }
+    }
+    if (b.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(b);
+  }
+}
+
+void UpdateEngine::finish(Block& b) {
+  const int64_t id = b.id;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    b.timing.start_ns = b.start_ns.load();
+    b.timing.end_ns = steady_now_ns();
+    b.complete = true;
+  }
+  completed_.notify_all();
+  if (on_complete_) on_complete_(id);
+}
+
+void UpdateEngine::wait(int64_t block) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = blocks_.find(block);
+  if (it == blocks_.end()) return;
+  const std::shared_ptr<Block> b = it->second;  // survives a resubmit that replaces the entry
+  completed_.wait(lock, [&] { return b->complete; });
+  if (b->failed.load()) {
+    std::lock_guard<std::mutex> elock(b->error_mutex);
+    HYTRAIN_THROW("AdamW update of block " + std::to_string(block) + " failed: " + b->error);
+  }
+}
+
+void UpdateEngine::wait_all() {
+  std::vector<int64_t> ids;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& kv : blocks_) ids.push_back(kv.first);
+  }
+  for (int64_t id : ids) wait(id);
+}
+
+bool UpdateEngine::done(int64_t block) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = blocks_.find(block);
+  return it == blocks_.end() || it->second->complete;
+}
+
+BlockTiming UpdateEngine::timing(int64_t block) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = blocks_.find(block);
+  HYTRAIN_CHECK(it != blocks_.end(), "block " + std::to_string(block) + " was never submitted");
+  HYTRAIN_CHECK(it->second->complete, "block " + std::to_string(block) + " is still in flight");
+  return it->second->timing;
+}
+
+}  // namespace hytrain
