@@ -1,0 +1,244 @@
+"""HybridAdamW against a reference (the same model with fp32 master weights and torch.optim.AdamW under
+the same mixed precision and clipping), 30 steps of a small Llama-style model on the CPU; accumulation,
+LR schedules, GradScaler with a forced overflow, state_dict round trips, and bad input."""
+
+import copy
+import traceback
+
+import pytest
+import torch
+
+import hytrain
+from hytrain.models import LlamaConfig, LlamaModel
+
+STEPS = 30
+CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
+                  num_kv_heads=2, max_seq_len=64)
+
+
+def batches(n, micro=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, CFG.vocab_size, (2, 32), generator=g) for _ in range(micro)] for _ in range(n)]
+
+
+class Reference:
+    """fp32 master copies + torch.optim.AdamW(foreach=False); the model keeps its own dtype."""
+
+    def __init__(self, model, lr, max_grad_norm=None, **kw):
+        self.model = model
+        self.params = list(model.parameters())
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, lr=lr, foreach=False, **kw)
+        self.max_grad_norm = max_grad_norm
+        self.clipped = 0
+
+    def step(self, inv_scale=1.0, skip=False):
+        if skip:
+            return
+        for m, p in zip(self.master, self.params):
+            m.grad = p.grad.float() * inv_scale
+        if self.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm)
+            self.clipped += int(norm > self.max_grad_norm)
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.params):
+                p.copy_(m)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+def pair(dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    model = LlamaModel(CFG).to(dtype)
+    return model, copy.deepcopy(model)
+
+
+def assert_close_models(a, b, losses_a, losses_b, dtype):
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    torch.testing.assert_close(torch.tensor(losses_a), torch.tensor(losses_b), rtol=tol, atol=tol)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pa.float(), pb.float(), rtol=tol, atol=tol, msg=name)
+
+
+def train(model, opt, data, *, scaler=None, step_fn=None, overflow_at=None, sched=None):
+    losses = []
+    for i, micro in enumerate(data):
+        for x in micro:
+            loss = model(x, x) / len(micro)
+            if overflow_at == i:
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler else loss).backward()
+        losses.append(loss.item() * len(micro))
+        if step_fn is not None:
+            step_fn(i)
+        elif scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    if isinstance(opt, hytrain.HybridAdamW):
+        opt.synchronize()
+    return losses
+
+
+@pytest.mark.parametrize("with_model", [True, False])
+@pytest.mark.parametrize("max_grad_norm", [None, 0.3])
+def test_matches_reference_bf16(with_model, max_grad_norm):
+    model, ref_model = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm,
+                              model=model if with_model else None, workers=2)
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
+    data = batches(STEPS)
+    losses = train(model, opt, data)
+    ref_losses = []
+    for micro in data:
+        ref_losses.append(ref_model(micro[0], micro[0]).item())
+        ref_model(micro[0], micro[0]).backward()
+        ref.step()
+        ref.zero_grad()
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    if max_grad_norm is not None:
+        assert 0 < ref.clipped < STEPS or ref.clipped == STEPS, "clipping should fire"
+        assert ref.clipped > 0
+    assert losses[-1] < losses[0]
+
+
+def test_fp32_model_is_nearly_exact_and_overlaps_backward():
+    model, ref_model = pair(torch.float32)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, workers=2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, foreach=False)
+    data = batches(10)
+    submitted_in_backward = []
+    orig = opt._submit
+
+    def spy(b, scale):
+        submitted_in_backward.append(any(f.name == "_on_grad" for f in traceback.extract_stack()))
+        return orig(b, scale)
+
+    opt._submit = spy
+    losses = train(model, opt, data)
+    ref_losses = train(ref_model, ref, data)
+    assert_close_models(model, ref_model, losses, ref_losses, torch.float32)
+    # After the first (deferred) step, blocks are queued from the backward hooks, not from step().
+    n_blocks = len(opt._blocks)
+    assert not any(submitted_in_backward[:n_blocks])
+    assert all(submitted_in_backward[n_blocks:])
+
+
+def test_accumulation_over_4_micro_batches_equals_one_big_step():
+    model, ref_model = pair(torch.float32)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, accumulation_steps=4, workers=2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, foreach=False)
+    data = batches(8, micro=4)
+    assert_close_models(model, ref_model, train(model, opt, data), train(ref_model, ref, data), torch.float32)
+
+
+def test_too_many_backward_passes_are_refused():
+    model, _ = pair(torch.float32)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, workers=2)
+    x = batches(1)[0][0]
+    for _ in range(2):  # step 1 is deferred; step 2 overlaps
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    model(x, x).backward()
+    with pytest.raises(RuntimeError, match="accumulation_steps"):
+        model(x, x).backward()
+    opt.synchronize()
+
+
+def test_lr_scheduler_changes_lr_every_step():
+    model, ref_model = pair(torch.float32)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=2e-3, model=model, workers=2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=2e-3, foreach=False)
+    s1 = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    s2 = torch.optim.lr_scheduler.LambdaLR(ref, lambda s: 1.0 / (1 + s))
+    data = batches(12)
+    a = train(model, opt, data, sched=s1)
+    b = train(ref_model, ref, data, sched=s2)
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-3 / 13)
+    assert_close_models(model, ref_model, a, b, torch.float32)
+
+
+def test_grad_scaler_skips_the_overflow_step():
+    model, ref_model = pair(torch.float32)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, workers=2)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, foreach=False)
+    sa = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    sb = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    data = batches(10)
+    a = train(model, opt, data, scaler=sa, overflow_at=4)
+    b = train(ref_model, ref, data, scaler=sb, overflow_at=4)
+    assert sa.get_scale() == sb.get_scale() == 512.0  # halved once, by the forced overflow
+    step_counts = {int(st["step"].item()) for st in opt.state.values()}
+    assert step_counts == {9}
+    assert_close_models(model, ref_model, a[:4] + a[5:], b[:4] + b[5:], torch.float32)
+
+
+def test_state_dict_round_trip_continues_identically(tmp_path):
+    data = batches(12)
+    model, _ = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, workers=2)
+    full = train(model, opt, data)
+    model2, _ = pair()
+    opt2 = hytrain.HybridAdamW(model2.parameters(), lr=1e-3, model=model2, workers=2)
+    first = train(model2, opt2, data[:6])
+    torch.save({"model": model2.state_dict(), "opt": opt2.state_dict()}, tmp_path / "ck.pt")
+    saved = torch.load(tmp_path / "ck.pt")
+    assert {"exp_avg", "exp_avg_sq", "step", "master"} <= set(saved["opt"]["state"][0])
+    assert saved["opt"]["state"][0]["exp_avg"].device.type == "cpu"
+    model3, _ = pair(seed=1)
+    model3.load_state_dict(saved["model"])
+    opt3 = hytrain.HybridAdamW(model3.parameters(), lr=1e-3, model=model3, workers=2)
+    opt3.load_state_dict(saved["opt"])
+    second = train(model3, opt3, data[6:])
+    assert first + second == full  # bit-identical on the CPU
+    for a, b in zip(model.parameters(), model3.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_zero_lr_step_on_zero_gradients_is_harmless():
+    model, _ = pair(torch.float32)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = hytrain.HybridAdamW(model.parameters(), lr=0.0, workers=1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_bad_input():
+    lin = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="non-leaf|not a leaf"):
+        hytrain.HybridAdamW([lin.weight * 2])
+    with pytest.raises(TypeError, match="float64"):
+        hytrain.HybridAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="mixed devices"):
+        hytrain.HybridAdamW([lin.weight, torch.nn.Parameter(torch.zeros(3, device="meta"))])
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        hytrain.HybridAdamW(lin.parameters(), lr=-1.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        hytrain.HybridAdamW(lin.parameters(), max_grad_norm=0.0)
+    opt = hytrain.HybridAdamW(lin.parameters(), workers=1)
+    with pytest.raises(NotImplementedError, match="add_param_group"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    opt.param_groups[0]["lr"] = float("nan")
+    lin.weight.grad = torch.ones(4, 4)
+    before = lin.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: lr must be finite"):
+        opt.step()
+    assert torch.equal(lin.weight, before)  # a refused step changes nothing
+    opt.param_groups[0]["lr"] = 1e-3
+    good = opt.state_dict()
+    bad = copy.deepcopy(good)
+    bad["state"][0]["exp_avg"] = torch.zeros(5)
+    state_before = opt.state[lin.weight]["exp_avg"].clone()
+    with pytest.raises(ValueError, match="exp_avg"):
+        opt.load_state_dict(bad)
+    assert torch.equal(opt.state[lin.weight]["exp_avg"], state_before)
