@@ -186,18 +186,10 @@ AdamWGroup::AdamWGroup(const std::vector<AdamWTensorRef>& tensors, DType grad_dt
   num_chunks_ = static_cast<int64_t>(chunks.size());
 
   DeviceGuard guard(device_);
-  cudaDeviceProp prop{};
-  HYTRAIN_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
-  const int64_t resident = static_cast<int64_t>(prop.multiProcessorCount) *
-                           (prop.maxThreadsPerMultiProcessor / kThreads);
-  grid_ = static_cast<int>(std::max<int64_t>(1, std::min(num_chunks_, resident)));
+  grid_ = persistent_grid(device_, kThreads, num_chunks_);
   if (num_chunks_ == 0) return;
-  HYTRAIN_CUDA_CHECK(cudaMalloc(&descs_, sizeof(AdamWTensorRef) * tensors.size()));
-  HYTRAIN_CUDA_CHECK(cudaMalloc(&chunks_, sizeof(Chunk) * chunks.size()));
-  HYTRAIN_CUDA_CHECK(cudaMemcpy(descs_, tensors.data(), sizeof(AdamWTensorRef) * tensors.size(),
-                                cudaMemcpyHostToDevice));
-  HYTRAIN_CUDA_CHECK(cudaMemcpy(chunks_, chunks.data(), sizeof(Chunk) * chunks.size(),
-                                cudaMemcpyHostToDevice));
+  descs_ = upload(tensors);
+  chunks_ = upload(chunks);
 }
 
 AdamWGroup::~AdamWGroup() {

@@ -1,12 +1,15 @@
 // CUDA error checks: HYTRAIN_CUDA_CHECK throws hytrain::Error naming the call, file and line;
 // HYTRAIN_CUDA_CHECK_NOTHROW reports to stderr, for destructors. DeviceGuard makes a device current
-// for a scope.
+// for a scope; persistent_grid and upload are the shared setup of the multi-tensor kernels.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 #include "hytrain/error.h"
 
@@ -46,6 +49,29 @@ class DeviceGuard {
  private:
   int prev_ = 0;
 };
+
+// Blocks for a grid that strides over `work_items`: as many as the device holds at once, at most one
+// per item, at least one. Call with the device current.
+inline int persistent_grid(int device, int threads_per_block, int64_t work_items) {
+  cudaDeviceProp prop{};
+  HYTRAIN_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  const int64_t resident = static_cast<int64_t>(prop.multiProcessorCount) *
+                           (prop.maxThreadsPerMultiProcessor / threads_per_block);
+  return static_cast<int>(std::max<int64_t>(1, std::min(work_items, resident)));
+}
+
+// Copies a host table to a new device allocation (freed by the caller with cudaFree).
+template <class T>
+void* upload(const std::vector<T>& table) {
+  void* p = nullptr;
+  HYTRAIN_CUDA_CHECK(cudaMalloc(&p, sizeof(T) * table.size()));
+  const cudaError_t e = cudaMemcpy(p, table.data(), sizeof(T) * table.size(), cudaMemcpyHostToDevice);
+  if (e != cudaSuccess) {
+    HYTRAIN_CUDA_CHECK_NOTHROW(cudaFree(p));
+    HYTRAIN_CUDA_CHECK(e);
+  }
+  return p;
+}
 
 }  // namespace cuda
 }  // namespace hytrain

@@ -145,19 +145,11 @@ GradNormGroup::GradNormGroup(const std::vector<GradRef>& tensors, int device) : 
   }
   num_chunks_ = static_cast<int64_t>(chunks.size());
   DeviceGuard guard(device_);
-  cudaDeviceProp prop{};
-  HYTRAIN_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
-  const int64_t resident = static_cast<int64_t>(prop.multiProcessorCount) *
-                           (prop.maxThreadsPerMultiProcessor / kThreads);
-  grid_ = static_cast<int>(std::max<int64_t>(1, std::min(num_chunks_, resident)));
+  grid_ = persistent_grid(device_, kThreads, num_chunks_);
   if (num_chunks_ == 0) return;
-  HYTRAIN_CUDA_CHECK(cudaMalloc(&descs_, sizeof(Desc) * descs.size()));
-  HYTRAIN_CUDA_CHECK(cudaMalloc(&chunks_, sizeof(Chunk) * chunks.size()));
+  descs_ = upload(descs);
+  chunks_ = upload(chunks);
   HYTRAIN_CUDA_CHECK(cudaMalloc(&partials_, sizeof(float) * chunks.size()));
-  HYTRAIN_CUDA_CHECK(
-      cudaMemcpy(descs_, descs.data(), sizeof(Desc) * descs.size(), cudaMemcpyHostToDevice));
-  HYTRAIN_CUDA_CHECK(
-      cudaMemcpy(chunks_, chunks.data(), sizeof(Chunk) * chunks.size(), cudaMemcpyHostToDevice));
 }
 
 GradNormGroup::~GradNormGroup() {
