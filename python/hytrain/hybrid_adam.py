@@ -36,18 +36,23 @@ from .pool import PinnedPool
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def detect_blocks(model: nn.Module, params) -> list[list[nn.Parameter]]:
-    """Head, the children of the largest ``nn.ModuleList`` of same-type modules, tail (forward order)."""
-    wanted = {id(p) for p in params}
-    best = None
+def repeated_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The largest ``nn.ModuleList`` (by parameters) of two or more modules of one type, or None."""
+    best, best_size = None, -1
     for m in model.modules():
         if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
             size = sum(p.numel() for p in m.parameters())
-            if best is None or size > best[0]:
-                best = (size, m)
-    if best is None:
+            if size > best_size:
+                best, best_size = m, size
+    return best
+
+
+def detect_blocks(model: nn.Module, params) -> list[list[nn.Parameter]]:
+    """Head, the children of :func:`repeated_layers`, tail (forward order)."""
+    wanted = {id(p) for p in params}
+    layers = repeated_layers(model)
+    if layers is None:
         return [[p for p in model.parameters() if id(p) in wanted]]
-    layers = best[1]
     owner = {}
     for i, child in enumerate(layers):
         for p in child.parameters():
@@ -198,15 +203,9 @@ class HybridAdamW(torch.optim.Optimizer):
             st["master"].copy_(p.detach())
 
     def _install_forward_hooks(self, model):
-        layers = None
-        best = 0
-        for m in model.modules():
-            if isinstance(m, nn.ModuleList) and len(m) > 1 and len({type(c) for c in m}) == 1:
-                size = sum(p.numel() for p in m.parameters())
-                if size > best:
-                    best, layers = size, m
-        edge = [i for i, b in enumerate(self._blocks)
-                if layers is None or not any(p is q for q in layers.parameters() for p in b[:1])]
+        layers = repeated_layers(model)
+        in_layers = set() if layers is None else {id(p) for p in layers.parameters()}
+        edge = [i for i, b in enumerate(self._blocks) if id(b[0]) not in in_layers]  # head, tail
         self._model_hooks.append(model.register_forward_pre_hook(lambda *_: self._wait_blocks(edge)))
         if layers is not None:
             for child in layers:
