@@ -19,6 +19,7 @@
 #include "hytrain/cuda_copy.h"
 #include "hytrain/cuda_env.h"
 #include "hytrain/cuda_grad_norm.h"
+#include "hytrain/cuda_pipeline.h"
 #endif
 
 #ifdef _OPENMP
@@ -127,6 +128,35 @@ std::shared_ptr<PinnedPool> make_pool(std::size_t capacity, std::size_t slab_byt
 #endif
   if (!alloc) alloc = make_page_aligned_allocator();
   return std::make_shared<PinnedPool>(std::move(alloc), capacity, slab_bytes, alignment);
+}
+
+// Job rows: (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, grad_dtype, param_copy,
+// param_copy_dtype, numel, lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
+// grad_scale), addresses as ints, validated by python/hytrain.
+using JobRow = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t,
+                          std::uintptr_t, int, std::uintptr_t, int, int64_t, double, double,
+                          double, double, double, int64_t, bool, bool, double>;
+
+std::vector<UpdateJob> to_jobs(const std::vector<JobRow>& rows) {
+  std::vector<UpdateJob> jobs;
+  jobs.reserve(rows.size());
+  for (const JobRow& r : rows) {
+    UpdateJob j;
+    j.tensor.param = as_ptr<float>(std::get<0>(r));
+    j.tensor.exp_avg = as_ptr<float>(std::get<1>(r));
+    j.tensor.exp_avg_sq = as_ptr<float>(std::get<2>(r));
+    j.tensor.max_exp_avg_sq = as_ptr<float>(std::get<3>(r));
+    j.tensor.grad = as_ptr<const void>(std::get<4>(r));
+    j.tensor.grad_dtype = static_cast<DType>(std::get<5>(r));
+    j.tensor.param_copy = as_ptr<void>(std::get<6>(r));
+    j.tensor.param_copy_dtype = static_cast<DType>(std::get<7>(r));
+    j.tensor.numel = std::get<8>(r);
+    j.config = make_config(std::get<14>(r), std::get<9>(r), std::get<10>(r), std::get<11>(r),
+                           std::get<12>(r), std::get<13>(r), std::get<15>(r), std::get<16>(r),
+                           std::get<17>(r));
+    jobs.push_back(j);
+  }
+  return jobs;
 }
 
 }  // namespace
@@ -271,36 +301,13 @@ PYBIND11_MODULE(hytrain_native, m) {
       .def_property_readonly("device", &cuda::CopyStream::device);
 #endif
 
-  // Job rows: (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, grad_dtype, param_copy,
-  // param_copy_dtype, numel, lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
-  // grad_scale), addresses as ints, validated by python/hytrain.
-  using JobRow = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t,
-                            std::uintptr_t, int, std::uintptr_t, int, int64_t, double, double,
-                            double, double, double, int64_t, bool, bool, double>;
   py::class_<UpdateEngine>(m, "UpdateEngine")
       .def(py::init([](int workers, int64_t slice_elems, const std::string& simd) {
              return std::make_unique<UpdateEngine>(workers, slice_elems, parse_simd_path(simd));
            }),
            py::arg("workers"), py::arg("slice_elems"), py::arg("simd") = "auto")
       .def("submit", [](UpdateEngine& e, int64_t block, const std::vector<JobRow>& rows) {
-        std::vector<UpdateJob> jobs;
-        jobs.reserve(rows.size());
-        for (const JobRow& r : rows) {
-          UpdateJob j;
-          j.tensor.param = as_ptr<float>(std::get<0>(r));
-          j.tensor.exp_avg = as_ptr<float>(std::get<1>(r));
-          j.tensor.exp_avg_sq = as_ptr<float>(std::get<2>(r));
-          j.tensor.max_exp_avg_sq = as_ptr<float>(std::get<3>(r));
-          j.tensor.grad = as_ptr<const void>(std::get<4>(r));
-          j.tensor.grad_dtype = static_cast<DType>(std::get<5>(r));
-          j.tensor.param_copy = as_ptr<void>(std::get<6>(r));
-          j.tensor.param_copy_dtype = static_cast<DType>(std::get<7>(r));
-          j.tensor.numel = std::get<8>(r);
-          j.config = make_config(std::get<14>(r), std::get<9>(r), std::get<10>(r), std::get<11>(r),
-                                 std::get<12>(r), std::get<13>(r), std::get<15>(r),
-                                 std::get<16>(r), std::get<17>(r));
-          jobs.push_back(j);
-        }
+        const std::vector<UpdateJob> jobs = to_jobs(rows);
         py::gil_scoped_release release;
         e.submit(block, jobs);
       })
@@ -313,6 +320,60 @@ PYBIND11_MODULE(hytrain_native, m) {
       })
       .def_property_readonly("workers", &UpdateEngine::workers);
   m.def("steady_now_ns", &steady_now_ns, "The clock of UpdateEngine timings (ns).");
+
+#ifdef HYTRAIN_WITH_CUDA
+  // Copy rows: (dst, src, bytes).
+  using CopyRow = std::tuple<std::uintptr_t, std::uintptr_t, std::size_t>;
+  const auto to_copies = [](const std::vector<CopyRow>& rows) {
+    std::vector<cuda::HostCopy> out;
+    out.reserve(rows.size());
+    for (const CopyRow& r : rows) {
+      out.push_back({as_ptr<void>(std::get<0>(r)), as_ptr<const void>(std::get<1>(r)),
+                     std::get<2>(r)});
+    }
+    return out;
+  };
+  py::class_<cuda::OffloadPipeline>(m, "OffloadPipeline")
+      .def(py::init([](UpdateEngine& engine, int device, int d2h_priority, int h2d_priority) {
+             return std::make_unique<cuda::OffloadPipeline>(engine, device, d2h_priority,
+                                                            h2d_priority);
+           }),
+           py::arg("engine"), py::arg("device"), py::arg("d2h_priority") = 0,
+           py::arg("h2d_priority") = 0, py::keep_alive<1, 2>())
+      .def("stage", [to_copies](cuda::OffloadPipeline& p, int64_t block,
+                                const std::vector<CopyRow>& d2h, const std::vector<JobRow>& rows,
+                                const std::vector<CopyRow>& h2d, std::uintptr_t stream) {
+        const auto jobs = to_jobs(rows);
+        const auto out = to_copies(d2h);
+        const auto in = to_copies(h2d);
+        py::gil_scoped_release release;
+        p.stage(block, out, jobs, in, stream);
+      })
+      .def("wait_ready", &cuda::OffloadPipeline::wait_ready, py::arg("block"), py::arg("stream"),
+           py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def("in_flight", &cuda::OffloadPipeline::in_flight)
+      .def("last_pass", [](cuda::OffloadPipeline& p, int64_t block) {
+        const cuda::BlockPass b = p.last_pass(block);
+        py::dict d;
+        d["d2h"] = std::make_tuple(b.d2h_first, b.d2h_last);
+        d["h2d"] = std::make_tuple(b.h2d_first, b.h2d_last);
+        d["d2h_bytes"] = b.d2h_bytes;
+        d["h2d_bytes"] = b.h2d_bytes;
+        d["update_ns"] = std::make_tuple(b.update.submit_ns, b.update.start_ns, b.update.end_ns);
+        d["elements"] = b.update.elements;
+        return d;
+      })
+      .def("copy_times_ms", [](cuda::OffloadPipeline& p, const std::string& direction,
+                               std::uintptr_t ref_event, uint64_t ticket) {
+        HYTRAIN_CHECK(direction == "d2h" || direction == "h2d", "direction must be d2h or h2d");
+        return (direction == "d2h" ? p.d2h() : p.h2d()).times_since_ms(ref_event, ticket);
+      })
+      .def_property_readonly("d2h_issued", [](cuda::OffloadPipeline& p) { return p.d2h().issued(); })
+      .def_property_readonly("d2h_completed",
+                             [](cuda::OffloadPipeline& p) { return p.d2h().completed(); })
+      .def_property_readonly("d2h_handle", [](cuda::OffloadPipeline& p) { return p.d2h().handle(); })
+      .def_property_readonly("h2d_handle", [](cuda::OffloadPipeline& p) { return p.h2d().handle(); });
+#endif
 
   py::class_<Allocation, std::shared_ptr<Allocation>>(m, "Allocation", py::buffer_protocol())
       .def_property_readonly("ptr", [](const Allocation& a) {

@@ -64,6 +64,7 @@ void UpdateEngine::submit(int64_t block, const std::vector<UpdateJob>& jobs) {
                   "amsgrad needs max_exp_avg_sq");
   }
   Block* b = nullptr;
+  std::function<void(int64_t)> on_complete;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto& slot = blocks_[block];
@@ -85,10 +86,11 @@ void UpdateEngine::submit(int64_t block, const std::vector<UpdateJob>& jobs) {
     b->remaining.store(static_cast<int64_t>(b->slices.size()));
     b->complete = b->slices.empty();
     if (b->complete) b->timing.start_ns = b->timing.end_ns = b->timing.submit_ns;
+    if (b->complete) on_complete = on_complete_;
   }
   if (b->slices.empty()) {
     completed_.notify_all();
-    if (on_complete_) on_complete_(block);
+    if (on_complete) on_complete(block);
     return;
   }
   for (Slice& s : b->slices) {
@@ -118,14 +120,16 @@ void UpdateEngine::run_worker() {
 
 void UpdateEngine::finish(Block& b) {
   const int64_t id = b.id;
+  std::function<void(int64_t)> on_complete;  // copied under the lock: set_on_complete may race
   {
     std::lock_guard<std::mutex> lock(mutex_);
     b.timing.start_ns = b.start_ns.load();
     b.timing.end_ns = steady_now_ns();
     b.complete = true;
+    on_complete = on_complete_;
   }
   completed_.notify_all();
-  if (on_complete_) on_complete_(id);
+  if (on_complete) on_complete(id);
 }
 
 void UpdateEngine::wait(int64_t block) {

@@ -156,16 +156,27 @@ void CopyStream::wait(uint64_t ticket, double timeout_s) {
 }
 
 std::pair<double, double> CopyStream::times_ms(uint64_t ticket) {
+  return times_since_ms(reinterpret_cast<std::uintptr_t>(epoch_), ticket);
+}
+
+std::pair<double, double> CopyStream::times_since_ms(std::uintptr_t ref_event, uint64_t ticket) {
+  HYTRAIN_CHECK(ref_event != 0, "the reference event is null");
   HYTRAIN_CHECK(ticket >= 1 && query(ticket), "ticket " + std::to_string(ticket) +
                                                   " has not landed");
   std::lock_guard<std::mutex> lock(issue_mutex_);
   HYTRAIN_CHECK(issued() - ticket < start_events_.size(),
                 "ticket " + std::to_string(ticket) + " is older than the event ring");
   DeviceGuard guard(device_);
+  cudaEvent_t ref = reinterpret_cast<cudaEvent_t>(ref_event);
   float a = 0.0f, b = 0.0f;
-  HYTRAIN_CUDA_CHECK(cudaEventElapsedTime(&a, as_event(epoch_), as_event(start_events_[slot(ticket)])));
-  HYTRAIN_CUDA_CHECK(cudaEventElapsedTime(&b, as_event(epoch_), as_event(end_events_[slot(ticket)])));
+  HYTRAIN_CUDA_CHECK(cudaEventElapsedTime(&a, ref, as_event(start_events_[slot(ticket)])));
+  HYTRAIN_CUDA_CHECK(cudaEventElapsedTime(&b, ref, as_event(end_events_[slot(ticket)])));
   return {a, b};
+}
+
+std::string CopyStream::failure() {
+  std::lock_guard<std::mutex> lock(wait_mutex_);
+  return error_;
 }
 
 }  // namespace cuda

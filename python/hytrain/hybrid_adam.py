@@ -22,6 +22,7 @@ whether a GradScaler drives the optimizer; fp16 parameters are assumed to be los
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 
@@ -31,9 +32,12 @@ from torch import nn
 from . import _checks
 from ._native import native
 from .cpu_adam import simd_paths
+from .cuda_adam import CudaAdamW
 from .pool import PinnedPool
+from .trace import Timeline
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def repeated_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -74,15 +78,20 @@ class HybridAdamW(torch.optim.Optimizer):
     """AdamW with host-resident fp32 master weights and states, updated by native CPU workers.
 
     Args:
-        params: parameters (fp32, bf16 or fp16, leaves, one device type) or param-group dicts.
+        params: parameters (fp32, bf16 or fp16, leaves, all on the CPU or all on one CUDA device) or
+            param-group dicts.
         lr, betas, eps, weight_decay, amsgrad: as ``torch.optim.AdamW``.
         max_grad_norm: global-norm clipping of the (unscaled) gradients, as ``clip_grad_norm_``.
         model: the module the parameters belong to; enables block detection and just-in-time waits.
         blocks: explicit blocks, each a module or a list of parameters (forward order).
+        gpu_blocks: k, the number of leading blocks (forward order) updated on the GPU by the fused
+            CUDA AdamW with their states resident there (CUDA parameters only; see
+            :meth:`set_gpu_blocks`).
         accumulation_steps: micro-batches per step; blocks are updated after the last one.
         workers: CPU update threads (default: the usable cores).
-        pool: a :class:`hytrain.PinnedPool` for master weights and states (default: a new one).
+        pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
         overlap: False updates everything inside ``step()`` (what overlap buys, for benchmarks).
+        trace: record a timeline of recent iterations (:meth:`export_trace`).
     """
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf instead of unscaling
@@ -90,72 +99,64 @@ class HybridAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  amsgrad=False, max_grad_norm=None, model=None, blocks=None, gpu_blocks=0,
                  accumulation_steps=1, workers=None, pool=None, overlap=True,
-                 bucket_elements=4 << 20, slice_elements=1 << 18):
+                 bucket_elements=4 << 20, slice_elements=1 << 18, trace=False):
         _checks.adamw_hparams(step=1, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_scale=1.0)
         if max_grad_norm is not None:
             max_grad_norm = _checks.real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
         self.max_grad_norm = max_grad_norm
         self.accumulation_steps = _checks.integer("accumulation_steps", accumulation_steps, lo=1)
-        if gpu_blocks not in (0, None):
-            raise NotImplementedError("gpu_blocks > 0 needs CUDA parameters and the GPU pipeline, which "
-                                      "this version does not have yet; use gpu_blocks=0")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad))
         super().__init__(params, defaults)
         all_params = [p for g in self.param_groups for p in g["params"]]
-        self._check_params(all_params)
+        self.device = self._check_params(all_params)
+        self._cuda = self.device.type == "cuda"
         self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-
-        if blocks is not None:
-            self._blocks = []
-            for i, b in enumerate(blocks):
-                ps = list(b.parameters()) if isinstance(b, nn.Module) else list(b)
-                self._blocks.append([p for p in ps if id(p) in self._group_of])
-            covered = {id(p) for b in self._blocks for p in b}
-            missing = [p for p in all_params if id(p) not in covered]
-            if missing:
-                raise ValueError(f"{len(missing)} optimizer parameter(s) are in no block of `blocks`")
-        elif model is not None:
-            if not isinstance(model, nn.Module):
-                raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-            self._blocks = detect_blocks(model, all_params)
-            covered = {id(p) for b in self._blocks for p in b}
-            extra = [p for p in all_params if id(p) not in covered]
-            if extra:  # optimizer parameters outside the model: one more block at the end
-                self._blocks.append(extra)
-        else:
-            self._blocks, cur, size = [], [], 0
-            for p in all_params:
-                cur.append(p)
-                size += p.numel()
-                if size >= bucket_elements:
-                    self._blocks.append(cur)
-                    cur, size = [], 0
-            if cur:
-                self._blocks.append(cur)
+        self._group_index = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        self._blocks = self._make_blocks(all_params, model, blocks, bucket_elements)
         self._block_of = {}
         for i, b in enumerate(self._blocks):
             for p in b:
                 if id(p) in self._block_of:
                     raise ValueError("a parameter appears in two blocks")
                 self._block_of[id(p)] = i
+        k = 0 if gpu_blocks is None else _checks.integer("gpu_blocks", gpu_blocks, lo=0)
+        self._check_k(k)
 
-        self._pool = pool if pool is not None else PinnedPool(
-            max(64 << 20, 13 * sum(p.numel() for p in all_params) + (64 << 20)), slab_bytes="256MiB")
+        self._pool = pool if pool is not None else PinnedPool(self._pool_bytes(all_params), slab_bytes="256MiB")
         if not isinstance(self._pool, PinnedPool):
             raise TypeError(f"pool must be a hytrain.PinnedPool, got {type(pool).__name__}")
+        if self._cuda and not self._pool.page_locked:
+            raise ValueError("CUDA parameters need a page-locked pool (PinnedPool(pinned=True or 'auto') "
+                             "on a machine where pinning works)")
+        self._staging = {}  # id(p) -> (gradient staging, weight staging or None); CUDA parameters
         for p in all_params:
             self._init_state(p)
         n_workers = workers if workers is not None else max(1, len(os.sched_getaffinity(0)))
         n_workers = _checks.integer("workers", n_workers, lo=1)
         self._engine = native().UpdateEngine(n_workers, _checks.integer("slice_elements", slice_elements, lo=1024),
                                              simd_paths()["selected"])
+        self._pipeline = None
+        if self._cuda:
+            # The weight copies gate the next forward: give them the higher priority.
+            self._pipeline = native().OffloadPipeline(self._engine, self.device.index, 0, -1)
         self.overlap = bool(overlap)
         self._loss_scaling = any(p.dtype == torch.float16 for p in all_params)
         self._steps_taken = 0
-        self._arrivals = [0] * len(self._blocks)
+        n = len(self._blocks)
+        self._arrivals = [0] * n
         self._expected = [len(b) for b in self._blocks]
-        self._submitted = [False] * len(self._blocks)
-        self._inflight = {}  # block -> tensors the workers read (kept alive until done)
+        self._submitted = [False] * n
+        self._inflight = {}  # block -> what the workers read (CPU path) / True (pipeline)
+        self._landing = collections.deque()  # (D2H ticket, gradients it reads) until the copy lands
+        self._on_gpu = [False] * n
+        self._dev_state = {}  # id(p) -> device master/exp_avg/exp_avg_sq/max_exp_avg_sq/grad
+        self._gpu_groups = {}  # tuple of parameter ids -> CudaAdamW
+        self.gpu_blocks = 0
+        self.timeline = Timeline(self.device if self._cuda else None) if trace else None
+        if self.timeline is not None:
+            self.timeline.pipeline = self._pipeline
+        self._pass_owner = {}
+        self.set_gpu_blocks(k)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in all_params]
         self._model_hooks = []
         if model is not None and blocks is None:
@@ -164,10 +165,10 @@ class HybridAdamW(torch.optim.Optimizer):
     # ---- setup ------------------------------------------------------------------------------------
 
     @staticmethod
-    def _check_params(params):
+    def _check_params(params) -> torch.device:
         if not params:
             raise ValueError("HybridAdamW got an empty parameter list")
-        device_types = set()
+        devices = set()
         seen = set()
         for i, p in enumerate(params):
             if not isinstance(p, torch.Tensor):
@@ -183,13 +184,57 @@ class HybridAdamW(torch.optim.Optimizer):
                                 "bfloat16 and float16")
             if p.layout != torch.strided or not p.is_contiguous():
                 raise ValueError(f"parameter {i} must be a dense contiguous tensor")
-            device_types.add(p.device.type)
-        if len(device_types) > 1:
-            raise ValueError(f"parameters are on mixed devices ({sorted(device_types)}); put them on one")
-        if device_types != {"cpu"}:
-            raise NotImplementedError(
-                f"parameters on {device_types.pop()}: this version of HybridAdamW runs the CPU path only "
-                "(the GPU pipeline is not in this build); move the model to the CPU or use CudaAdamW")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"parameter {i} is on {p.device}; HybridAdamW supports CPU and CUDA")
+            devices.add(p.device)
+        if len(devices) > 1:
+            raise ValueError(f"parameters are on mixed devices ({sorted(map(str, devices))}); put them on one")
+        device = devices.pop()
+        if device.type == "cuda" and not native().cuda_available():
+            raise RuntimeError("CUDA parameters need hytrain built with CUDA (this build has no GPU support)")
+        return device
+
+    def _make_blocks(self, all_params, model, blocks, bucket_elements):
+        if blocks is not None:
+            out = []
+            for b in blocks:
+                ps = list(b.parameters()) if isinstance(b, nn.Module) else list(b)
+                out.append([p for p in ps if id(p) in self._group_of])
+            covered = {id(p) for b in out for p in b}
+            missing = [p for p in all_params if id(p) not in covered]
+            if missing:
+                raise ValueError(f"{len(missing)} optimizer parameter(s) are in no block of `blocks`")
+            return [b for b in out if b]
+        if model is not None:
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            out = detect_blocks(model, all_params)
+            covered = {id(p) for b in out for p in b}
+            extra = [p for p in all_params if id(p) not in covered]
+            if extra:  # optimizer parameters outside the model: one more block at the end
+                out.append(extra)
+            return out
+        out, cur, size = [], [], 0
+        for p in all_params:
+            cur.append(p)
+            size += p.numel()
+            if size >= bucket_elements:
+                out.append(cur)
+                cur, size = [], 0
+        if cur:
+            out.append(cur)
+        return out
+
+    def _pool_bytes(self, params) -> int:
+        total = 64 << 20
+        for p in params:
+            per = 8 + (4 if self._group_of[id(p)]["amsgrad"] else 0)
+            if p.dtype != torch.float32 or self._cuda:
+                per += 4  # master
+            if self._cuda:
+                per += 2 * p.element_size()  # gradient and weight staging
+            total += p.numel() * per + 4 * 256
+        return total
 
     def _init_state(self, p):
         st = self.state[p]
@@ -198,21 +243,96 @@ class HybridAdamW(torch.optim.Optimizer):
         st["exp_avg_sq"] = self._pool.zeros(p.shape, torch.float32)
         if self._group_of[id(p)]["amsgrad"]:
             st["max_exp_avg_sq"] = self._pool.zeros(p.shape, torch.float32)
-        if p.dtype != torch.float32:
+        if p.dtype != torch.float32 or self._cuda:
             st["master"] = self._pool.empty(p.shape, torch.float32)
             st["master"].copy_(p.detach())
+        if self._cuda:
+            half = p.dtype != torch.float32
+            self._staging[id(p)] = (self._pool.empty(p.shape, p.dtype),
+                                    self._pool.empty(p.shape, p.dtype) if half else None)
 
     def _install_forward_hooks(self, model):
+        """Just-in-time waits: head blocks (and optimizer parameters outside the model) before the
+        model's forward, each repeated layer's blocks before that layer, tail blocks after the last
+        layer (before anything after it can use them)."""
         layers = repeated_layers(model)
-        in_layers = set() if layers is None else {id(p) for p in layers.parameters()}
-        edge = [i for i, b in enumerate(self._blocks) if id(b[0]) not in in_layers]  # head, tail
-        self._model_hooks.append(model.register_forward_pre_hook(lambda *_: self._wait_blocks(edge)))
-        if layers is not None:
-            for child in layers:
-                ps = list(child.parameters())
-                ids = sorted({self._block_of[id(p)] for p in ps if id(p) in self._block_of})
-                self._model_hooks.append(child.register_forward_pre_hook(
-                    lambda *_, ids=ids: self._wait_blocks(ids)))
+        n = len(self._blocks)
+        if layers is None:
+            everything = list(range(n))
+            self._model_hooks.append(model.register_forward_pre_hook(
+                lambda *_: self._before_forward(everything, everything[:1])))
+            return
+        layer_ids = [sorted({self._block_of[id(p)] for p in child.parameters() if id(p) in self._block_of})
+                     for child in layers]
+        in_layers = {b for ids in layer_ids for b in ids}
+        first_layer = min(in_layers) if in_layers else n
+        head = [b for b in range(n) if b not in in_layers and b < first_layer]
+        tail = [b for b in range(n) if b not in in_layers and b > first_layer]
+        model_params = {id(p) for p in model.parameters()}
+        outside = [b for b in tail if not any(id(p) in model_params for p in self._blocks[b])]
+        tail = [b for b in tail if b not in outside]
+        self._model_hooks.append(model.register_forward_pre_hook(
+            lambda *_: self._before_forward(head + outside, head)))
+        for child, ids in zip(layers, layer_ids):
+            self._model_hooks.append(child.register_forward_pre_hook(
+                lambda *_, ids=ids: self._before_forward(ids, ids)))
+        if tail:
+            self._model_hooks.append(layers[len(layers) - 1].register_forward_hook(
+                lambda *_: self._before_forward(tail, tail)))
+
+    def _before_forward(self, wait_for, marks):
+        self._wait_blocks(wait_for)
+        if self.timeline is not None and torch.is_grad_enabled():
+            for b in marks:
+                self.timeline.mark("forward", b)
+
+    # ---- k: which blocks the GPU updates ----------------------------------------------------------
+
+    def _check_k(self, k):
+        if k > len(self._blocks):
+            raise ValueError(f"gpu_blocks={k} but there are only {len(self._blocks)} blocks")
+        if k and not self._cuda:
+            raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
+
+    def set_gpu_blocks(self, k: int) -> None:
+        """Makes the first ``k`` blocks (forward order) GPU-updated, moving their fp32 master weights
+        and Adam states to the device, and the others CPU-updated (states back in pinned memory).
+        Call between steps; the results do not depend on k (both AdamW kernels agree bit for bit)."""
+        k = _checks.integer("gpu_blocks", k, lo=0)
+        self._check_k(k)
+        if any(self._submitted):
+            raise RuntimeError("set_gpu_blocks must be called between steps, not between backward and step()")
+        self.synchronize()
+        for b in range(len(self._blocks)):
+            if b < k and not self._on_gpu[b]:
+                self._to_gpu(b)
+            elif b >= k and self._on_gpu[b]:
+                self._to_host(b)
+        self.gpu_blocks = k
+
+    def _to_gpu(self, b):
+        for p in self._blocks[b]:
+            st = self.state[p]
+            d = {key: st[key].to(self.device) for key in _STATE_KEYS if key in st}
+            d["master"] = st["master"].to(self.device) if p.dtype != torch.float32 else p
+            d["grad"] = torch.empty_like(p)
+            self._dev_state[id(p)] = d
+        self._on_gpu[b] = True
+
+    def _to_host(self, b):
+        self._sync_host(b)
+        for p in self._blocks[b]:
+            del self._dev_state[id(p)]
+            self._gpu_groups = {key: g for key, g in self._gpu_groups.items() if id(p) not in key}
+        self._on_gpu[b] = False
+
+    def _sync_host(self, b):
+        """Copies a GPU-resident block's master weights and states into its host state."""
+        for p in self._blocks[b]:
+            st, d = self.state[p], self._dev_state[id(p)]
+            for key in (*_STATE_KEYS, "master"):
+                if key in st:
+                    st[key].copy_(d[key])
 
     # ---- the pipeline -----------------------------------------------------------------------------
 
@@ -228,48 +348,141 @@ class HybridAdamW(torch.optim.Optimizer):
                 f"optimizer.step() after every {self.accumulation_steps} backward pass(es) "
                 "(accumulation_steps)")
         self._arrivals[b] += 1
-        if self._arrivals[b] >= self._expected[b] * self.accumulation_steps and not self._deferred():
-            self._submit(b, 1.0)
+        if self._arrivals[b] >= self._expected[b] * self.accumulation_steps:
+            if self.timeline is not None:
+                self.timeline.mark("backward", b)
+            if not self._deferred():
+                self._launch(b, 1.0, release=True)
+        self._release_landed()
 
-    def _submit(self, b, grad_scale):
-        rows, keep = [], []
+    def _grads(self, b):
+        """The block's (parameter, gradient) pairs, gradients validated and contiguous."""
+        out = []
         for p in self._blocks[b]:
-            if p.grad is None:
-                continue
             g = p.grad
+            if g is None:
+                continue
             if g.is_sparse or g.layout != torch.strided:
                 raise RuntimeError(f"HybridAdamW does not support sparse gradients (shape {tuple(p.shape)})")
-            if not g.is_contiguous():
-                g = g.contiguous()
-            if g.dtype not in _checks.DTYPE_CODES or g.shape != p.shape or g.device != p.device:
+            if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
                 raise RuntimeError(f"gradient of a parameter of shape {tuple(p.shape)} has dtype {g.dtype}, "
-                                   f"shape {tuple(g.shape)}, device {g.device}: it must match the parameter")
-            group = self._group_of[id(p)]
+                                   f"shape {tuple(g.shape)}, device {g.device}: it must match the parameter "
+                                   f"({p.dtype}, {p.device})")
+            out.append((p, g if g.is_contiguous() else g.contiguous()))
+        return out
+
+    def _row(self, p, grad_addr, grad_scale, step, copy_addr):
+        group = self._group_of[id(p)]
+        st = self.state[p]
+        half = p.dtype != torch.float32
+        return (st.get("master", p).data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
+                _checks.address(st.get("max_exp_avg_sq")), grad_addr, _checks.DTYPE_CODES[p.dtype],
+                copy_addr if half else 0, _checks.DTYPE_CODES[p.dtype] if half else 1,
+                p.numel(), float(group["lr"]), float(group["betas"][0]), float(group["betas"][1]),
+                float(group["eps"]), float(group["weight_decay"]), step, True,
+                bool(group["amsgrad"]), float(grad_scale))
+
+    def _launch(self, b, grad_scale, *, release):
+        """Starts block b's update with gradient multiplier ``grad_scale``. ``release`` drops the
+        parameters' ``.grad`` (the GPU memory returns once the gradient copy has landed)."""
+        pairs = self._grads(b)
+        if self.timeline is not None:
+            self._pass_owner[b] = self.timeline.current
+        if not self._cuda:
+            rows = []
+            for p, g in pairs:
+                self.state[p]["step"] += 1
+                rows.append(self._row(p, g.data_ptr(), grad_scale, int(self.state[p]["step"].item()),
+                                      p.data_ptr()))
+            self._engine.submit(b, rows)
+            self._inflight[b] = [g for _, g in pairs]
+        elif self._on_gpu[b]:
+            self._gpu_update(b, pairs, grad_scale)
+        elif pairs:
+            d2h, rows, h2d = [], [], []
+            for p, g in pairs:
+                grad_host, weight_host = self._staging[id(p)]
+                nbytes = p.numel() * p.element_size()
+                st = self.state[p]
+                d2h.append((grad_host.data_ptr(), g.data_ptr(), nbytes))
+                rows.append(self._row(p, grad_host.data_ptr(), grad_scale, int(st["step"].item()) + 1,
+                                      _checks.address(weight_host)))
+                h2d.append((p.data_ptr(), (weight_host if weight_host is not None else st["master"]).data_ptr(),
+                            nbytes))
+            self._pipeline.stage(b, d2h, rows, h2d, torch.cuda.current_stream(self.device).cuda_stream)
+            for p, _ in pairs:
+                self.state[p]["step"] += 1
+            self._landing.append((self._pipeline.d2h_issued, [g for _, g in pairs]))
+            self._inflight[b] = True
+        self._submitted[b] = True
+        if release and self._cuda:
+            for p, _ in pairs:
+                p.grad = None
+
+    def _gpu_update(self, b, pairs, grad_scale):
+        groups = {}
+        for p, g in pairs:
+            d = self._dev_state[id(p)]
+            d["grad"].copy_(g)
             st = self.state[p]
             st["step"] += 1
-            master = st.get("master", p)
-            half = p.dtype != torch.float32
-            vmax = st.get("max_exp_avg_sq")
-            rows.append((master.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
-                         _checks.address(vmax), _checks.address(g), _checks.DTYPE_CODES[g.dtype],
-                         p.data_ptr() if half else 0, _checks.DTYPE_CODES[p.dtype] if half else 1,
-                         p.numel(), float(group["lr"]), float(group["betas"][0]), float(group["betas"][1]),
-                         float(group["eps"]), float(group["weight_decay"]), int(st["step"].item()), True,
-                         bool(group["amsgrad"]), float(grad_scale)))
-            keep.append(g)
-        self._engine.submit(b, rows)
-        self._submitted[b] = True
-        self._inflight[b] = keep
+            groups.setdefault((self._group_index[id(p)], p.dtype, int(st["step"].item())), []).append(p)
+        if self.timeline is not None:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(self.device))
+        for (gi, dtype, step), ps in groups.items():
+            key = tuple(id(p) for p in ps)
+            fused = self._gpu_groups.get(key)
+            if fused is None:
+                ds = [self._dev_state[id(p)] for p in ps]
+                half = dtype != torch.float32
+                amsgrad = bool(self.param_groups[gi]["amsgrad"])
+                fused = CudaAdamW([d["master"] for d in ds], [d["exp_avg"] for d in ds],
+                                  [d["exp_avg_sq"] for d in ds], [d["grad"] for d in ds],
+                                  weights=list(ps) if half else None, amsgrad=amsgrad,
+                                  max_exp_avg_sqs=[d["max_exp_avg_sq"] for d in ds] if amsgrad else None)
+                self._gpu_groups[key] = fused
+            group = self.param_groups[gi]
+            fused.step(step=step, lr=float(group["lr"]), betas=group["betas"], eps=float(group["eps"]),
+                       weight_decay=float(group["weight_decay"]), grad_scale=float(grad_scale))
+        if self.timeline is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            self.timeline.gpu_update(b, start, end)
+
+    def _release_landed(self):
+        if not self._landing:
+            return
+        done = self._pipeline.d2h_completed
+        while self._landing and self._landing[0][0] <= done:
+            self._landing.popleft()
 
     def _wait_blocks(self, ids):
         for b in ids:
-            if b in self._inflight:
-                self._engine.wait(b)
+            if b not in self._inflight:
+                continue
+            try:
+                if self._cuda:
+                    self._pipeline.wait_ready(b, torch.cuda.current_stream(self.device).cuda_stream)
+                else:
+                    self._engine.wait(b)
+            finally:
                 del self._inflight[b]
+            owner = self._pass_owner.pop(b, None)
+            if owner is not None:
+                owner.passes[b] = (self._pipeline.last_pass(b) if self._cuda else self._engine.timing(b))
+        self._release_landed()
 
     def synchronize(self) -> None:
-        """Waits for every queued update (the parameters are then current)."""
+        """Waits for every queued update (the parameters are then current for the current stream)."""
         self._wait_blocks(list(self._inflight))
+
+    def export_trace(self, path) -> str:
+        """Writes the recorded iterations (``trace=True``) as Chrome-trace JSON; returns the path."""
+        if self.timeline is None:
+            raise RuntimeError("tracing is off: create HybridAdamW(..., trace=True)")
+        self.synchronize()
+        return self.timeline.export(path)
 
     # ---- torch.optim.Optimizer API ----------------------------------------------------------------
 
@@ -314,15 +527,18 @@ class HybridAdamW(torch.optim.Optimizer):
             mult = self._multiplier(grad_scale)
             if not math.isfinite(mult):
                 raise RuntimeError(f"the gradient multiplier is {mult} (non-finite gradient norm)")
-            for b in range(len(self._blocks)):
+            for b in range(len(self._blocks)):  # forward order: the next forward needs block 0 first
                 if not self._submitted[b]:
-                    self._submit(b, mult)
+                    self._launch(b, mult, release=False)
             self._steps_taken += 1
             if not self._model_hooks:
                 self.synchronize()
         finally:
             self._arrivals = [0] * len(self._blocks)
             self._submitted = [False] * len(self._blocks)
+            if self.timeline is not None:
+                self.timeline.current.k = self.gpu_blocks
+                self.timeline.next_iteration()
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
@@ -337,7 +553,11 @@ class HybridAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def state_dict(self):
+        """torch's format, with CPU tensors (GPU-resident blocks are copied into their host state)."""
         self.synchronize()
+        for b in range(len(self._blocks)):
+            if self._on_gpu[b]:
+                self._sync_host(b)
         return super().state_dict()
 
     def load_state_dict(self, state_dict):
@@ -372,6 +592,13 @@ class HybridAdamW(torch.optim.Optimizer):
                 plan.append((mine[key], val))
         for dst, src in plan:
             dst.copy_(src)
+        for b in range(len(self._blocks)):  # GPU-resident blocks: refresh the device copies
+            if self._on_gpu[b]:
+                for p in self._blocks[b]:
+                    st, d = self.state[p], self._dev_state[id(p)]
+                    for key in (*_STATE_KEYS, "master"):
+                        if key in st:
+                            d[key].copy_(st[key])
         for g_saved, g in zip(groups, self.param_groups):
             for k, v in g_saved.items():
                 if k != "params":

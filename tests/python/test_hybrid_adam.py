@@ -115,13 +115,13 @@ def test_fp32_model_is_nearly_exact_and_overlaps_backward():
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, foreach=False)
     data = batches(10)
     submitted_in_backward = []
-    orig = opt._submit
+    orig = opt._launch
 
-    def spy(b, scale):
+    def spy(b, scale, *, release):
         submitted_in_backward.append(any(f.name == "_on_grad" for f in traceback.extract_stack()))
-        return orig(b, scale)
+        return orig(b, scale, release=release)
 
-    opt._submit = spy
+    opt._launch = spy
     losses = train(model, opt, data)
     ref_losses = train(ref_model, ref, data)
     assert_close_models(model, ref_model, losses, ref_losses, torch.float32)
@@ -219,8 +219,12 @@ def test_bad_input():
         hytrain.HybridAdamW([lin.weight * 2])
     with pytest.raises(TypeError, match="float64"):
         hytrain.HybridAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
-    with pytest.raises(ValueError, match="mixed devices"):
+    with pytest.raises(ValueError, match="is on meta"):
         hytrain.HybridAdamW([lin.weight, torch.nn.Parameter(torch.zeros(3, device="meta"))])
+    with pytest.raises(ValueError, match="gpu_blocks > 0 needs CUDA"):
+        hytrain.HybridAdamW(lin.parameters(), gpu_blocks=1)
+    with pytest.raises(ValueError, match="only 1 blocks"):
+        hytrain.HybridAdamW(lin.parameters(), gpu_blocks=2)
     with pytest.raises(ValueError, match="lr must be >= 0"):
         hytrain.HybridAdamW(lin.parameters(), lr=-1.0)
     with pytest.raises(ValueError, match="max_grad_norm"):

@@ -57,7 +57,8 @@ class UpdateEngine {
   void wait_all();
   bool done(int64_t block);
   BlockTiming timing(int64_t block);
-  // Called on a worker thread when a block completes (error or not). Set before the first submit.
+  // Called on a worker thread when a block completes (error or not); it must not throw. It may be
+  // replaced at any time (a call already under way finishes with the old function).
   void set_on_complete(std::function<void(int64_t)> fn);
 
   int workers() const { return static_cast<int>(threads_.size()); }

@@ -59,6 +59,12 @@ class CopyStream {
   // (start_ms, end_ms) of a landed ticket, relative to the stream's creation; the ticket must be one
   // of the last `ring` issued.
   std::pair<double, double> times_ms(uint64_t ticket);
+  // The same, relative to `ref_event` (a timing cudaEvent_t recorded on this device), so copies can
+  // be placed on another stream's timeline.
+  std::pair<double, double> times_since_ms(std::uintptr_t ref_event, uint64_t ticket);
+
+  // The first CUDA error the stream hit, or "" (the stream is then unusable).
+  std::string failure();
 
   // Called on the poller thread with each landed ticket, in order. It must be quick; it must not
   // call this stream's methods. Set it before the first copy.

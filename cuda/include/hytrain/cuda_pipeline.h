@@ -1,0 +1,112 @@
+// The offload pipeline: one GPU's blocks, from gradients on the device to updated weights back on it.
+//
+//   stage(block)   D2H of the block's gradients into pinned staging, ordered after the compute
+//                  stream's queued work (the backward that produced them)
+//   d2h poller     when the block's last gradient copy lands, its AdamW jobs go to the UpdateEngine
+//                  (the listener runs on the copy stream's poller thread; nothing waits on the host)
+//   engine         CPU workers update fp32 master, m and v in pinned memory and write the new
+//                  bf16/fp16 weights into pinned staging
+//   on_complete    a worker issues the block's H2D copies into the model's weights
+//   wait_ready     the host waits until those copies are issued, then makes the compute stream wait
+//                  for them on the device, just before the block's next forward
+//
+// Every failure of a block (a CUDA error on either copy stream, an update error) is kept with the
+// block and thrown by wait_ready in the training thread; no stage ever throws on a helper thread.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "hytrain/cuda_copy.h"
+#include "hytrain/update_engine.h"
+
+namespace hytrain {
+namespace cuda {
+
+struct HostCopy {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  std::size_t bytes = 0;
+};
+
+// The copy tickets and CPU update times of a block's last completed pass through the pipeline.
+struct BlockPass {
+  uint64_t d2h_first = 0, d2h_last = 0;  // tickets on the D2H stream (0 when none)
+  uint64_t h2d_first = 0, h2d_last = 0;  // tickets on the H2D stream
+  BlockTiming update;                    // UpdateEngine timing (steady clock, ns)
+  std::size_t d2h_bytes = 0, h2d_bytes = 0;
+};
+
+class OffloadPipeline {
+ public:
+  // The engine must outlive the pipeline; the pipeline installs the engine's on-complete hook.
+  OffloadPipeline(UpdateEngine& engine, int device, int d2h_priority = 0, int h2d_priority = 0);
+  ~OffloadPipeline();  // drains in-flight blocks (errors are dropped), then stops the copy streams
+  OffloadPipeline(const OffloadPipeline&) = delete;
+  OffloadPipeline& operator=(const OffloadPipeline&) = delete;
+
+  // Starts a block's pass. compute_stream: the cudaStream_t whose queued work produced the gradients
+  // (and last read the weights). If the block's previous pass was never consumed by wait_ready, the
+  // host waits for it first and the new gradient copies wait for its weight copies on the device.
+  void stage(int64_t block, const std::vector<HostCopy>& d2h, const std::vector<UpdateJob>& jobs,
+             const std::vector<HostCopy>& h2d, std::uintptr_t compute_stream);
+
+  // Waits until the block's updated weights are on their way to the device and orders `stream` after
+  // them. Returns at once for a block with no pass in flight. Throws hytrain::Error for a failed pass
+  // (the block is then free to be staged again) and hytrain::Timeout after timeout_s (< 0: never).
+  void wait_ready(int64_t block, std::uintptr_t stream, double timeout_s = -1.0);
+
+  bool in_flight(int64_t block);
+  // The last pass of `block` that wait_ready consumed.
+  BlockPass last_pass(int64_t block);
+
+  CopyStream& d2h() { return *d2h_; }
+  CopyStream& h2d() { return *h2d_; }
+
+ private:
+  enum class State { copying_out, updating, ready, failed };
+  struct Pass {
+    int64_t block = 0;
+    State state = State::copying_out;
+    std::vector<UpdateJob> jobs;
+    std::vector<HostCopy> h2d;
+    BlockPass info;
+    std::string error;
+  };
+
+  // The engine's hook holds this; the destructor clears `owner`, waiting for a call under way.
+  struct Gate {
+    std::mutex mutex;
+    OffloadPipeline* owner = nullptr;
+  };
+
+  void on_gradients_landed(uint64_t ticket);  // d2h poller thread
+  void on_updated(int64_t block);             // engine worker thread
+  void submit(const std::shared_ptr<Pass>& p);
+  // With mutex_ held: removes the passes whose gradients are all on the host (in ticket order) and
+  // returns those still to be submitted.
+  std::vector<std::shared_ptr<Pass>> take_landed(uint64_t completed);
+  void fail(Pass& p, const std::string& why);  // with mutex_ held
+  std::string stream_failure();
+
+  UpdateEngine& engine_;
+  int device_;
+  std::unique_ptr<CopyStream> d2h_;
+  std::unique_ptr<CopyStream> h2d_;
+  std::shared_ptr<Gate> gate_;
+  std::mutex stage_mutex_;           // one stage() at a time
+  std::mutex mutex_;                // guards everything below
+  std::condition_variable changed_;  // some pass changed state
+  std::unordered_map<int64_t, std::shared_ptr<Pass>> passes_;
+  std::vector<std::shared_ptr<Pass>> copying_;  // passes in D2H, in ticket order
+  std::unordered_map<int64_t, BlockPass> last_;
+};
+
+}  // namespace cuda
+}  // namespace hytrain
