@@ -17,6 +17,9 @@ timeout 300 compute-sanitizer --tool memcheck --leak-check no python3 -m pytest 
   tests/python/test_cuda_adam.py tests/python/test_grad_norm.py tests/python/test_copies.py \
   -k "found_inf or on_gpu or close_to_torch or accumulates or non_finite_detected_everywhere and 8-nan \
   or clip or both_ways or waits_for and not name_the_call" 2>&1 | tee "$out/memcheck.log" | tail -6
+timeout 300 compute-sanitizer --tool memcheck --leak-check no python3 -m pytest -q -x \
+  tests/python/test_hybrid_adam_cuda.py -k "pipeline_matches or errors_surface or without_model" \
+  2>&1 | tee "$out/memcheck_pipeline.log" | tail -6
 timeout 200 compute-sanitizer --tool racecheck python3 -m pytest -q -x \
   tests/python/test_cuda_adam.py tests/python/test_grad_norm.py \
   -k "found_inf or accumulates and 1] or reproducible" 2>&1 | tee "$out/racecheck.log" | tail -4

@@ -300,7 +300,7 @@ class HybridAdamW(torch.optim.Optimizer):
         Call between steps; the results do not depend on k (both AdamW kernels agree bit for bit)."""
         k = _checks.integer("gpu_blocks", k, lo=0)
         self._check_k(k)
-        if any(self._submitted):
+        if any(self._submitted) or any(self._arrivals):
             raise RuntimeError("set_gpu_blocks must be called between steps, not between backward and step()")
         self.synchronize()
         for b in range(len(self._blocks)):

@@ -139,8 +139,8 @@ class Timeline:
                         spans.append((pid_dev, tids[d], f"{d} block {b}", s, e,
                                       {"iteration": it.index, "bytes": info[f"{d}_bytes"]}))
                     _, start, end = info["update_ns"]
-                else:
-                    _, start, end = info
+                else:  # UpdateEngine timing: (submit, start, end, elements)
+                    start, end = info[1], info[2]
                 if end > start:
                     updates.append((start, end, b, it.index))
             if marks:

@@ -3,6 +3,7 @@ the same mixed precision and clipping), 30 steps of a small Llama-style model on
 LR schedules, GradScaler with a forced overflow, state_dict round trips, and bad input."""
 
 import copy
+import json
 import traceback
 
 import pytest
@@ -246,3 +247,23 @@ def test_bad_input():
     with pytest.raises(ValueError, match="exp_avg"):
         opt.load_state_dict(bad)
     assert torch.equal(opt.state[lin.weight]["exp_avg"], state_before)
+
+
+def test_trace_of_the_cpu_path(tmp_path):
+    model, _ = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, workers=2, trace=True)
+    train(model, opt, batches(4))
+    events = json.load(open(opt.export_trace(tmp_path / "t.json")))["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    names = {e["name"] for e in spans}
+    n = len(opt._blocks)
+    assert {f"forward block {b}" for b in range(n - 1)} <= names
+    assert {f"backward block {b}" for b in range(n)} <= names
+    assert {f"AdamW block {b}" for b in range(n)} <= names
+    # The last three iterations are kept, each with one update per block.
+    updates = [e for e in spans if e["name"].startswith("AdamW")]
+    assert len(updates) == 3 * n and all(e["dur"] > 0 for e in updates)
+    its = sorted({e["args"]["iteration"] for e in spans})
+    assert its == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="trace=True"):
+        hytrain.HybridAdamW(model.parameters(), workers=1).export_trace(tmp_path / "x.json")

@@ -1,0 +1,286 @@
+"""The GPU pipeline: the native OffloadPipeline element by element against the CPU AdamW, its failure
+paths, and HybridAdamW on CUDA parameters against the fp32-master torch reference of
+test_hybrid_adam.py for k = 0, k = all blocks, k in between and k changed mid-run, with clipping,
+fp16 + GradScaler with a forced overflow, accumulation, an LR schedule and a state_dict round trip."""
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import hytrain
+from hytrain.models import LlamaModel
+from test_hybrid_adam import CFG, STEPS, Reference, assert_close_models, batches, train
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def pair(dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    model = LlamaModel(CFG).to(dtype).to(DEV)
+    return model, copy.deepcopy(model)
+
+
+def cuda_batches(n, micro=1, seed=0):
+    return [[x.to(DEV) for x in m] for m in batches(n, micro, seed)]
+
+
+# ---- the native pipeline -----------------------------------------------------------------------------
+
+def _job(master, m, v, grad_host, weight_host, step, lr=1e-2):
+    codes = hytrain._checks.DTYPE_CODES
+    return (master.data_ptr(), m.data_ptr(), v.data_ptr(), 0, grad_host.data_ptr(), codes[grad_host.dtype],
+            weight_host.data_ptr(), codes[weight_host.dtype], master.numel(), lr, 0.9, 0.999, 1e-8, 0.01,
+            step, True, False, 1.0)
+
+
+def test_pipeline_matches_cpu_adamw_element_by_element():
+    pool = hytrain.PinnedPool("256MiB")
+    engine = hytrain.native().UpdateEngine(2, 1 << 14, "auto")
+    pipe = hytrain.native().OffloadPipeline(engine, 0, 0, -1)
+    torch.manual_seed(1)
+    sizes = [1, 1000, 70_001, 1 << 18]
+    blocks = []
+    for i, n in enumerate(sizes):
+        w = torch.randn(n).bfloat16().to(DEV)
+        master = pool.copy_of(w.float().cpu())
+        m, v = pool.zeros(n), pool.zeros(n)
+        grad_host, weight_host = pool.empty(n, torch.bfloat16), pool.empty(n, torch.bfloat16)
+        ref = [master.clone(), torch.zeros(n), torch.zeros(n)]
+        blocks.append((w, master, m, v, grad_host, weight_host, ref))
+    stream = torch.cuda.current_stream()
+    for step in (1, 2, 3):
+        grads = []
+        for b, (w, master, m, v, gh, wh, ref) in enumerate(blocks):
+            torch.cuda._sleep(5_000_000)  # the gradient is still being produced when the copy is queued
+            g = torch.randn(w.numel(), device=DEV).bfloat16()
+            grads.append(g)
+            nb = w.numel() * 2
+            pipe.stage(b, [(gh.data_ptr(), g.data_ptr(), nb)], [_job(master, m, v, gh, wh, step)],
+                       [(w.data_ptr(), wh.data_ptr(), nb)], stream.cuda_stream)
+        for b, (w, master, m, v, gh, wh, ref) in enumerate(blocks):
+            pipe.wait_ready(b, stream.cuda_stream, 30.0)
+            out = torch.empty_like(ref[0]).bfloat16()
+            hytrain.adamw_step(ref[0], grads[b].cpu(), ref[1], ref[2], step=step, lr=1e-2,
+                               weight_decay=0.01, param_copy=out)
+            torch.testing.assert_close(master, ref[0], rtol=0, atol=0)
+            torch.testing.assert_close(m, ref[1], rtol=0, atol=0)
+            torch.testing.assert_close(w.cpu(), out, rtol=0, atol=0)  # ordered after the H2D copy
+            info = pipe.last_pass(b)
+            assert info["d2h"][1] >= info["d2h"][0] > 0 and info["h2d"][1] > 0
+            assert info["update_ns"][2] >= info["update_ns"][1] > 0
+    del pipe
+
+
+def test_pipeline_errors_surface_in_the_training_thread():
+    pool = hytrain.PinnedPool("64MiB")
+    engine = hytrain.native().UpdateEngine(1, 1 << 14, "auto")
+    pipe = hytrain.native().OffloadPipeline(engine, 0)
+    n = 4096
+    g = torch.ones(n, device=DEV, dtype=torch.bfloat16)
+    w = torch.zeros(n, device=DEV, dtype=torch.bfloat16)
+    master, m, v = pool.zeros(n), pool.zeros(n), pool.zeros(n)
+    gh, wh = pool.empty(n, torch.bfloat16), pool.empty(n, torch.bfloat16)
+    s = torch.cuda.current_stream().cuda_stream
+    bad = list(_job(master, m, v, gh, wh, 1))
+    bad[9] = -1.0  # lr < 0: refused when the poller thread queues the update
+    pipe.stage(0, [(gh.data_ptr(), g.data_ptr(), 2 * n)], [tuple(bad)], [(w.data_ptr(), wh.data_ptr(), 2 * n)], s)
+    with pytest.raises(RuntimeError, match="block 0: queuing the update: .*lr"):
+        pipe.wait_ready(0, s, 30.0)
+    assert not pipe.in_flight(0)
+    # The same block goes through cleanly afterwards.
+    pipe.stage(0, [(gh.data_ptr(), g.data_ptr(), 2 * n)], [_job(master, m, v, gh, wh, 1)],
+               [(w.data_ptr(), wh.data_ptr(), 2 * n)], s)
+    pipe.wait_ready(0, s, 30.0)
+    assert torch.all(w < 0)
+
+
+def test_cuda_error_in_a_pipeline_worker_is_raised_not_crashed():
+    # The H2D copy is issued by a CPU worker thread; a bad device address there must come back as an
+    # exception from wait_ready in the training thread (in a child process: the error may be sticky).
+    code = textwrap.dedent("""
+        import torch, hytrain
+        pool = hytrain.PinnedPool("64MiB")
+        engine = hytrain.native().UpdateEngine(1, 1 << 14, "auto")
+        pipe = hytrain.native().OffloadPipeline(engine, 0)
+        n = 4096
+        g = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+        master, m, v = pool.zeros(n), pool.zeros(n), pool.zeros(n)
+        gh, wh = pool.empty(n, torch.bfloat16), pool.empty(n, torch.bfloat16)
+        job = (master.data_ptr(), m.data_ptr(), v.data_ptr(), 0, gh.data_ptr(), 2, wh.data_ptr(), 2, n,
+               1e-3, 0.9, 0.999, 1e-8, 0.0, 1, True, False, 1.0)
+        s = torch.cuda.current_stream().cuda_stream
+        pipe.stage(0, [(gh.data_ptr(), g.data_ptr(), 2 * n)], [job], [(0x10, wh.data_ptr(), 2 * n)], s)
+        try:
+            pipe.wait_ready(0, s, 30.0)
+            print("NO ERROR")
+        except TimeoutError as e:
+            print("TIMEOUT", e)
+        except RuntimeError as e:
+            print("ERROR", e)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ERROR block 0"), out.stdout
+    assert "cuda" in out.stdout.lower(), out.stdout
+
+
+# ---- HybridAdamW on CUDA parameters --------------------------------------------------------------
+
+def run_pair(k, *, max_grad_norm=None, steps=STEPS, lr=3e-3, k_schedule=None, check_released=False):
+    model, ref_model = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=lr, weight_decay=0.1, max_grad_norm=max_grad_norm,
+                              model=model, gpu_blocks=k, workers=2)
+    ref = Reference(ref_model, lr=lr, weight_decay=0.1, max_grad_norm=max_grad_norm)
+    data = cuda_batches(steps)
+    released = []
+
+    def step_fn(i):
+        if check_released:
+            released.append(all(p.grad is None for p in model.parameters()))
+        opt.step()
+        if k_schedule is not None:
+            opt.set_gpu_blocks(k_schedule(i))
+
+    losses = train(model, opt, data, step_fn=step_fn)
+    ref_losses = train(ref_model, ref, data)
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    assert losses[-1] < losses[0]
+    return opt, released
+
+
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_cuda_matches_reference_and_releases_gradients(k):
+    opt, released = run_pair(k, check_released=True)
+    assert opt.gpu_blocks == k == sum(opt._on_gpu)
+    # Step 1 is deferred (gradients kept); afterwards every block's gradients were handed off and
+    # released during backward.
+    assert released[0] is False and all(released[1:])
+
+
+def test_cuda_k_changed_every_few_steps():
+    run_pair(0, k_schedule=lambda i: [0, 5, 2, 1, 4, 3][(i // 3) % 6])
+
+
+def test_cuda_clipping_fires():
+    run_pair(1, max_grad_norm=0.3)
+
+
+def test_cuda_without_model_waits_in_step():
+    model, ref_model = pair()
+    blocks = [list(model.embed.parameters()), *[list(l.parameters()) for l in model.layers],
+              list(model.norm.parameters()) + [p for p in model.lm_head.parameters()
+                                                 if p is not model.embed.weight]]
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, blocks=blocks, gpu_blocks=1, workers=2)
+    ref = Reference(ref_model, lr=3e-3)
+    data = cuda_batches(10)
+    assert_close_models(model, ref_model, train(model, opt, data), train(ref_model, ref, data), torch.bfloat16)
+
+
+def test_cuda_fp16_grad_scaler_with_overflow():
+    torch.manual_seed(0)
+    model = LlamaModel(CFG).half().to(DEV)
+    ref_model = copy.deepcopy(model)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, gpu_blocks=2, workers=2)
+    ref = Reference(ref_model, lr=1e-3)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+    data = cuda_batches(12)
+    losses = train(model, opt, data, scaler=scaler, overflow_at=4)
+    assert scaler.get_scale() == 1024.0 * 2 ** -1
+    ref_losses = []
+    scale = 1024.0
+    for i, micro in enumerate(data):
+        loss = ref_model(micro[0], micro[0])
+        if i == 4:
+            loss = loss * float("inf")
+        (loss * scale).backward()
+        ref_losses.append(loss.item())
+        ref.step(inv_scale=1.0 / scale, skip=(i == 4))
+        ref.zero_grad()
+        scale = scale / 2 if i == 4 else scale
+    keep = [i for i in range(12) if i != 4]
+    assert_close_models(model, ref_model, [losses[i] for i in keep], [ref_losses[i] for i in keep],
+                        torch.bfloat16)
+
+
+def test_cuda_accumulation_and_lr_schedule():
+    model, ref_model = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, model=model, gpu_blocks=2, accumulation_steps=4,
+                              workers=2)
+    ref = Reference(ref_model, lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref.opt, lambda s: 1.0 / (1 + s))
+    data = cuda_batches(8, micro=4)
+    losses = train(model, opt, data, sched=sched)
+    ref_losses = []
+    for micro in data:
+        total = 0.0
+        for x in micro:
+            loss = ref_model(x, x) / 4
+            loss.backward()
+            total += loss.item()
+        ref_losses.append(total)
+        ref.step()
+        ref.zero_grad()
+        ref_sched.step()
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+
+
+def test_cuda_state_dict_round_trip_continues_identically():
+    data = cuda_batches(20)
+
+    def fresh():
+        torch.manual_seed(0)
+        model = LlamaModel(CFG).bfloat16().to(DEV)
+        return model, hytrain.HybridAdamW(model.parameters(), lr=3e-3, model=model, gpu_blocks=2, workers=2)
+
+    model, opt = fresh()
+    full = train(model, opt, data)
+    model, opt = fresh()
+    first = train(model, opt, data[:10])
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_opt = copy.deepcopy(opt.state_dict())
+    assert all(t.device.type == "cpu" for st in saved_opt["state"].values() for t in st.values())
+    model2, opt2 = fresh()
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    second = train(model2, opt2, data[10:])
+    torch.testing.assert_close(torch.tensor(first + second), torch.tensor(full), rtol=1e-3, atol=1e-3)
+
+
+def test_cuda_trace_has_every_track(tmp_path):
+    model, _ = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, gpu_blocks=2, workers=2, trace=True)
+    train(model, opt, cuda_batches(4))
+    path = opt.export_trace(tmp_path / "trace.json")
+    events = json.load(open(path))["traceEvents"]
+    names = {e["name"] for e in events if e["ph"] == "X"}
+    assert any(n.startswith("forward block") for n in names)
+    assert any(n.startswith("backward block") for n in names)
+    assert any(n.startswith("d2h block") for n in names) and any(n.startswith("h2d block") for n in names)
+    assert "AdamW block 0" in names  # GPU-updated (k = 2) and CPU-updated blocks
+    assert any(e["ph"] == "C" and e["args"]["k"] == 2 for e in events)
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_cuda_bad_input():
+    lin = torch.nn.Linear(4, 4).to(DEV)
+    with pytest.raises(ValueError, match="mixed devices"):
+        hytrain.HybridAdamW([lin.weight, torch.nn.Parameter(torch.zeros(3))])
+    model, _ = pair()
+    with pytest.raises(ValueError, match="only 5 blocks"):
+        hytrain.HybridAdamW(model.parameters(), model=model, gpu_blocks=6)
+    opt = hytrain.HybridAdamW(model.parameters(), model=model, gpu_blocks=1, workers=1)
+    x = cuda_batches(1)[0][0]
+    model(x, x).backward()
+    with pytest.raises(RuntimeError, match="between steps"):
+        opt.set_gpu_blocks(2)
+    opt.step()
+    opt.set_gpu_blocks(2)
+    assert opt.gpu_blocks == 2
