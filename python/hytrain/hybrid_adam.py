@@ -226,7 +226,9 @@ class HybridAdamW(torch.optim.Optimizer):
         return out
 
     def _pool_bytes(self, params) -> int:
-        total = 64 << 20
+        """A capacity for the default pool: the state and staging bytes, plus room for the slabs'
+        fragmentation (the capacity is a limit; memory is reserved slab by slab as it is used)."""
+        total = 0
         for p in params:
             per = 8 + (4 if self._group_of[id(p)]["amsgrad"] else 0)
             if p.dtype != torch.float32 or self._cuda:
@@ -234,7 +236,7 @@ class HybridAdamW(torch.optim.Optimizer):
             if self._cuda:
                 per += 2 * p.element_size()  # gradient and weight staging
             total += p.numel() * per + 4 * 256
-        return total
+        return total * 3 // 2 + (256 << 20)
 
     def _init_state(self, p):
         st = self.state[p]
