@@ -25,6 +25,7 @@ timeout 200 compute-sanitizer --tool racecheck python3 -m pytest -q -x \
   -k "found_inf or accumulates and 1] or reproducible" 2>&1 | tee "$out/racecheck.log" | tail -4
 python3 bench/gpu_adam.py 2>&1 | tee "$out/gpu_adam.txt"
 python3 bench/copies.py 2>&1 | tee "$out/copies.txt"
+python3 bench/hybrid_step.py --trace "$out/hybrid_trace.json" 2>&1 | tee "$out/hybrid_step.txt"
 if [ "${HYTRAIN_DEVICE_CPU_BENCH:-0}" = 1 ]; then
   cmake -S . -B build/bench -G Ninja -DHYTRAIN_BUILD_BENCH=ON -DHYTRAIN_BUILD_PYTHON=OFF >/dev/null
   cmake --build build/bench --parallel >/dev/null

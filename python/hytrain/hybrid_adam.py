@@ -1,23 +1,31 @@
 """HybridAdamW: a drop-in ``torch.optim.AdamW`` whose fp32 master weights and Adam states live in
-(pinned) host memory and are updated by hytrain's native CPU workers, overlapping backward.
+pinned host memory and are updated by hytrain's native CPU workers, overlapping backward and the next
+forward; the first ``gpu_blocks`` blocks may instead be updated on the GPU by the fused CUDA AdamW.
 
-How a step runs (CPU parameters; the GPU stages of the pipeline plug in at the same points):
+How a step runs:
 
 * Parameters are grouped into *blocks*: the modules of the model's largest ``nn.ModuleList`` of repeated
   blocks, with the remaining parameters forming a head block (before them) and a tail block (after);
   or explicit ``blocks``; or, without a model, buckets of about ``bucket_elements`` in parameter order.
 * A post-accumulate-grad hook counts each block's gradients. When a block's last gradient of the
-  step's last micro-batch (``accumulation_steps``) has arrived, the block is queued to the native
-  :class:`UpdateEngine`, whose workers update it while backward continues with earlier blocks.
-* ``step()`` queues whatever is left, then waits (without a model), or returns at once with a model:
-  a forward pre-hook on each block waits for that block's update just before it is used, so the
-  updates also overlap the next forward.
+  step's last micro-batch (``accumulation_steps``) has arrived, the block is launched while backward
+  continues with earlier blocks: CPU parameters go to the native :class:`UpdateEngine`; CUDA
+  parameters go through the native ``OffloadPipeline`` (gradients copied to pinned memory on a D2H
+  stream, CPU update, new weights copied back on an H2D stream), or, for the first k blocks, are
+  updated on the GPU with their states resident there.
+* ``step()`` launches whatever is left, then waits (without a model), or returns at once with a model:
+  forward hooks wait for each block's update just before it is used, so the updates also overlap the
+  next forward.
 
 Exact AdamW semantics (see ``docs/architecture.md``): gradient clipping (``max_grad_norm``) and loss
 scaling (``torch.amp.GradScaler``) need every gradient before any update. In those modes the updates
 are *deferred*: they start in ``step()`` once the global norm / overflow flag is known, and overlap the
 next forward instead of backward. The first step is always deferred, because only ``step()`` reveals
 whether a GradScaler drives the optimizer; fp16 parameters are assumed to be loss-scaled from the start.
+
+Outside the deferred modes, the ``.grad`` of CUDA parameters is released as soon as it has been handed
+off (that is the point: gradient memory returns during backward). Use ``max_grad_norm`` rather than
+``clip_grad_norm_`` on the gradients after backward.
 """
 
 from __future__ import annotations

@@ -267,3 +267,13 @@ def test_trace_of_the_cpu_path(tmp_path):
     assert its == [1, 2, 3]
     with pytest.raises(RuntimeError, match="trace=True"):
         hytrain.HybridAdamW(model.parameters(), workers=1).export_trace(tmp_path / "x.json")
+
+
+def test_exhausted_pool_is_a_clear_error_before_training():
+    model, _ = pair()
+    small = hytrain.PinnedPool("1MiB", slab_bytes="1MiB", pinned=False)
+    with pytest.raises(hytrain.PoolExhaustedError, match="pinned pool exhausted"):
+        hytrain.HybridAdamW(model.parameters(), model=model, pool=small, workers=1)
+    assert all(p.grad is None for p in model.parameters())
+    x = batches(1)[0][0]
+    model(x, x).backward()  # no hooks of the failed optimizer are left behind
