@@ -97,6 +97,13 @@ def main(argv=None) -> int:
     p_info.add_argument("--no-measure", action="store_true", help="skip the measurements")
     p_info.add_argument("--json", action="store_true", help="print one JSON object")
     p_info.set_defaults(fn=cmd_info)
+    sub.add_parser("train", help="train a model (embedded default: a tiny Llama on the Python stdlib "
+                   "sources); see hytrain train --help", add_help=False)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        from .train import main as train_main
+
+        return train_main(argv[1:])
     args = ap.parse_args(argv)
     if getattr(args, "params", 1) <= 0:
         ap.error("--params must be > 0")

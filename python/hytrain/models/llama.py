@@ -121,4 +121,4 @@ class LlamaModel(nn.Module):
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,136 @@
+"""`hytrain train`: the embedded default learns, checkpoints resume bit-identically on the CPU, damaged
+checkpoints are refused, a kill in the middle of a save never harms the last good one, SIGTERM saves
+and exits cleanly, and bad options fail before training with a clear message."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hytrain import checkpoint as ckpt
+from hytrain.train import main
+
+FAST = ["--batch-size", "4", "--seq-len", "64", "--no-progress", "--device", "cpu", "--workers", "1"]
+
+
+def metrics(out):
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_embedded_default_learns(tmp_path):
+    out = str(tmp_path / "run")
+    assert main(["--steps", "40", "--eval-every", "20", "--out", out, *FAST]) == 0
+    vals = [r["val_loss"] for r in metrics(out) if "val_loss" in r]
+    assert len(vals) == 2 and vals[1] < vals[0] < 4.5 and vals[1] < 3.5  # ln(256) = 5.55 at the start
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["steps"] == 40 and os.path.exists(summary["trace"])
+    assert ckpt.resolve(out, "latest").name == "step_00000040"
+
+
+def test_resume_is_bit_identical_on_cpu(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["--steps", "12", "--eval-every", "0", "--out", a, *FAST]) == 0
+    assert main(["--steps", "6", "--eval-every", "0", "--out", b, *FAST]) == 0
+    assert main(["--steps", "12", "--eval-every", "0", "--out", b, "--resume", "latest", *FAST]) == 0
+    la = [r["loss"] for r in metrics(a)]
+    lb = [r["loss"] for r in metrics(b)]
+    assert [r["step"] for r in metrics(b)] == list(range(1, 13))
+    assert la == lb
+
+
+def test_damaged_checkpoints_are_refused(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["--steps", "2", "--eval-every", "0", "--out", out, *FAST]) == 0
+    path = ckpt.resolve(out, "latest")
+    opt_file = path / "optimizer.pt"
+    data = bytearray(opt_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    opt_file.write_bytes(bytes(data))
+    assert main(["--steps", "4", "--out", out, "--resume", "latest", *FAST]) == 2
+    assert "optimizer.pt is corrupted" in capsys.readouterr().err
+    model_file = path / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:100])
+    with pytest.raises(ckpt.CheckpointError, match="truncated"):
+        ckpt.verify(path)
+    (path / "meta.json").unlink()
+    with pytest.raises(ckpt.CheckpointError, match="incomplete"):
+        ckpt.verify(path)
+
+
+def test_kill_during_save_keeps_the_last_good_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    assert main(["--steps", "2", "--eval-every", "0", "--out", out, *FAST]) == 0
+    good = ckpt.resolve(out, "latest")
+    # A second save in a child process that is SIGKILLed halfway (after the weights, while the
+    # optimizer state is being written).
+    code = textwrap.dedent(f"""
+        import os, signal, torch
+        from hytrain import checkpoint as ckpt
+        from hytrain.models import LlamaConfig, LlamaModel
+        import hytrain
+        model = LlamaModel(LlamaConfig())
+        opt = hytrain.HybridAdamW(model.parameters(), workers=1)
+        real = torch.save
+        def dying(obj, f, *a, **k):
+            with open(f, "wb") as fh:
+                fh.write(b"partial")
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.save = dying
+        ckpt.save({out!r}, 3, model, opt, None, {{}})
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert ckpt.resolve(out, "latest") == good
+    ckpt.verify(good)
+    assert main(["--steps", "3", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+
+
+def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", "100000", "--eval-every", "0",
+                          "--out", out, *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        path = os.path.join(out, "metrics.jsonl")
+        if os.path.exists(path) and len(open(path).read().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    assert "stopped by signal" in stdout
+    last = metrics(out)[-1]["step"]
+    assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == last
+
+
+def test_bad_options_fail_before_training(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('steps = 2\nlearning_rate = 0.1\n')
+    assert main(["--config", str(cfg), "--out", str(tmp_path / "x"), *FAST]) == 2
+    assert "unknown option(s) learning_rate" in capsys.readouterr().err
+    assert main(["--batch-size", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--batch-size must be an integer >= 1" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["--out", str(blocker / "sub"), *FAST]) == 2
+    assert "cannot write to the output directory" in capsys.readouterr().err
+    assert main(["--model", "small", "--pin-limit", "1MiB", "--out", str(tmp_path / "y"), *FAST]) == 2
+    assert "--pin-limit" in capsys.readouterr().err
+    assert main(["--resume", "latest", "--out", str(tmp_path / "z"), *FAST]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_toml_config_and_flags(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('steps = 3\neval-every = 0\nlr = 0.001\n')
+    out = str(tmp_path / "run")
+    assert main(["--config", str(cfg), "--out", out, "--steps", "2", *FAST]) == 0
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    opts = json.load(open(os.path.join(out, "config.json")))["options"]
+    assert opts["lr"] == 0.001 and opts["steps"] == 2
