@@ -1,0 +1,112 @@
+// KSplitScheduler: chooses k, the number of leading blocks (forward order) whose AdamW update runs on
+// the GPU with states resident there, so that the iteration -- backward, the updates on both sides,
+// the copies, and the next forward waiting for each block's new weights -- is shortest.
+//
+// The runtime reports per-block measurements (seconds), smoothed by an exponential moving average.
+// For each candidate k the scheduler simulates one steady-state iteration of the pipeline:
+//
+//   compute stream : backward L-1..0 (+ in-backward GPU updates of blocks < k) | step overhead |
+//                    (deferred mode: GPU updates 0..k-1) | forward 0..L-1, block j waiting for ready[j]
+//   D2H stream     : block j's gradients, after its backward (or after the step launch when deferred)
+//   CPU workers    : block j's update once its gradients landed, one block after another (FIFO)
+//   H2D stream     : block j's new weights once its update finished -> ready[j]
+//
+// and returns the k with the smallest simulated time whose resident states fit the GPU memory
+// budget. k changes only when the gain beats the hysteresis margin plus the amortised cost of moving
+// the states of the blocks that change side. The uniform case reduces to the closed form
+//   k = (L - T_bwd / c) / (1 + alpha)                       (closed_form_k).
+// Nothing here touches a device: it is plain arithmetic on measured numbers, tested on synthetic ones.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace hytrain {
+
+// What a measurement is of. Sizes that scale it: parameters (Forward, Backward, Cpu, Gpu) or weight
+// bytes (D2H, H2D); blocks never measured in a kind borrow the kind's pooled per-size rate.
+enum class Phase : int { Forward = 0, Backward, D2H, Cpu, H2D, Gpu, Count };
+
+struct KSplitConfig {
+  double smoothing = 0.3;       // EWMA weight of a new measurement (0 < smoothing <= 1)
+  double hysteresis = 0.03;     // a new k must be predicted this fraction faster than the current one
+  int horizon = 50;             // iterations over which a migration's cost is amortised
+  int every = 1;                // decide every N iterations (others keep k)
+  bool deferred = false;        // updates start after backward (clipping, loss scaling) in forward order
+};
+
+// One block's estimated costs (seconds); what the simulation runs on.
+struct BlockCosts {
+  double fwd = 0, bwd = 0, d2h = 0, cpu = 0, h2d = 0, gpu = 0, migrate = 0;
+};
+
+// A simulated iteration: its length and where the time went.
+struct Prediction {
+  std::size_t k = 0;
+  double iter_s = 0;        // backward start to the end of the next forward
+  double gpu_busy_s = 0;    // compute-stream work: forward + backward + GPU updates + step overhead
+  double gpu_idle_s = 0;    // iter_s - gpu_busy_s: the compute stream waiting for weights
+  double cpu_busy_s = 0;    // sum of the CPU updates
+  std::vector<double> ready;  // when each block's new weights are usable
+};
+
+class KSplitScheduler {
+ public:
+  // numel: parameters per block; weight_bytes: bytes of the training copy (what crosses PCIe per
+  // direction); state_bytes: GPU bytes a block needs when resident (master, m, v, gradient buffer).
+  KSplitScheduler(std::vector<std::int64_t> numel, std::vector<std::int64_t> weight_bytes,
+                  std::vector<std::int64_t> state_bytes, KSplitConfig config = {});
+
+  std::size_t blocks() const { return numel_.size(); }
+  const KSplitConfig& config() const { return config_; }
+  void set_deferred(bool deferred) { config_.deferred = deferred; }
+
+  // One measurement of `phase` for `block`, in seconds (>= 0, finite).
+  void observe(std::size_t block, Phase phase, double seconds);
+  // A per-size rate for a phase, without a block (e.g. a start-up probe of the GPU AdamW): seconds
+  // per parameter (Forward/Backward/Cpu/Gpu) or per byte (D2H/H2D).
+  void observe_rate(Phase phase, double seconds_per_unit);
+  // Compute-stream time between the end of backward and the step's first update (norm, launch).
+  void observe_overhead(double seconds);
+  // GPU bytes available for resident states; negative means unlimited.
+  void set_memory_budget(double bytes) { budget_ = bytes; }
+  double memory_budget() const { return budget_; }
+
+  // The largest k whose resident states fit the budget.
+  std::size_t max_k() const;
+  // Whether every cost the simulation needs is known (each phase measured or rated somewhere).
+  bool ready() const;
+  // Per-block costs as estimated now (measured EWMA, else pooled rate x size, else 0 for copies).
+  std::vector<BlockCosts> costs() const;
+  // The simulated iteration for a given k (throws if k > blocks()).
+  Prediction predict(std::size_t k) const;
+  static Prediction simulate(const std::vector<BlockCosts>& costs, std::size_t k, bool deferred,
+                             double overhead_s);
+
+  // The k for the next iteration, given the k in use now. Applies `every`, the memory limit, and
+  // hysteresis; returns `current` unchanged while ready() is false.
+  std::size_t decide(std::size_t current);
+  // The prediction behind the last decide() (iter_s 0 before any).
+  const Prediction& last_prediction() const { return last_; }
+
+  // Seed 002's balance for L uniform blocks: T_bwd + alpha*k*c = (L-k)*c, clamped to [0, L].
+  static double closed_form_k(double L, double t_bwd, double c, double alpha);
+
+ private:
+  double estimate(std::size_t block, Phase phase) const;
+  double size_of(std::size_t block, Phase phase) const;
+
+  std::vector<std::int64_t> numel_, weight_bytes_, state_bytes_;
+  KSplitConfig config_;
+  static constexpr int kPhases = static_cast<int>(Phase::Count);
+  std::vector<double> ewma_;         // blocks x phases; NaN = never measured
+  double rate_[kPhases];             // pooled seconds per unit; NaN = unknown
+  double overhead_ = 0;
+  bool overhead_seen_ = false;
+  double budget_ = -1;
+  std::int64_t iterations_ = 0;
+  Prediction last_;
+};
+
+}  // namespace hytrain

@@ -1,0 +1,216 @@
+#include "hytrain/ksplit.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "hytrain/error.h"
+
+namespace hytrain {
+
+namespace {
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+bool sized_by_bytes(Phase p) { return p == Phase::D2H || p == Phase::H2D; }
+
+void check_seconds(double s, const char* what) {
+  if (!std::isfinite(s) || s < 0) {
+    HYTRAIN_THROW(std::string(what) + " must be finite and >= 0, got " + std::to_string(s));
+  }
+}
+}  // namespace
+
+KSplitScheduler::KSplitScheduler(std::vector<std::int64_t> numel, std::vector<std::int64_t> weight_bytes,
+                                 std::vector<std::int64_t> state_bytes, KSplitConfig config)
+    : numel_(std::move(numel)),
+      weight_bytes_(std::move(weight_bytes)),
+      state_bytes_(std::move(state_bytes)),
+      config_(config) {
+  if (numel_.empty()) HYTRAIN_THROW("KSplitScheduler needs at least one block");
+  if (weight_bytes_.size() != numel_.size() || state_bytes_.size() != numel_.size()) {
+    HYTRAIN_THROW("KSplitScheduler: numel, weight_bytes and state_bytes must have one entry per block");
+  }
+  for (std::size_t j = 0; j < numel_.size(); ++j) {
+    if (numel_[j] < 1 || weight_bytes_[j] < 0 || state_bytes_[j] < 0) {
+      HYTRAIN_THROW("KSplitScheduler: block " + std::to_string(j) +
+                    " needs numel >= 1 and non-negative byte counts");
+    }
+  }
+  if (!(config_.smoothing > 0 && config_.smoothing <= 1)) {
+    HYTRAIN_THROW("KSplitScheduler: smoothing must be in (0, 1]");
+  }
+  if (!(config_.hysteresis >= 0 && config_.hysteresis < 1)) {
+    HYTRAIN_THROW("KSplitScheduler: hysteresis must be in [0, 1)");
+  }
+  if (config_.horizon < 1 || config_.every < 1) {
+    HYTRAIN_THROW("KSplitScheduler: horizon and every must be >= 1");
+  }
+  ewma_.assign(numel_.size() * kPhases, kNaN);
+  std::fill(rate_, rate_ + kPhases, kNaN);
+}
+
+double KSplitScheduler::size_of(std::size_t block, Phase phase) const {
+  return sized_by_bytes(phase) ? static_cast<double>(weight_bytes_[block])
+                               : static_cast<double>(numel_[block]);
+}
+
+void KSplitScheduler::observe(std::size_t block, Phase phase, double seconds) {
+  if (block >= blocks()) {
+    HYTRAIN_THROW("KSplitScheduler::observe: block " + std::to_string(block) + " of " +
+                  std::to_string(blocks()));
+  }
+  if (phase == Phase::Count) HYTRAIN_THROW("KSplitScheduler::observe: not a phase");
+  check_seconds(seconds, "a measured time");
+  const double a = config_.smoothing;
+  double& e = ewma_[block * kPhases + static_cast<int>(phase)];
+  e = std::isnan(e) ? seconds : (1 - a) * e + a * seconds;
+  const double size = size_of(block, phase);
+  if (size > 0) {
+    double& r = rate_[static_cast<int>(phase)];
+    r = std::isnan(r) ? seconds / size : (1 - a) * r + a * seconds / size;
+  }
+}
+
+void KSplitScheduler::observe_rate(Phase phase, double seconds_per_unit) {
+  if (phase == Phase::Count) HYTRAIN_THROW("KSplitScheduler::observe_rate: not a phase");
+  check_seconds(seconds_per_unit, "a rate");
+  double& r = rate_[static_cast<int>(phase)];
+  const double a = config_.smoothing;
+  r = std::isnan(r) ? seconds_per_unit : (1 - a) * r + a * seconds_per_unit;
+}
+
+void KSplitScheduler::observe_overhead(double seconds) {
+  check_seconds(seconds, "the step overhead");
+  const double a = config_.smoothing;
+  overhead_ = overhead_seen_ ? (1 - a) * overhead_ + a * seconds : seconds;
+  overhead_seen_ = true;
+}
+
+double KSplitScheduler::estimate(std::size_t block, Phase phase) const {
+  const double e = ewma_[block * kPhases + static_cast<int>(phase)];
+  if (!std::isnan(e)) return e;
+  const double r = rate_[static_cast<int>(phase)];
+  if (!std::isnan(r)) return r * size_of(block, phase);
+  return sized_by_bytes(phase) ? 0.0 : kNaN;
+}
+
+bool KSplitScheduler::ready() const {
+  for (Phase p : {Phase::Forward, Phase::Backward, Phase::Cpu, Phase::Gpu}) {
+    if (std::isnan(rate_[static_cast<int>(p)])) return false;
+  }
+  return true;
+}
+
+std::vector<BlockCosts> KSplitScheduler::costs() const {
+  std::vector<BlockCosts> out(blocks());
+  const double h2d_rate = rate_[static_cast<int>(Phase::H2D)];
+  for (std::size_t j = 0; j < blocks(); ++j) {
+    BlockCosts& c = out[j];
+    c.fwd = estimate(j, Phase::Forward);
+    c.bwd = estimate(j, Phase::Backward);
+    c.d2h = estimate(j, Phase::D2H);
+    c.cpu = estimate(j, Phase::Cpu);
+    c.h2d = estimate(j, Phase::H2D);
+    c.gpu = estimate(j, Phase::Gpu);
+    c.migrate = std::isnan(h2d_rate) ? 0.0 : h2d_rate * static_cast<double>(state_bytes_[j]);
+  }
+  return out;
+}
+
+std::size_t KSplitScheduler::max_k() const {
+  if (budget_ < 0) return blocks();
+  double used = 0;
+  for (std::size_t j = 0; j < blocks(); ++j) {
+    used += static_cast<double>(state_bytes_[j]);
+    if (used > budget_) return j;
+  }
+  return blocks();
+}
+
+Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size_t k, bool deferred,
+                                     double overhead_s) {
+  const std::size_t L = c.size();
+  if (k > L) HYTRAIN_THROW("KSplitScheduler: k=" + std::to_string(k) + " > " + std::to_string(L) + " blocks");
+  Prediction p;
+  p.k = k;
+  p.ready.assign(L, 0.0);
+  double gpu = 0, d2h_free = 0, cpu_free = 0, h2d_free = 0;
+  // One block through D2H -> CPU (FIFO) -> H2D, its gradients ready at `t`.
+  const auto offload = [&](std::size_t j, double t) {
+    d2h_free = std::max(t, d2h_free) + c[j].d2h;
+    cpu_free = std::max(d2h_free, cpu_free) + c[j].cpu;
+    h2d_free = std::max(cpu_free, h2d_free) + c[j].h2d;
+    p.ready[j] = h2d_free;
+    p.cpu_busy_s += c[j].cpu;
+  };
+  for (std::size_t i = L; i-- > 0;) {  // backward, last block first
+    gpu += c[i].bwd;
+    if (deferred) continue;
+    if (i < k) {
+      gpu += c[i].gpu;
+      p.ready[i] = gpu;
+    } else {
+      offload(i, gpu);
+    }
+  }
+  gpu += overhead_s;
+  if (deferred) {  // step(): offloaded blocks staged first (forward order), then the GPU updates
+    for (std::size_t j = k; j < L; ++j) offload(j, gpu);
+    for (std::size_t j = 0; j < k; ++j) {
+      gpu += c[j].gpu;
+      p.ready[j] = gpu;
+    }
+  }
+  double t = gpu;
+  for (std::size_t j = 0; j < L; ++j) t = std::max(t, p.ready[j]) + c[j].fwd;
+  p.iter_s = t;
+  for (std::size_t j = 0; j < L; ++j) p.gpu_busy_s += c[j].fwd + c[j].bwd + (j < k ? c[j].gpu : 0.0);
+  p.gpu_busy_s += overhead_s;
+  p.gpu_idle_s = std::max(0.0, p.iter_s - p.gpu_busy_s);
+  return p;
+}
+
+Prediction KSplitScheduler::predict(std::size_t k) const {
+  if (!ready()) HYTRAIN_THROW("KSplitScheduler::predict: forward, backward, CPU and GPU times not all known yet");
+  return simulate(costs(), k, config_.deferred, overhead_);
+}
+
+std::size_t KSplitScheduler::decide(std::size_t current) {
+  const bool due = iterations_ % config_.every == 0;
+  ++iterations_;
+  if (!ready()) return current;
+  const std::size_t L = blocks();
+  const std::size_t cur = std::min(current, L);
+  const std::size_t kmax = max_k();
+  const std::vector<BlockCosts> c = costs();
+  std::vector<Prediction> preds;
+  preds.reserve(L + 1);
+  for (std::size_t k = 0; k <= L; ++k) preds.push_back(simulate(c, k, config_.deferred, overhead_));
+  if (!due && cur <= kmax) {
+    last_ = preds[cur];
+    return cur;
+  }
+  std::size_t best = 0;
+  for (std::size_t k = 1; k <= kmax; ++k) {
+    if (preds[k].iter_s < preds[best].iter_s) best = k;
+  }
+  std::size_t chosen = best;
+  if (cur <= kmax && best != cur) {  // optional move: must pay for itself
+    double moved = 0;
+    for (std::size_t j = std::min(cur, best); j < std::max(cur, best); ++j) moved += c[j].migrate;
+    const double gain = preds[cur].iter_s * (1 - config_.hysteresis) - preds[best].iter_s;
+    if (gain <= moved / config_.horizon) chosen = cur;
+  }
+  last_ = preds[chosen];
+  return chosen;
+}
+
+double KSplitScheduler::closed_form_k(double L, double t_bwd, double c, double alpha) {
+  if (!(L >= 0) || !(t_bwd >= 0) || !(c > 0) || !(alpha >= 0)) {
+    HYTRAIN_THROW("closed_form_k needs L >= 0, t_bwd >= 0, c > 0, alpha >= 0");
+  }
+  return std::clamp((L - t_bwd / c) / (1 + alpha), 0.0, L);
+}
+
+}  // namespace hytrain

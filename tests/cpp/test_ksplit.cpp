@@ -1,0 +1,305 @@
+// KSplitScheduler on synthetic timings: the closed form in the uniform case, the direction of k when
+// the CPU slows or GPU memory shrinks, hysteresis under noise, and the simulation against an
+// independent tick-by-tick simulation of the same pipeline.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "hytrain/ksplit.h"
+
+using namespace hytrain;
+
+namespace {
+
+struct Uniform {
+  std::size_t L = 24;
+  double fwd = 1e-3, bwd = 2e-3, d2h = 0, cpu = 10e-3, h2d = 0, gpu = 1e-3;
+  std::int64_t numel = 1000000;
+  std::int64_t state_bytes = 16000000;
+};
+
+KSplitScheduler make(const Uniform& u, KSplitConfig cfg = {}) {
+  KSplitScheduler s(std::vector<std::int64_t>(u.L, u.numel), std::vector<std::int64_t>(u.L, 2 * u.numel),
+                    std::vector<std::int64_t>(u.L, u.state_bytes), cfg);
+  return s;
+}
+
+void feed(KSplitScheduler& s, const Uniform& u, std::mt19937* rng = nullptr, double noise = 0) {
+  std::uniform_real_distribution<double> jitter(1 - noise, 1 + noise);
+  const auto n = [&](double x) { return rng ? x * jitter(*rng) : x; };
+  for (std::size_t j = 0; j < u.L; ++j) {
+    s.observe(j, Phase::Forward, n(u.fwd));
+    s.observe(j, Phase::Backward, n(u.bwd));
+    s.observe(j, Phase::D2H, n(u.d2h));
+    s.observe(j, Phase::Cpu, n(u.cpu));
+    s.observe(j, Phase::H2D, n(u.h2d));
+    s.observe(j, Phase::Gpu, n(u.gpu));
+  }
+}
+
+std::size_t best_k(KSplitScheduler& s) {  // a fresh decision from k = 0 without hysteresis effects
+  std::size_t best = 0;
+  for (std::size_t k = 1; k <= s.max_k(); ++k) {
+    if (s.predict(k).iter_s < s.predict(best).iter_s) best = k;
+  }
+  return best;
+}
+
+// The same pipeline, simulated one integer tick at a time with explicit resources and queues.
+struct Ticks {
+  std::vector<long> fwd, bwd, d2h, cpu, h2d, gpu;
+};
+
+long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead) {
+  const std::size_t L = c.fwd.size();
+  enum Kind { Bwd, Gpu, Overhead, Fwd };
+  struct Op { Kind kind; std::size_t block; long dur; };
+  std::vector<Op> program;
+  for (std::size_t i = L; i-- > 0;) {
+    program.push_back({Bwd, i, c.bwd[i]});
+    if (!deferred && i < k) program.push_back({Gpu, i, c.gpu[i]});
+  }
+  program.push_back({Overhead, 0, overhead});
+  if (deferred) for (std::size_t j = 0; j < k; ++j) program.push_back({Gpu, j, c.gpu[j]});
+  for (std::size_t j = 0; j < L; ++j) program.push_back({Fwd, j, c.fwd[j]});
+
+  struct Lane {
+    std::vector<std::size_t> queue;  // FIFO of blocks
+    std::size_t head = 0;
+    long left = -1;                  // -1: idle
+  };
+  Lane lanes[3];  // D2H, CPU, H2D
+  const std::vector<long>* dur[3] = {&c.d2h, &c.cpu, &c.h2d};
+  std::vector<bool> ready(L, false);
+  std::size_t pc = 0;
+  long left = -1;  // compute stream's current op
+  for (long t = 0;; ++t) {
+    for (bool changed = true; changed;) {
+      changed = false;
+      if (pc < program.size()) {
+        const Op& op = program[pc];
+        if (left < 0 && (op.kind != Fwd || ready[op.block])) { left = op.dur; changed = true; }
+        if (left == 0) {
+          if (op.kind == Bwd && !deferred && op.block >= k) lanes[0].queue.push_back(op.block);
+          if (op.kind == Gpu) ready[op.block] = true;
+          if (op.kind == Overhead && deferred) for (std::size_t j = k; j < L; ++j) lanes[0].queue.push_back(j);
+          ++pc;
+          left = -1;
+          changed = true;
+        }
+      }
+      for (int r = 0; r < 3; ++r) {
+        Lane& lane = lanes[r];
+        if (lane.left < 0 && lane.head < lane.queue.size()) {
+          lane.left = (*dur[r])[lane.queue[lane.head]];
+          changed = true;
+        }
+        if (lane.left == 0) {
+          const std::size_t b = lane.queue[lane.head++];
+          if (r < 2) lanes[r + 1].queue.push_back(b); else ready[b] = true;
+          lane.left = -1;
+          changed = true;
+        }
+      }
+    }
+    if (pc == program.size()) return t;
+    if (left > 0) --left;
+    for (Lane& lane : lanes) if (lane.left > 0) --lane.left;
+  }
+}
+
+}  // namespace
+
+TEST(closed_form_is_reproduced_in_the_uniform_case) {
+  // Uniform blocks, no copies, no forward window: the simulation's best k is where the GPU's
+  // backward plus its k updates meets the CPU's L-k updates.
+  for (double alpha : {0.05, 0.1, 0.3}) {
+    for (double cpu : {4e-3, 10e-3, 30e-3}) {
+      Uniform u;
+      u.fwd = 0;
+      u.cpu = cpu;
+      u.gpu = alpha * cpu;
+      KSplitScheduler s = make(u);
+      feed(s, u);
+      const std::size_t k = best_k(s);
+      const double L = static_cast<double>(u.L);
+      // The first CPU update can start only after the last block's backward: T_bwd counts L-1 blocks.
+      const double exact = KSplitScheduler::closed_form_k(L, (L - 1) * u.bwd, u.cpu, alpha);
+      const double seed = KSplitScheduler::closed_form_k(L, L * u.bwd, u.cpu, alpha);
+      CHECK_MSG(std::floor(exact) <= k && k <= std::ceil(exact), "alpha %g cpu %g: k=%zu exact %g", alpha,
+                cpu, k, exact);
+      CHECK_MSG(std::fabs(k - seed) <= 1.0 + u.bwd / u.cpu, "k=%zu seed %g", k, seed);
+    }
+  }
+  CHECK(KSplitScheduler::closed_form_k(10, 100, 1, 0.1) == 0);   // backward alone outlasts the CPU
+  CHECK(KSplitScheduler::closed_form_k(10, 0, 1, 0) == 10);
+  CHECK_THROWS(KSplitScheduler::closed_form_k(10, 1, 0, 0.1));
+}
+
+TEST(slower_cpu_gives_larger_k) {
+  std::size_t previous = 0;
+  for (double cpu : {3e-3, 6e-3, 12e-3, 24e-3, 48e-3}) {
+    Uniform u;
+    u.cpu = cpu;
+    u.d2h = u.h2d = 1e-3;
+    for (bool deferred : {false, true}) {
+      KSplitConfig cfg;
+      cfg.deferred = deferred;
+      KSplitScheduler s = make(u, cfg);
+      feed(s, u);
+      const std::size_t k = s.decide(0);
+      if (!deferred) {
+        CHECK_MSG(k >= previous, "cpu %g: k=%zu after %zu", cpu, k, previous);
+        previous = k;
+      }
+      CHECK(s.last_prediction().k == k);
+    }
+  }
+  CHECK(previous > 0);
+}
+
+TEST(less_gpu_memory_gives_smaller_k) {
+  Uniform u;
+  u.cpu = 40e-3;
+  KSplitScheduler s = make(u);
+  feed(s, u);
+  const std::size_t free_k = s.decide(0);
+  CHECK(free_k > 4);
+  std::size_t previous = free_k;
+  for (std::size_t fit : {free_k - 1, free_k / 2, std::size_t(1), std::size_t(0)}) {
+    s.set_memory_budget(static_cast<double>(fit) * u.state_bytes + u.state_bytes / 2);
+    CHECK(s.max_k() == fit);
+    const std::size_t k = s.decide(previous);  // over budget: must move down, hysteresis or not
+    CHECK_MSG(k == fit, "fit %zu: k=%zu", fit, k);
+    previous = k;
+  }
+  s.set_memory_budget(-1);
+  CHECK(s.max_k() == u.L);
+}
+
+TEST(noise_does_not_make_k_oscillate) {
+  Uniform u;
+  u.cpu = 10e-3;
+  u.d2h = u.h2d = 1.5e-3;
+  const auto changes = [&](double hysteresis, int horizon) {
+    KSplitConfig cfg;
+    cfg.hysteresis = hysteresis;
+    cfg.horizon = horizon;
+    cfg.smoothing = 0.5;
+    KSplitScheduler s = make(u, cfg);
+    std::mt19937 rng(7);
+    feed(s, u, &rng, 0.15);
+    std::size_t k = s.decide(0);
+    int n = 0;
+    for (int it = 0; it < 400; ++it) {
+      feed(s, u, &rng, 0.15);
+      const std::size_t next = s.decide(k);
+      n += next != k;
+      k = next;
+    }
+    return n;
+  };
+  const int with = changes(0.03, 50), without = changes(0.0, 1 << 30);  // the latter: no damping
+  std::printf("  k changes in 400 noisy iterations: %d with hysteresis, %d without\n", with, without);
+  CHECK_MSG(with <= 2, "k changed %d times under noise with hysteresis", with);
+  CHECK_MSG(without > 4, "the noise should move an undamped scheduler (it changed %d times)", without);
+}
+
+TEST(migration_cost_holds_back_a_small_gain) {
+  Uniform u;
+  u.cpu = 10e-3;
+  KSplitConfig cfg;
+  cfg.hysteresis = 0;
+  cfg.horizon = 1;  // a move must pay for itself within one iteration
+  KSplitScheduler s = make(u, cfg);
+  feed(s, u);
+  s.observe_rate(Phase::H2D, 1.0);  // one second per state byte: moving anything is hopeless
+  const std::size_t target = best_k(s);
+  CHECK(target > 0);
+  CHECK(s.decide(0) == 0);
+  KSplitScheduler cheap = make(u, cfg);
+  feed(cheap, u);  // copies measured as free
+  CHECK(cheap.decide(0) == target);
+}
+
+TEST(predictions_match_a_tick_by_tick_simulation) {
+  std::mt19937 rng(2024);
+  std::uniform_int_distribution<long> small(0, 6), mid(1, 20), big(1, 60);
+  for (int trial = 0; trial < 300; ++trial) {
+    const std::size_t L = 1 + rng() % 12;
+    Ticks t;
+    std::vector<BlockCosts> costs(L);
+    for (std::size_t j = 0; j < L; ++j) {
+      t.fwd.push_back(mid(rng));
+      t.bwd.push_back(mid(rng));
+      t.d2h.push_back(small(rng));
+      t.cpu.push_back(big(rng));
+      t.h2d.push_back(small(rng));
+      t.gpu.push_back(small(rng));
+      costs[j] = {double(t.fwd[j]), double(t.bwd[j]), double(t.d2h[j]), double(t.cpu[j]),
+                  double(t.h2d[j]), double(t.gpu[j]), 0};
+    }
+    const std::size_t k = rng() % (L + 1);
+    const bool deferred = rng() % 2;
+    const long overhead = small(rng);
+    const long ticks = brute_force(t, k, deferred, overhead);
+    const Prediction p = KSplitScheduler::simulate(costs, k, deferred, double(overhead));
+    CHECK_MSG(p.iter_s == double(ticks), "trial %d L=%zu k=%zu deferred=%d: %g vs %ld", trial, L, k,
+              int(deferred), p.iter_s, ticks);
+    CHECK(std::fabs(p.iter_s - p.gpu_busy_s - p.gpu_idle_s) < 1e-9);
+  }
+}
+
+TEST(unmeasured_blocks_borrow_pooled_rates_and_waits_until_ready) {
+  Uniform u;
+  KSplitScheduler s = make(u);
+  CHECK(!s.ready());
+  CHECK(s.decide(3) == 3);  // nothing known: keep the current k
+  CHECK_THROWS(s.predict(0));
+  for (std::size_t j = 0; j < u.L; ++j) {
+    s.observe(j, Phase::Forward, u.fwd);
+    s.observe(j, Phase::Backward, u.bwd);
+    s.observe(j, Phase::Cpu, u.cpu);
+  }
+  CHECK(!s.ready());
+  s.observe_rate(Phase::Gpu, 2e-9);  // e.g. a start-up probe: 2 ns per parameter
+  CHECK(s.ready());
+  const std::vector<BlockCosts> c = s.costs();
+  CHECK(std::fabs(c[5].gpu - 2e-9 * u.numel) < 1e-12);
+  CHECK(c[5].d2h == 0 && c[5].h2d == 0);  // copies never measured count as free
+  s.observe(5, Phase::Gpu, 1e-3);
+  CHECK(s.costs()[5].gpu == 1e-3);
+}
+
+TEST(every_n_iterations) {
+  Uniform u;
+  u.cpu = 20e-3;
+  KSplitConfig cfg;
+  cfg.every = 4;
+  KSplitScheduler s = make(u, cfg);
+  feed(s, u);
+  const std::size_t k = s.decide(0);  // the first call decides
+  CHECK(k > 0);
+  CHECK(s.decide(0) == 0 && s.decide(0) == 0 && s.decide(0) == 0);
+  CHECK(s.decide(0) == k);
+}
+
+TEST(bad_input_throws) {
+  CHECK_THROWS(KSplitScheduler({}, {}, {}));
+  CHECK_THROWS(KSplitScheduler({1, 2}, {1}, {1, 2}));
+  CHECK_THROWS(KSplitScheduler({0}, {1}, {1}));
+  KSplitConfig bad;
+  bad.smoothing = 0;
+  CHECK_THROWS(KSplitScheduler({1}, {1}, {1}, bad));
+  KSplitScheduler s({1, 1}, {2, 2}, {12, 12});
+  CHECK_THROWS(s.observe(2, Phase::Cpu, 1.0));
+  CHECK_THROWS(s.observe(0, Phase::Cpu, -1.0));
+  CHECK_THROWS(s.observe(0, Phase::Cpu, std::nan("")));
+  CHECK_THROWS(s.observe_overhead(INFINITY));
+  CHECK_THROWS(KSplitScheduler::simulate(std::vector<BlockCosts>(2), 3, false, 0));
+}
+
+HYTEST_MAIN()
