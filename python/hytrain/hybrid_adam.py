@@ -42,6 +42,7 @@ from ._native import native
 from .cpu_adam import simd_paths
 from .cuda_adam import CudaAdamW
 from .pool import PinnedPool
+from .schedule import Meter
 from .trace import Timeline
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -94,7 +95,15 @@ class HybridAdamW(torch.optim.Optimizer):
         blocks: explicit blocks, each a module or a list of parameters (forward order).
         gpu_blocks: k, the number of leading blocks (forward order) updated on the GPU by the fused
             CUDA AdamW with their states resident there (CUDA parameters only; see
-            :meth:`set_gpu_blocks`).
+            :meth:`set_gpu_blocks`), or ``"auto"`` (the default): the native ``KSplitScheduler``
+            chooses k every ``schedule_every`` steps from costs measured on the compute stream, within
+            the GPU memory left for resident states, and the states migrate asynchronously. Auto needs
+            ``model`` (its forward hooks measure the forward) and ``accumulation_steps=1``; otherwise,
+            and on the CPU, it keeps k = 0.
+        gpu_memory_limit: bytes of GPU memory the process may use (default: the device's memory, or
+            its per-process fraction when set); the scheduler's budget for resident states is this
+            less the largest non-state use seen, less a margin.
+        schedule_every: how often (in steps) the scheduler may change k.
         accumulation_steps: micro-batches per step; blocks are updated after the last one.
         workers: CPU update threads (default: the usable cores).
         pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
@@ -105,9 +114,10 @@ class HybridAdamW(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf instead of unscaling
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 amsgrad=False, max_grad_norm=None, model=None, blocks=None, gpu_blocks=0,
+                 amsgrad=False, max_grad_norm=None, model=None, blocks=None, gpu_blocks="auto",
                  accumulation_steps=1, workers=None, pool=None, overlap=True,
-                 bucket_elements=4 << 20, slice_elements=1 << 18, trace=False):
+                 bucket_elements=4 << 20, slice_elements=1 << 18, trace=False,
+                 gpu_memory_limit=None, schedule_every=1):
         _checks.adamw_hparams(step=1, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_scale=1.0)
         if max_grad_norm is not None:
             max_grad_norm = _checks.real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
@@ -127,8 +137,14 @@ class HybridAdamW(torch.optim.Optimizer):
                 if id(p) in self._block_of:
                     raise ValueError("a parameter appears in two blocks")
                 self._block_of[id(p)] = i
-        k = 0 if gpu_blocks is None else _checks.integer("gpu_blocks", gpu_blocks, lo=0)
+        self.auto = isinstance(gpu_blocks, str)
+        if self.auto and gpu_blocks != "auto":
+            raise ValueError(f"gpu_blocks must be an integer >= 0 or 'auto', got {gpu_blocks!r}")
+        k = 0 if (gpu_blocks is None or self.auto) else _checks.integer("gpu_blocks", gpu_blocks, lo=0)
         self._check_k(k)
+        self.schedule_every = _checks.integer("schedule_every", schedule_every, lo=1)
+        if gpu_memory_limit is not None:
+            gpu_memory_limit = _checks.integer("gpu_memory_limit", gpu_memory_limit, lo=1)
 
         self._pool = pool if pool is not None else PinnedPool(self._pool_bytes(all_params), slab_bytes="256MiB")
         if not isinstance(self._pool, PinnedPool):
@@ -164,11 +180,24 @@ class HybridAdamW(torch.optim.Optimizer):
         if self.timeline is not None:
             self.timeline.pipeline = self._pipeline
         self._pass_owner = {}
+        self._mig_stream = None
+        self._mig_events = {}  # block -> CUDA event: its states' asynchronous move has completed
+        self._pending_up = set()  # blocks to move to the GPU once their in-flight CPU update is done
+        self._meter = None
+        self._scheduler = None
+        self._meter_owner = {}
+        self._last_summary = {}
+        if self._cuda:
+            self._mig_stream = torch.cuda.Stream(self.device, priority=0)
         self.set_gpu_blocks(k)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in all_params]
         self._model_hooks = []
         if model is not None and blocks is None:
             self._install_forward_hooks(model)
+        if self._cuda and self._model_hooks:
+            self._meter = Meter(self.device, self._pipeline, len(self._blocks))
+        if self._cuda and self.auto and self._model_hooks and self.accumulation_steps == 1:
+            self._start_scheduler(gpu_memory_limit)
 
     # ---- setup ------------------------------------------------------------------------------------
 
@@ -242,7 +271,7 @@ class HybridAdamW(torch.optim.Optimizer):
             if p.dtype != torch.float32 or self._cuda:
                 per += 4  # master
             if self._cuda:
-                per += 2 * p.element_size()  # gradient and weight staging
+                per += p.element_size()  # staging: the gradient lands there, the new weights replace it
             total += p.numel() * per + 4 * 256
         return total * 3 // 2 + (256 << 20)
 
@@ -257,9 +286,10 @@ class HybridAdamW(torch.optim.Optimizer):
             st["master"] = self._pool.empty(p.shape, torch.float32)
             st["master"].copy_(p.detach())
         if self._cuda:
-            half = p.dtype != torch.float32
-            self._staging[id(p)] = (self._pool.empty(p.shape, p.dtype),
-                                    self._pool.empty(p.shape, p.dtype) if half else None)
+            # One staging buffer: the gradient is copied in, the CPU update reads each element's
+            # gradient before writing its new bf16/fp16 weight over it, and the H2D copy sends it back.
+            buf = self._pool.empty(p.shape, p.dtype)
+            self._staging[id(p)] = (buf, buf if p.dtype != torch.float32 else None)
 
     def _install_forward_hooks(self, model):
         """Just-in-time waits: head blocks (and optimizer parameters outside the model) before the
@@ -291,7 +321,15 @@ class HybridAdamW(torch.optim.Optimizer):
                 lambda *_: self._before_forward(tail, tail)))
 
     def _before_forward(self, wait_for, marks):
+        meter = self._meter if (self._meter is not None and torch.is_grad_enabled()
+                                and not any(self._arrivals)) else None
+        before = None
+        if meter is not None:
+            meter.start(self.gpu_blocks, self._deferred())
+            before = meter.before_wait()
         self._wait_blocks(wait_for)
+        if meter is not None:
+            meter.after_wait(marks, before)
         if self.timeline is not None and torch.is_grad_enabled():
             for b in marks:
                 self.timeline.mark("forward", b)
@@ -304,37 +342,193 @@ class HybridAdamW(torch.optim.Optimizer):
         if k and not self._cuda:
             raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
 
-    def set_gpu_blocks(self, k: int) -> None:
+    def set_gpu_blocks(self, k: int, *, wait: bool = True) -> None:
         """Makes the first ``k`` blocks (forward order) GPU-updated, moving their fp32 master weights
         and Adam states to the device, and the others CPU-updated (states back in pinned memory).
-        Call between steps; the results do not depend on k (both AdamW kernels agree bit for bit)."""
+        Call between steps. ``wait=True`` returns with the move complete; ``wait=False`` only starts
+        it, as the scheduler does (see ``_migrate``). The results do not depend on k (both AdamW
+        kernels agree bit for bit). With ``gpu_blocks="auto"`` the scheduler may change k again."""
         k = _checks.integer("gpu_blocks", k, lo=0)
         self._check_k(k)
         if any(self._submitted) or any(self._arrivals):
             raise RuntimeError("set_gpu_blocks must be called between steps, not between backward and step()")
-        self.synchronize()
+        if wait:
+            self.synchronize()
+        if self._cuda:
+            self._migrate(k)
+        if wait and self._cuda:
+            self._settle_migrations()
+
+    def _migrate(self, k):
+        """Starts moving states so that blocks < k are GPU-resident. Nothing here waits: states go
+        down on the migration stream after the compute stream's last update of them; states go up
+        once the block's in-flight CPU update has finished (at its forward wait), and the compute
+        stream waits for them only at the block's first GPU update."""
         for b in range(len(self._blocks)):
             if b < k and not self._on_gpu[b]:
-                self._to_gpu(b)
-            elif b >= k and self._on_gpu[b]:
-                self._to_host(b)
+                if b in self._inflight:
+                    self._pending_up.add(b)
+                else:
+                    self._to_gpu(b)
+            elif b >= k:
+                self._pending_up.discard(b)
+                if self._on_gpu[b]:
+                    self._to_host(b)
         self.gpu_blocks = k
 
     def _to_gpu(self, b):
+        self._pending_up.discard(b)
+        compute = torch.cuda.current_stream(self.device)
+        states = []
         for p in self._blocks[b]:
             st = self.state[p]
-            d = {key: st[key].to(self.device) for key in _STATE_KEYS if key in st}
-            d["master"] = st["master"].to(self.device) if p.dtype != torch.float32 else p
+            d = {key: torch.empty(st[key].shape, dtype=torch.float32, device=self.device)
+                 for key in _STATE_KEYS if key in st}
+            if p.dtype != torch.float32:
+                d["master"] = torch.empty(p.shape, dtype=torch.float32, device=self.device)
             d["grad"] = torch.empty_like(p)
-            self._dev_state[id(p)] = d
+            states.append((p, st, d))
+        # Fresh allocations may reuse memory that queued compute-stream work still reads.
+        self._mig_stream.wait_stream(compute)
+        with torch.cuda.stream(self._mig_stream):
+            for p, st, d in states:
+                for key, t in d.items():
+                    if key != "grad":
+                        t.copy_(st[key], non_blocking=True)
+                if p.dtype == torch.float32:
+                    d["master"] = p  # fp32 weights are their own master
+                self._dev_state[id(p)] = d
+        done = torch.cuda.Event()
+        done.record(self._mig_stream)
+        self._mig_events[b] = done
         self._on_gpu[b] = True
 
     def _to_host(self, b):
-        self._sync_host(b)
-        for p in self._blocks[b]:
-            del self._dev_state[id(p)]
-            self._gpu_groups = {key: g for key, g in self._gpu_groups.items() if id(p) not in key}
+        self._mig_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the block's last update
+        with torch.cuda.stream(self._mig_stream):
+            for p in self._blocks[b]:
+                st, d = self.state[p], self._dev_state.pop(id(p))
+                for key in (*_STATE_KEYS, "master"):
+                    if key in st:
+                        st[key].copy_(d[key], non_blocking=True)
+                        if d[key] is not p:
+                            d[key].record_stream(self._mig_stream)  # freed only after the copy
+                d["grad"].record_stream(self._mig_stream)
+        ids = {id(p) for p in self._blocks[b]}
+        self._gpu_groups = {key: g for key, g in self._gpu_groups.items() if not ids.intersection(key)}
+        done = torch.cuda.Event()
+        done.record(self._mig_stream)
+        self._mig_events[b] = done
         self._on_gpu[b] = False
+
+    def _migration_done(self, b, *, host):
+        """Before block b's states are used: the host waits for a move down (normally long done);
+        the compute stream waits for a move up."""
+        ev = self._mig_events.pop(b, None)
+        if ev is None:
+            return
+        if host:
+            ev.synchronize()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def _settle_migrations(self):
+        for b in list(self._pending_up):
+            if b not in self._inflight:
+                self._to_gpu(b)
+        for b in list(self._mig_events):
+            self._mig_events.pop(b).synchronize()
+
+    # ---- the scheduler ----------------------------------------------------------------------------
+
+    def _block_sizes(self):
+        numel, weight, state = [], [], []
+        for blk in self._blocks:
+            n = w = s = 0
+            for p in blk:
+                e = p.numel()
+                n += e
+                w += e * p.element_size()
+                per = 8 + (4 if self._group_of[id(p)]["amsgrad"] else 0) + p.element_size()
+                if p.dtype != torch.float32:
+                    per += 4  # master
+                s += e * per
+            numel.append(max(1, n))
+            weight.append(w)
+            state.append(s)
+        return numel, weight, state
+
+    def _start_scheduler(self, limit):
+        numel, weight, self._state_bytes = self._block_sizes()
+        self._scheduler = native().KSplitScheduler(numel, weight, self._state_bytes,
+                                                   every=self.schedule_every, deferred=self._deferred())
+        if limit is None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            fraction = 1.0
+            getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            if getter is not None:
+                try:
+                    fraction = float(getter(self.device))
+                except (RuntimeError, TypeError):
+                    fraction = 1.0
+            limit = int(total * fraction)
+        self.gpu_memory_limit = limit
+        self._nonstate_peak = 0
+        self._resident_max = 0
+        self._scheduler.memory_budget = 0.0  # nothing resident until a step's peak has been seen
+        self._probe_gpu_rate()
+
+    def _probe_gpu_rate(self):
+        """alpha's GPU side before any block runs there: the fused AdamW on 4 M scratch elements."""
+        n = 1 << 22
+        dtype = self._blocks[0][0].dtype
+        t = [torch.zeros(n, device=self.device) for _ in range(3)]
+        g = torch.full((n,), 1e-3, dtype=dtype, device=self.device)
+        w = torch.empty(n, dtype=dtype, device=self.device) if dtype != torch.float32 else None
+        fused = CudaAdamW([t[0]], [t[1]], [t[2]], [g], weights=[w] if w is not None else None)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fused.step(step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        start.record()
+        for i in range(3):
+            fused.step(step=2 + i, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        end.record()
+        end.synchronize()
+        self._scheduler.observe_rate(native().Phase.gpu, start.elapsed_time(end) / 1e3 / 3 / n)
+
+    def _resident_bytes(self):
+        return sum(s for b, s in enumerate(self._state_bytes) if self._on_gpu[b] or b in self._pending_up)
+
+    def _schedule(self, record):
+        """After a step's launches: feed the last complete iteration's costs, refresh the memory
+        budget, and let the scheduler pick k for the next step (migrations start now)."""
+        summary = self._meter.harvest(record, self._scheduler) if record is not None else None
+        if summary is not None:
+            self._last_summary = dict(summary)
+        if self._scheduler is None:
+            return
+        self._scheduler.deferred = self._deferred()
+        resident = self._resident_bytes()
+        self._resident_max = max(self._resident_max, resident)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self._nonstate_peak = max(self._nonstate_peak, peak - self._resident_max)
+        margin = max(1 << 30, self.gpu_memory_limit // 20)
+        self._scheduler.memory_budget = float(max(0, self.gpu_memory_limit - self._nonstate_peak - margin))
+        k = self._scheduler.decide(self.gpu_blocks)
+        if k != self.gpu_blocks:
+            self._migrate(k)
+
+    def schedule_stats(self) -> dict:
+        """What the scheduler saw and predicts: k, the predicted iteration (``predicted_iter_s``,
+        ``predicted_gpu_idle_s``), the measured compute-stream iteration and the share of it spent
+        waiting for updated weights (``gpu_wait_frac``), and the memory budget for resident states."""
+        out = {"k": self.gpu_blocks, **self._last_summary}
+        if self._scheduler is not None and self._scheduler.ready():
+            p = self._scheduler.last_prediction()
+            if p["iter_s"] > 0:
+                out["predicted_iter_s"] = p["iter_s"]
+                out["predicted_gpu_idle_s"] = p["gpu_idle_s"]
+            out["state_budget_bytes"] = self._scheduler.memory_budget
+        return out
 
     def _sync_host(self, b):
         """Copies a GPU-resident block's master weights and states into its host state."""
@@ -361,6 +555,8 @@ class HybridAdamW(torch.optim.Optimizer):
         if self._arrivals[b] >= self._expected[b] * self.accumulation_steps:
             if self.timeline is not None:
                 self.timeline.mark("backward", b)
+            if self._meter is not None:
+                self._meter.backward_done(b)
             if not self._deferred():
                 self._launch(b, 1.0, release=True)
         self._release_landed()
@@ -398,6 +594,8 @@ class HybridAdamW(torch.optim.Optimizer):
         pairs = self._grads(b)
         if self.timeline is not None:
             self._pass_owner[b] = self.timeline.current
+        if self._meter is not None and self._cuda and not self._on_gpu[b]:
+            self._meter_owner[b] = self._meter.current
         if not self._cuda:
             rows = []
             for p, g in pairs:
@@ -409,6 +607,7 @@ class HybridAdamW(torch.optim.Optimizer):
         elif self._on_gpu[b]:
             self._gpu_update(b, pairs, grad_scale)
         elif pairs:
+            self._migration_done(b, host=True)  # states that came down from the GPU have landed
             d2h, rows, h2d = [], [], []
             for p, g in pairs:
                 grad_host, weight_host = self._staging[id(p)]
@@ -430,6 +629,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 p.grad = None
 
     def _gpu_update(self, b, pairs, grad_scale):
+        self._migration_done(b, host=False)  # states that went up: the compute stream waits for them
         groups = {}
         for p, g in pairs:
             d = self._dev_state[id(p)]
@@ -437,7 +637,8 @@ class HybridAdamW(torch.optim.Optimizer):
             st = self.state[p]
             st["step"] += 1
             groups.setdefault((self._group_index[id(p)], p.dtype, int(st["step"].item())), []).append(p)
-        if self.timeline is not None:
+        timed = self.timeline is not None or self._meter is not None
+        if timed:
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.device))
         for (gi, dtype, step), ps in groups.items():
@@ -455,10 +656,13 @@ class HybridAdamW(torch.optim.Optimizer):
             group = self.param_groups[gi]
             fused.step(step=step, lr=float(group["lr"]), betas=group["betas"], eps=float(group["eps"]),
                        weight_decay=float(group["weight_decay"]), grad_scale=float(grad_scale))
-        if self.timeline is not None:
+        if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self.device))
-            self.timeline.gpu_update(b, start, end)
+            if self.timeline is not None:
+                self.timeline.gpu_update(b, start, end)
+            if self._meter is not None:
+                self._meter.gpu_update(b, start, end)
 
     def _release_landed(self):
         if not self._landing:
@@ -479,13 +683,24 @@ class HybridAdamW(torch.optim.Optimizer):
             finally:
                 del self._inflight[b]
             owner = self._pass_owner.pop(b, None)
+            info = None
             if owner is not None:
-                owner.passes[b] = (self._pipeline.last_pass(b) if self._cuda else self._engine.timing(b))
+                info = self._pipeline.last_pass(b) if self._cuda else self._engine.timing(b)
+                owner.passes[b] = info
+            metered = self._meter_owner.pop(b, None)
+            if metered is not None:
+                metered.passes[b] = info if info is not None else self._pipeline.last_pass(b)
+        for b in ids:
+            if b in self._pending_up:
+                self._to_gpu(b)
         self._release_landed()
 
     def synchronize(self) -> None:
-        """Waits for every queued update (the parameters are then current for the current stream)."""
+        """Waits for every queued update and state move (the parameters are then current for the
+        current stream)."""
         self._wait_blocks(list(self._inflight))
+        if self._cuda:
+            self._settle_migrations()
 
     def export_trace(self, path) -> str:
         """Writes the recorded iterations (``trace=True``) as Chrome-trace JSON; returns the path."""
@@ -537,10 +752,15 @@ class HybridAdamW(torch.optim.Optimizer):
             mult = self._multiplier(grad_scale)
             if not math.isfinite(mult):
                 raise RuntimeError(f"the gradient multiplier is {mult} (non-finite gradient norm)")
-            for b in range(len(self._blocks)):  # forward order: the next forward needs block 0 first
+            # Forward order (the next forward needs block 0 first), offloaded blocks first so that
+            # their copies start before the GPU updates queue up on the compute stream.
+            n = len(self._blocks)
+            for b in sorted(range(n), key=lambda b: (self._on_gpu[b], b)):
                 if not self._submitted[b]:
                     self._launch(b, mult, release=False)
             self._steps_taken += 1
+            if self._meter is not None:
+                self._schedule(self._meter.end_iteration())
             if not self._model_hooks:
                 self.synchronize()
         finally:

@@ -60,7 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--warmup", type=int, default=30, help="warm-up steps")
     a("--weight-decay", type=float, default=0.1)
     a("--max-grad-norm", type=float, default=1.0, help="global-norm clipping (0: off)")
-    a("--gpu-blocks", type=int, default=1, help="k: leading blocks updated on the GPU (CUDA only)")
+    a("--gpu-blocks", type=_k_option, default="auto",
+      help="k: leading blocks updated on the GPU (CUDA only), or 'auto': the scheduler picks k each step")
+    a("--gpu-memory-limit", default=None,
+      help="GPU memory hytrain may plan with, e.g. 40GiB (default: the device's); resident states fit in it")
     a("--precision", choices=list(DTYPES), default=None, help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
     a("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False,
       help="recompute each layer in backward")
@@ -111,6 +114,10 @@ def resolve_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     return args
 
 
+def _k_option(text):
+    return text if text == "auto" else int(text)
+
+
 def check_options(args) -> None:
     def positive(name, lo=1):
         v = getattr(args, name)
@@ -119,8 +126,17 @@ def check_options(args) -> None:
 
     for name in ("batch_size", "seq_len", "steps", "eval_batches", "keep"):
         positive(name)
-    for name in ("warmup", "gpu_blocks", "workers", "eval_every", "save_every", "seed"):
+    for name in ("warmup", "workers", "eval_every", "save_every", "seed"):
         positive(name, 0)
+    if args.gpu_blocks != "auto":
+        positive("gpu_blocks", 0)
+    if args.gpu_memory_limit is not None:
+        try:
+            from .pool import parse_bytes
+
+            parse_bytes("--gpu-memory-limit", args.gpu_memory_limit)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise ConfigError(f"--lr must be a positive number, got {args.lr}")
     if args.max_grad_norm < 0 or args.weight_decay < 0:
@@ -369,9 +385,12 @@ def run(args) -> int:
                               f"{state_bytes / 2**30:.2f} GiB of pinned memory, over --pin-limit {args.pin_limit}")
         pool = PinnedPool(limit)
     k = args.gpu_blocks if device.type == "cuda" else 0
+    if k != "auto":
+        k = min(k, len(detect_blocks(model, list(model.parameters()))))
+    limit = parse_bytes("gpu_memory_limit", args.gpu_memory_limit) if args.gpu_memory_limit else None
     opt = hytrain.HybridAdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                               max_grad_norm=args.max_grad_norm or None, model=model, pool=pool,
-                              gpu_blocks=min(k, len(detect_blocks(model, list(model.parameters())))),
+                              gpu_blocks=k, gpu_memory_limit=limit if device.type == "cuda" else None,
                               workers=args.workers or None, trace=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     start = 0
@@ -414,7 +433,10 @@ def run(args) -> int:
             step += 1
             dt = time.perf_counter() - t0
             rec = {"step": step, "loss": loss_v, "lr": sched.get_last_lr()[0], "step_s": dt,
-                   "tokens_per_s": tokens_per_step / dt, "k": opt.gpu_blocks, **power.sample()}
+                   "tokens_per_s": tokens_per_step / dt, **power.sample()}
+            sched_stats = opt.schedule_stats()
+            rec.update({key: sched_stats[key] for key in ("k", "gpu_wait_frac", "predicted_iter_s")
+                        if key in sched_stats})
             energy += rec.get("energy_j", 0.0)
             if not math.isfinite(loss_v):
                 raise RuntimeError(f"the loss became {loss_v} at step {step}; lower --lr")
@@ -426,7 +448,10 @@ def run(args) -> int:
             history.append(rec)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss_v:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", k=opt.gpu_blocks)
+                post = dict(loss=f"{loss_v:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", k=rec["k"])
+                if "gpu_wait_frac" in rec:
+                    post["gpu_idle"] = f"{rec['gpu_wait_frac']:.0%}"
+                bar.set_postfix(**post)
             elif "val_loss" in rec:
                 print(f"step {step}: loss {loss_v:.4f} val {rec['val_loss']:.4f} "
                       f"{rec['tokens_per_s']:.0f} tokens/s", flush=True)

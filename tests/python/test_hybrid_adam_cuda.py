@@ -133,10 +133,11 @@ def test_cuda_error_in_a_pipeline_worker_is_raised_not_crashed():
 
 # ---- HybridAdamW on CUDA parameters --------------------------------------------------------------
 
-def run_pair(k, *, max_grad_norm=None, steps=STEPS, lr=3e-3, k_schedule=None, check_released=False):
+def run_pair(k, *, max_grad_norm=None, steps=STEPS, lr=3e-3, k_schedule=None, check_released=False,
+             wait=True, **kw):
     model, ref_model = pair()
     opt = hytrain.HybridAdamW(model.parameters(), lr=lr, weight_decay=0.1, max_grad_norm=max_grad_norm,
-                              model=model, gpu_blocks=k, workers=2)
+                              model=model, gpu_blocks=k, workers=2, **kw)
     ref = Reference(ref_model, lr=lr, weight_decay=0.1, max_grad_norm=max_grad_norm)
     data = cuda_batches(steps)
     released = []
@@ -146,7 +147,7 @@ def run_pair(k, *, max_grad_norm=None, steps=STEPS, lr=3e-3, k_schedule=None, ch
             released.append(all(p.grad is None for p in model.parameters()))
         opt.step()
         if k_schedule is not None:
-            opt.set_gpu_blocks(k_schedule(i))
+            opt.set_gpu_blocks(k_schedule(i), wait=wait)
 
     losses = train(model, opt, data, step_fn=step_fn)
     ref_losses = train(ref_model, ref, data)
@@ -166,6 +167,33 @@ def test_cuda_matches_reference_and_releases_gradients(k):
 
 def test_cuda_k_changed_every_few_steps():
     run_pair(0, k_schedule=lambda i: [0, 5, 2, 1, 4, 3][(i // 3) % 6])
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.3])
+def test_cuda_k_changed_every_step_asynchronously(max_grad_norm):
+    # States move on the migration stream while updates are still in flight, in both directions,
+    # every step: the trajectory must stay the reference's.
+    ks = torch.randint(0, 6, (STEPS,), generator=torch.Generator().manual_seed(3)).tolist()
+    opt, _ = run_pair(0, max_grad_norm=max_grad_norm, k_schedule=lambda i: ks[i], wait=False)
+    assert opt.gpu_blocks == ks[-1]
+    opt.synchronize()
+    assert sum(opt._on_gpu) == ks[-1] and not opt._mig_events
+
+
+def test_cuda_auto_k_chooses_and_stays_exact():
+    opt, _ = run_pair("auto", max_grad_norm=1.0, steps=12)
+    stats = opt.schedule_stats()
+    # A small model on a big GPU: the GPU update is far cheaper than the round trip, so the
+    # scheduler moves blocks to the GPU; its prediction and the measured wait share are reported.
+    assert opt.gpu_blocks > 0, stats
+    assert stats["predicted_iter_s"] > 0 and 0 <= stats["gpu_wait_frac"] <= 1
+    assert stats["state_budget_bytes"] > 0
+
+
+def test_cuda_auto_k_respects_the_memory_limit():
+    # A limit below what the model already uses leaves no budget for resident states: k stays 0.
+    opt, _ = run_pair("auto", steps=8, gpu_memory_limit=1 << 20)
+    assert opt.gpu_blocks == 0 and opt.schedule_stats()["state_budget_bytes"] == 0
 
 
 def test_cuda_clipping_fires():

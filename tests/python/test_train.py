@@ -121,6 +121,11 @@ def test_bad_options_fail_before_training(tmp_path, capsys):
     assert "cannot write to the output directory" in capsys.readouterr().err
     assert main(["--model", "small", "--pin-limit", "1MiB", "--out", str(tmp_path / "y"), *FAST]) == 2
     assert "--pin-limit" in capsys.readouterr().err
+    assert main(["--gpu-memory-limit", "lots", "--out", str(tmp_path / "x"), *FAST]) == 2
+    assert "--gpu-memory-limit must be a byte count" in capsys.readouterr().err
+    cfg.write_text('gpu-blocks = -1\n')
+    assert main(["--config", str(cfg), "--out", str(tmp_path / "x"), *FAST]) == 2
+    assert "--gpu-blocks must be an integer >= 0" in capsys.readouterr().err
     assert main(["--resume", "latest", "--out", str(tmp_path / "z"), *FAST]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
