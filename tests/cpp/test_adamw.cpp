@@ -10,6 +10,8 @@
 
 #include "check.h"
 #include "hytrain/adamw.h"
+#include "hytrain/cpu_features.h"
+#include "hytrain/dtype.h"
 #include "hytrain/error.h"
 
 using namespace hytrain;
@@ -227,6 +229,34 @@ TEST(thread_count_does_not_change_results) {
     results[k] = pk;
   }
   CHECK(results[0] == results[1] && results[0] == results[2]);
+}
+
+TEST(gradient_and_weight_copy_may_share_a_buffer) {
+  // The offload pipeline stages a bf16/fp16 gradient and receives the new weight in one buffer:
+  // each element's gradient is read before its copy is written, on every SIMD path and in the tail.
+  const int64_t n = 100'003;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  for (DType half : {DType::bf16, DType::f16}) {
+    for (SimdPath path : compiled_simd_paths()) {
+      if (!cpu_supports(path)) continue;
+      std::vector<float> p(n), p2, m(n, 0.1f), m2, v(n, 0.01f), v2;
+      std::vector<uint16_t> g(n), copy(n), shared;
+      for (int64_t i = 0; i < n; ++i) {
+        p[i] = normal(rng);
+        const float x = normal(rng) * 1e-2f;
+        g[i] = half == DType::bf16 ? f32_to_bf16(x) : f32_to_f16(x);
+      }
+      p2 = p, m2 = m, v2 = v, shared = g;
+      AdamWConfig c;
+      c.step = 3;
+      AdamWTensor apart{p.data(), m.data(), v.data(), nullptr, g.data(), half, copy.data(), half, n};
+      AdamWTensor same{p2.data(), m2.data(), v2.data(), nullptr, shared.data(), half, shared.data(), half, n};
+      adamw_step(apart, c, 3, path);
+      adamw_step(same, c, 3, path);
+      CHECK(p == p2 && m == m2 && v == v2 && copy == shared);
+    }
+  }
 }
 
 TEST(non_finite_gradients_are_reported) {

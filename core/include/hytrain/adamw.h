@@ -40,7 +40,8 @@ struct AdamWTensor {
   float* max_exp_avg_sq = nullptr;  // required when amsgrad
   const void* grad = nullptr;
   DType grad_dtype = DType::f32;
-  void* param_copy = nullptr;       // optional bf16/fp16 copy of the updated weight
+  void* param_copy = nullptr;       // optional bf16/fp16 copy of the updated weight; may be the
+                                    // grad buffer itself (each gradient is read before its copy is written)
   DType param_copy_dtype = DType::bf16;
   int64_t numel = 0;
 };
