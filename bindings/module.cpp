@@ -358,6 +358,8 @@ PYBIND11_MODULE(hytrain_native, m) {
       .def_property_readonly("blocks", &KSplitScheduler::blocks)
       .def_property("deferred", [](const KSplitScheduler& s) { return s.config().deferred; },
                     &KSplitScheduler::set_deferred)
+      .def_property("overlap", [](const KSplitScheduler& s) { return s.config().overlap; },
+                    &KSplitScheduler::set_overlap)
       .def_property("memory_budget", &KSplitScheduler::memory_budget, &KSplitScheduler::set_memory_budget)
       .def("observe", &KSplitScheduler::observe, py::arg("block"), py::arg("phase"), py::arg("seconds"))
       .def("observe_rate", &KSplitScheduler::observe_rate, py::arg("phase"), py::arg("seconds_per_unit"))

@@ -129,7 +129,7 @@ std::size_t KSplitScheduler::max_k() const {
 }
 
 Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size_t k, bool deferred,
-                                     double overhead_s) {
+                                     double overhead_s, bool overlap) {
   const std::size_t L = c.size();
   if (k > L) HYTRAIN_THROW("KSplitScheduler: k=" + std::to_string(k) + " > " + std::to_string(L) + " blocks");
   Prediction p;
@@ -163,6 +163,7 @@ Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size
     }
   }
   double t = gpu;
+  if (!overlap) t = std::max(t, *std::max_element(p.ready.begin(), p.ready.end()));
   for (std::size_t j = 0; j < L; ++j) t = std::max(t, p.ready[j]) + c[j].fwd;
   p.iter_s = t;
   for (std::size_t j = 0; j < L; ++j) p.gpu_busy_s += c[j].fwd + c[j].bwd + (j < k ? c[j].gpu : 0.0);
@@ -173,7 +174,7 @@ Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size
 
 Prediction KSplitScheduler::predict(std::size_t k) const {
   if (!ready()) HYTRAIN_THROW("KSplitScheduler::predict: forward, backward, CPU and GPU times not all known yet");
-  return simulate(costs(), k, config_.deferred, overhead_);
+  return simulate(costs(), k, config_.deferred, overhead_, config_.overlap);
 }
 
 std::size_t KSplitScheduler::decide(std::size_t current) {
@@ -186,7 +187,9 @@ std::size_t KSplitScheduler::decide(std::size_t current) {
   const std::vector<BlockCosts> c = costs();
   std::vector<Prediction> preds;
   preds.reserve(L + 1);
-  for (std::size_t k = 0; k <= L; ++k) preds.push_back(simulate(c, k, config_.deferred, overhead_));
+  for (std::size_t k = 0; k <= L; ++k) {
+    preds.push_back(simulate(c, k, config_.deferred, overhead_, config_.overlap));
+  }
   if (!due && cur <= kmax) {
     last_ = preds[cur];
     return cur;

@@ -107,7 +107,8 @@ class HybridAdamW(torch.optim.Optimizer):
         accumulation_steps: micro-batches per step; blocks are updated after the last one.
         workers: CPU update threads (default: the usable cores).
         pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
-        overlap: False updates everything inside ``step()`` (what overlap buys, for benchmarks).
+        overlap: False updates everything inside ``step()`` and waits for it there (what overlap
+            buys, for benchmarks).
         trace: record a timeline of recent iterations (:meth:`export_trace`).
     """
 
@@ -187,6 +188,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._scheduler = None
         self._meter_owner = {}
         self._last_summary = {}
+        self._prediction = None  # the scheduler's simulated iteration for the k in use
         if self._cuda:
             self._mig_stream = torch.cuda.Stream(self.device, priority=0)
         self.set_gpu_blocks(k)
@@ -196,7 +198,8 @@ class HybridAdamW(torch.optim.Optimizer):
             self._install_forward_hooks(model)
         if self._cuda and self._model_hooks:
             self._meter = Meter(self.device, self._pipeline, len(self._blocks))
-        if self._cuda and self.auto and self._model_hooks and self.accumulation_steps == 1:
+        if self._cuda and self._model_hooks and self.accumulation_steps == 1:
+            # Fixed k too: its predictions are what a run is checked against.
             self._start_scheduler(gpu_memory_limit)
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -507,6 +510,11 @@ class HybridAdamW(torch.optim.Optimizer):
         if self._scheduler is None:
             return
         self._scheduler.deferred = self._deferred()
+        self._scheduler.overlap = self.overlap
+        if not self.auto:
+            if self._scheduler.ready():
+                self._prediction = self._scheduler.predict(self.gpu_blocks)
+            return
         resident = self._resident_bytes()
         self._resident_max = max(self._resident_max, resident)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -514,6 +522,8 @@ class HybridAdamW(torch.optim.Optimizer):
         margin = max(1 << 30, self.gpu_memory_limit // 20)
         self._scheduler.memory_budget = float(max(0, self.gpu_memory_limit - self._nonstate_peak - margin))
         k = self._scheduler.decide(self.gpu_blocks)
+        if self._scheduler.ready():
+            self._prediction = self._scheduler.last_prediction()
         if k != self.gpu_blocks:
             self._migrate(k)
 
@@ -522,11 +532,12 @@ class HybridAdamW(torch.optim.Optimizer):
         ``predicted_gpu_idle_s``), the measured compute-stream iteration and the share of it spent
         waiting for updated weights (``gpu_wait_frac``), and the memory budget for resident states."""
         out = {"k": self.gpu_blocks, **self._last_summary}
-        if self._scheduler is not None and self._scheduler.ready():
-            p = self._scheduler.last_prediction()
-            if p["iter_s"] > 0:
-                out["predicted_iter_s"] = p["iter_s"]
-                out["predicted_gpu_idle_s"] = p["gpu_idle_s"]
+        p = self._prediction
+        if p is not None:
+            out["predicted_iter_s"] = p["iter_s"]
+            out["predicted_gpu_idle_s"] = p["gpu_idle_s"]
+            out["predicted_k"] = p["k"]
+        if self._scheduler is not None and self.auto:
             out["state_budget_bytes"] = self._scheduler.memory_budget
         return out
 
@@ -761,7 +772,7 @@ class HybridAdamW(torch.optim.Optimizer):
             self._steps_taken += 1
             if self._meter is not None:
                 self._schedule(self._meter.end_iteration())
-            if not self._model_hooks:
+            if not self._model_hooks or not self.overlap:
                 self.synchronize()
         finally:
             self._arrivals = [0] * len(self._blocks)

@@ -7,6 +7,7 @@
 //
 //   compute stream : backward L-1..0 (+ in-backward GPU updates of blocks < k) | step overhead |
 //                    (deferred mode: GPU updates 0..k-1) | forward 0..L-1, block j waiting for ready[j]
+//                    (without overlap: the forward waits for every block)
 //   D2H stream     : block j's gradients, after its backward (or after the step launch when deferred)
 //   CPU workers    : block j's update once its gradients landed, one block after another (FIFO)
 //   H2D stream     : block j's new weights once its update finished -> ready[j]
@@ -34,6 +35,7 @@ struct KSplitConfig {
   int horizon = 50;             // iterations over which a migration's cost is amortised
   int every = 1;                // decide every N iterations (others keep k)
   bool deferred = false;        // updates start after backward (clipping, loss scaling) in forward order
+  bool overlap = true;          // false: the next forward waits for every update (no overlap at all)
 };
 
 // One block's estimated costs (seconds); what the simulation runs on.
@@ -61,6 +63,7 @@ class KSplitScheduler {
   std::size_t blocks() const { return numel_.size(); }
   const KSplitConfig& config() const { return config_; }
   void set_deferred(bool deferred) { config_.deferred = deferred; }
+  void set_overlap(bool overlap) { config_.overlap = overlap; }
 
   // One measurement of `phase` for `block`, in seconds (>= 0, finite).
   void observe(std::size_t block, Phase phase, double seconds);
@@ -82,7 +85,7 @@ class KSplitScheduler {
   // The simulated iteration for a given k (throws if k > blocks()).
   Prediction predict(std::size_t k) const;
   static Prediction simulate(const std::vector<BlockCosts>& costs, std::size_t k, bool deferred,
-                             double overhead_s);
+                             double overhead_s, bool overlap = true);
 
   // The k for the next iteration, given the k in use now. Applies `every`, the memory limit, and
   // hysteresis; returns `current` unchanged while ready() is false.

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# End-to-end runs on a GPU machine, in stages: `bash bench/device_e2e.sh build tests l3b l7b`.
+#   build  installs hytrain (incremental build in build/pip) and, when .whl/ holds them, DeepSpeed and
+#          its missing dependencies into /tmp/site (see ../shared/ANCHORS.md)
+#   tests  the GPU tests of HybridAdamW, the scheduler and the training job
+#   l3b    bench/train_bench.py on L3B, hytrain capped at DeepSpeed's GPU memory, plus auto uncapped
+#   l7b    bench/train_bench.py on L7B (torch_gpu and hytrain auto capped at 75 GB), with a trace
+# Logs and results go to $OUT (or ./device-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-device-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site; fi
+for stage in "$@"; do
+  case $stage in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+      free -g | head -2 | tee -a "$out/device.txt"
+      python3 -m pip install -q --no-build-isolation --no-deps -Cbuild-dir=build/pip . 2>&1 | tail -3
+      if ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
+        DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
+          .whl/deepspeed-*.tar.gz 2>&1 | tail -2
+        export PYTHONPATH=/tmp/site
+        python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
+      fi ;;
+    tests)
+      python3 -m pytest -q -x tests/python/test_hybrid_adam_cuda.py tests/python/test_ksplit.py \
+        tests/python/test_hybrid_adam.py 2>&1 | tee "$out/tests_e2e.log" | tail -8 ;;
+    l3b)
+      python3 bench/train_bench.py --workloads l3b --cap-gb deepspeed 2>&1 | tee "$out/train_bench_l3b.txt" ;;
+    l7b)
+      python3 bench/train_bench.py --workloads l7b --trace "$out/l7b_trace.json" 2>&1 | tee "$out/train_bench_l7b.txt" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done

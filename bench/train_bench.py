@@ -1,0 +1,354 @@
+"""End-to-end training iterations on one GPU: hytrain against plain PyTorch, a naive offload and
+DeepSpeed ZeRO-Offload, side by side in one run.
+
+Workloads (../shared/ANCHORS.md): Llama shapes (transformers' LlamaForCausalLM when installed, else
+hytrain's own model of the same shapes), untied embeddings, vocab 32000, micro-batch 2 x 2048 synthetic
+tokens, bf16, AdamW (lr 1e-4, weight decay 0.01), global-norm clipping at 1.0.
+  L3B  hidden 3072, 26 layers, 24 heads, intermediate 8192, no activation checkpointing
+  L7B  hidden 4096, 32 layers, 32 heads, intermediate 11008, activation checkpointing
+
+Modes (each in its own process, so memory and pinned pages start clean):
+  torch_gpu           fp32 weights + fused torch AdamW on the GPU, bf16 autocast (the reference)
+  naive_offload       bf16 on the GPU; after backward, gradients to the CPU, torch's fused CPU AdamW,
+                      weights back; nothing overlapped
+  hytrain_k0          HybridAdamW, every block updated by the CPU workers
+  hytrain_no_overlap  as hytrain_k0, with every update finished inside step() (what overlap buys)
+  hytrain_auto        HybridAdamW with gpu_blocks="auto" (the k-split scheduler)
+  deepspeed_offload   DeepSpeed ZeRO-2 with offload_optimizer cpu (DeepSpeedCPUAdam), when importable
+
+--cap-gb limits hytrain's GPU memory (torch.cuda.set_per_process_memory_fraction, and the scheduler's
+budget): a run pretending to be a smaller GPU, honestly. ``--cap-gb deepspeed`` uses the peak that
+DeepSpeed's run reserved on this GPU in the same invocation.
+
+Each mode prints one JSON line: iter_s (median of timed iterations), tokens_per_s, tflops (6 N per
+token, model FLOPs without attention or recomputation), peak_gpu_gb (allocated), peak_host_gb (the
+process's peak resident set, pinned memory included), gpu_idle_frac (from a profiled iteration: the
+share of the iteration in which the busiest stream, the compute stream, ran no kernel), k, and for
+hytrain the scheduler's predicted_iter_s. A final line gives the ratios the targets are stated in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+WORKLOADS = {
+    "l3b": dict(hidden_size=3072, num_layers=26, num_heads=24, intermediate_size=8192, checkpointing=False),
+    "l7b": dict(hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008, checkpointing=True),
+}
+VOCAB, BATCH, SEQ, LR, WD, CLIP = 32000, 2, 2048, 1e-4, 0.01, 1.0
+HYTRAIN_MODES = ("hytrain_k0", "hytrain_no_overlap", "hytrain_auto")
+
+
+# ---- one mode, in a child process -----------------------------------------------------------------
+
+def build_model(workload, dtype, use_transformers):
+    import torch
+
+    w = WORKLOADS[workload]
+    torch.manual_seed(0)
+    if use_transformers:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=w["hidden_size"], intermediate_size=w["intermediate_size"],
+                          num_hidden_layers=w["num_layers"], num_attention_heads=w["num_heads"],
+                          num_key_value_heads=w["num_heads"], max_position_embeddings=SEQ,
+                          tie_word_embeddings=False, attn_implementation="sdpa")
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(cfg).to(dtype)
+        if w["checkpointing"]:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        return model, (lambda x: model(input_ids=x, labels=x).loss)
+    from hytrain.models import LlamaConfig, LlamaModel
+    from hytrain.train import CheckpointedLlama
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=w["hidden_size"], intermediate_size=w["intermediate_size"],
+                      num_layers=w["num_layers"], num_heads=w["num_heads"], num_kv_heads=w["num_heads"],
+                      max_seq_len=SEQ)
+    with torch.device("cuda"):
+        model = (CheckpointedLlama if w["checkpointing"] else LlamaModel)(cfg).to(dtype)
+    return model, (lambda x: model(x, x))
+
+
+class NaiveOffload:
+    """fp32 masters in pinned host memory, torch's fused CPU AdamW after backward, no overlap."""
+
+    def __init__(self, model):
+        import torch
+
+        self.params = [p for p in model.parameters()]
+        self.master = [p.detach().to("cpu", torch.float32).pin_memory() for p in self.params]
+        for m in self.master:
+            m.grad = torch.empty_like(m)
+        self.opt = torch.optim.AdamW(self.master, lr=LR, weight_decay=WD, fused=True)
+
+    def step(self):
+        import torch
+
+        torch.nn.utils.clip_grad_norm_(self.params, CLIP)
+        for m, p in zip(self.master, self.params):
+            m.grad.copy_(p.grad)
+        self.opt.step()
+        for m, p in zip(self.master, self.params):
+            p.data.copy_(m, non_blocking=True)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+def gpu_idle_frac(run_iteration, iterations=2):
+    """Profiles `iterations` iterations; the share of their wall time in which the stream with the
+    most kernel time (the compute stream) had no kernel running."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            with record_function("bench_iteration"):
+                run_iteration()
+                torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events
+               if e.get("name") == "bench_iteration" and e.get("ph") == "X"]
+    kernels = {}
+    for e in events:
+        if e.get("cat") == "kernel" and e.get("ph") == "X":
+            kernels.setdefault(e["args"].get("stream"), []).append((e["ts"], e["ts"] + e["dur"]))
+    if not windows or not kernels:
+        return None
+    spans = max(kernels.values(), key=lambda s: sum(b - a for a, b in s))
+    busy = total = 0.0
+    for w0, w1 in windows:
+        total += w1 - w0
+        end = w0
+        for a, b in sorted(spans):
+            a, b = max(a, end, w0), min(b, w1)
+            if b > a:
+                busy += b - a
+                end = b
+    return max(0.0, 1.0 - busy / total) if total > 0 else None
+
+
+def run_mode(args):
+    import torch
+
+    mode, workload = args.mode, args.workload
+    use_tf = not args.own_model
+    if use_tf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            use_tf = False
+    cap = args.cap_gb
+    if cap is not None and mode.startswith("hytrain"):
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
+    dtype = torch.float32 if mode == "torch_gpu" else torch.bfloat16
+    model, loss_fn = build_model(workload, dtype, use_tf)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = engine = None
+    autocast = mode == "torch_gpu"
+    if mode == "torch_gpu":
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    elif mode == "naive_offload":
+        opt = NaiveOffload(model)
+    elif mode.startswith("hytrain"):
+        import hytrain
+
+        opt = hytrain.HybridAdamW(
+            model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
+            gpu_blocks="auto" if mode == "hytrain_auto" else 0, overlap=mode != "hytrain_no_overlap",
+            gpu_memory_limit=int(cap * 1e9) if cap is not None else None, trace=args.trace is not None)
+    elif mode == "deepspeed_offload":
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                  "bf16": {"enabled": True}, "gradient_clipping": CLIP,
+                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                        "contiguous_gradients": True, "overlap_comm": True},
+                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=g)
+
+    def iteration():
+        if engine is not None:
+            loss = loss_fn(x)
+            engine.backward(loss)
+            engine.step()
+            return
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_fn(x)
+        loss.backward()
+        if mode == "torch_gpu":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+
+    times, ks = [], []
+    for i in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        iteration()
+        torch.cuda.synchronize()  # the next forward's waits for updates fall in the next iteration
+        times.append(time.perf_counter() - t0)
+        if mode.startswith("hytrain"):
+            ks.append(opt.gpu_blocks)
+    iter_s = statistics.median(times[args.warmup:])
+    rec = {"mode": mode, "workload": workload, "model": "transformers" if use_tf else "hytrain",
+           "params": n_params, "iter_s": iter_s, "tokens_per_s": BATCH * SEQ / iter_s,
+           "tflops": 6 * n_params * BATCH * SEQ / iter_s / 1e12,
+           "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9,
+           "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+           "cap_gb": cap if mode.startswith("hytrain") else None, "k": None, "predicted_iter_s": None}
+    if mode.startswith("hytrain"):
+        stats = opt.schedule_stats()
+        rec.update(k=stats["k"], k_per_iteration=ks, predicted_iter_s=stats.get("predicted_iter_s"),
+                   predicted_gpu_idle_s=stats.get("predicted_gpu_idle_s"), gpu_wait_frac=stats.get("gpu_wait_frac"),
+                   state_budget_gb=stats.get("state_budget_bytes", 0) / 1e9)
+        if rec["predicted_iter_s"]:
+            rec["measured_vs_predicted"] = iter_s / rec["predicted_iter_s"]
+        costs = opt._scheduler.costs() if opt._scheduler is not None else []
+        if costs:
+            rec["block_costs_ms"] = {name: round(sum(c[i] for c in costs) * 1e3, 2)
+                                     for i, name in enumerate(("fwd", "bwd", "d2h", "cpu", "h2d", "gpu"))}
+    rec["gpu_idle_frac"] = gpu_idle_frac(iteration) if not args.no_profile else None
+    if args.trace is not None and mode.startswith("hytrain"):
+        opt.export_trace(args.trace)
+    rec["peak_host_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    print("RESULT " + json.dumps(rec), flush=True)
+
+
+# ---- the driver -----------------------------------------------------------------------------------
+
+def child(mode, workload, args, cap=None, trace=None, label=None):
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", mode, "--workloads", workload,
+           "--warmup", str(args.warmup), "--iters", str(args.iters)]
+    if cap is not None:
+        cmd += ["--cap-gb", str(cap)]
+    if trace is not None:
+        cmd += ["--trace", trace]
+    if args.own_model:
+        cmd.append("--own-model")
+    if args.no_profile:
+        cmd.append("--no-profile")
+    env = dict(os.environ)
+    if mode == "deepspeed_offload":
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        rec = {"mode": mode, "workload": workload, "error": f"timed out after {args.timeout} s"}
+        print(json.dumps(rec), flush=True)
+        return rec
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            rec = json.loads(line[len("RESULT "):])
+            rec["mode"] = label or mode
+            rec["wall_s"] = round(time.perf_counter() - t0, 1)
+            print(json.dumps(rec), flush=True)
+            return rec
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    rec = {"mode": mode, "workload": workload, "error": f"exit {proc.returncode}: {' | '.join(tail)}"}
+    print(json.dumps(rec), flush=True)
+    return rec
+
+
+def deepspeed_available():
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="l3b,l7b")
+    ap.add_argument("--modes", default="torch_gpu,naive_offload,deepspeed_offload,hytrain_k0,hytrain_no_overlap,"
+                                       "hytrain_auto")
+    ap.add_argument("--cap-gb", default=None,
+                    help="GPU memory for hytrain modes in GB, or 'deepspeed' (DeepSpeed's reserved peak)")
+    ap.add_argument("--l7b-cap-gb", type=float, default=75.0, help="hytrain's GPU memory on L7B (an H100's worth)")
+    ap.add_argument("--l7b-modes", default="torch_gpu,hytrain_auto",
+                    help="modes run on L7B (DeepSpeed and the naive offload do not fit its host memory/time)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed iterations (the scheduler settles k)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--timeout", type=int, default=400, help="seconds per mode")
+    ap.add_argument("--own-model", action="store_true", help="hytrain's Llama model even when transformers exists")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled iterations (gpu_idle_frac)")
+    ap.add_argument("--trace", default=None, help="Chrome trace of the last L7B hytrain_auto iterations")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one is not None:
+        args.mode, args.workload = args.one, args.workloads
+        args.cap_gb = float(args.cap_gb) if args.cap_gb is not None else None
+        run_mode(args)
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("train_bench.py needs a CUDA GPU")
+    modes = [m for m in args.modes.split(",") if m]
+    if "deepspeed_offload" in modes and not deepspeed_available():
+        print(json.dumps({"mode": "deepspeed_offload", "skipped": "DeepSpeed is not importable"}), flush=True)
+        modes.remove("deepspeed_offload")
+    results = {}
+    for workload in [w for w in args.workloads.split(",") if w]:
+        ds_cap = None
+        order = sorted(modes, key=lambda m: (m != "torch_gpu", m != "deepspeed_offload", m))
+        if workload == "l7b":
+            order = [m for m in order if m in args.l7b_modes.split(",")]
+        for mode in order:
+            cap = None
+            if mode.startswith("hytrain"):
+                if workload == "l7b":
+                    cap = args.l7b_cap_gb
+                elif args.cap_gb == "deepspeed":
+                    cap = ds_cap
+                elif args.cap_gb is not None:
+                    cap = float(args.cap_gb)
+            trace = args.trace if (workload == "l7b" and mode == "hytrain_auto") else None
+            rec = child(mode, workload, args, cap=cap, trace=trace)
+            results[(workload, mode)] = rec
+            if mode == "deepspeed_offload" and "peak_gpu_reserved_gb" in rec:
+                ds_cap = round(rec["peak_gpu_reserved_gb"], 2)
+        if workload != "l7b" and "hytrain_auto" in order and args.cap_gb is not None:
+            rec = child("hytrain_auto", workload, args, label="hytrain_auto_nocap")  # without the cap
+            results[(workload, "hytrain_auto_nocap")] = rec
+
+    def t(w, m):
+        return results.get((w, m), {}).get("iter_s")
+
+    summary = {"summary": True, "device": torch.cuda.get_device_name()}
+    for w in {w for w, _ in results}:
+        ref = t(w, "torch_gpu")
+        for (ww, m), rec in results.items():
+            if ww == w and rec.get("iter_s") and ref and m != "torch_gpu":
+                summary[f"{w}_{m}_vs_torch_gpu"] = round(rec["iter_s"] / ref, 3)
+        ds = t(w, "deepspeed_offload")
+        for m in ("hytrain_auto", "hytrain_k0"):
+            if ds and t(w, m):
+                summary[f"{w}_{m}_speedup_vs_deepspeed"] = round(ds / t(w, m), 3)
+        if t(w, "hytrain_no_overlap") and t(w, "hytrain_k0"):
+            summary[f"{w}_overlap_speedup"] = round(t(w, "hytrain_no_overlap") / t(w, "hytrain_k0"), 3)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
