@@ -360,6 +360,8 @@ PYBIND11_MODULE(hytrain_native, m) {
                     &KSplitScheduler::set_deferred)
       .def_property("overlap", [](const KSplitScheduler& s) { return s.config().overlap; },
                     &KSplitScheduler::set_overlap)
+      .def_property("early_copies", [](const KSplitScheduler& s) { return s.config().early_copies; },
+                    &KSplitScheduler::set_early_copies)
       .def_property("memory_budget", &KSplitScheduler::memory_budget, &KSplitScheduler::set_memory_budget)
       .def("observe", &KSplitScheduler::observe, py::arg("block"), py::arg("phase"), py::arg("seconds"))
       .def("observe_rate", &KSplitScheduler::observe_rate, py::arg("phase"), py::arg("seconds_per_unit"))
@@ -402,13 +404,16 @@ PYBIND11_MODULE(hytrain_native, m) {
            py::arg("h2d_priority") = 0, py::keep_alive<1, 2>())
       .def("stage", [to_copies](cuda::OffloadPipeline& p, int64_t block,
                                 const std::vector<CopyRow>& d2h, const std::vector<JobRow>& rows,
-                                const std::vector<CopyRow>& h2d, std::uintptr_t stream) {
+                                const std::vector<CopyRow>& h2d, std::uintptr_t stream, bool hold) {
         const auto jobs = to_jobs(rows);
         const auto out = to_copies(d2h);
         const auto in = to_copies(h2d);
         py::gil_scoped_release release;
-        p.stage(block, out, jobs, in, stream);
-      })
+        p.stage(block, out, jobs, in, stream, hold);
+      }, py::arg("block"), py::arg("d2h"), py::arg("jobs"), py::arg("h2d"), py::arg("stream"),
+         py::arg("hold") = false)
+      .def("release", &cuda::OffloadPipeline::release, py::arg("block"), py::arg("grad_scale"))
+      .def("cancel", &cuda::OffloadPipeline::cancel, py::arg("block"))
       .def("wait_ready", &cuda::OffloadPipeline::wait_ready, py::arg("block"), py::arg("stream"),
            py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
       .def("in_flight", &cuda::OffloadPipeline::in_flight)

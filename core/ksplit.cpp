@@ -129,24 +129,28 @@ std::size_t KSplitScheduler::max_k() const {
 }
 
 Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size_t k, bool deferred,
-                                     double overhead_s, bool overlap) {
+                                     double overhead_s, bool overlap, bool early_copies) {
   const std::size_t L = c.size();
   if (k > L) HYTRAIN_THROW("KSplitScheduler: k=" + std::to_string(k) + " > " + std::to_string(L) + " blocks");
   Prediction p;
   p.k = k;
   p.ready.assign(L, 0.0);
   double gpu = 0, d2h_free = 0, cpu_free = 0, h2d_free = 0;
+  std::vector<double> landed(L, -1.0);  // early copies: when block j's gradients reached the host
   // One block through D2H -> CPU (FIFO) -> H2D, its gradients ready at `t`.
   const auto offload = [&](std::size_t j, double t) {
-    d2h_free = std::max(t, d2h_free) + c[j].d2h;
-    cpu_free = std::max(d2h_free, cpu_free) + c[j].cpu;
+    const double on_host = landed[j] >= 0 ? std::max(t, landed[j]) : (d2h_free = std::max(t, d2h_free) + c[j].d2h);
+    cpu_free = std::max(on_host, cpu_free) + c[j].cpu;
     h2d_free = std::max(cpu_free, h2d_free) + c[j].h2d;
     p.ready[j] = h2d_free;
     p.cpu_busy_s += c[j].cpu;
   };
   for (std::size_t i = L; i-- > 0;) {  // backward, last block first
     gpu += c[i].bwd;
-    if (deferred) continue;
+    if (deferred) {
+      if (early_copies && i >= k) landed[i] = d2h_free = std::max(gpu, d2h_free) + c[i].d2h;
+      continue;
+    }
     if (i < k) {
       gpu += c[i].gpu;
       p.ready[i] = gpu;
@@ -174,7 +178,7 @@ Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size
 
 Prediction KSplitScheduler::predict(std::size_t k) const {
   if (!ready()) HYTRAIN_THROW("KSplitScheduler::predict: forward, backward, CPU and GPU times not all known yet");
-  return simulate(costs(), k, config_.deferred, overhead_, config_.overlap);
+  return simulate(costs(), k, config_.deferred, overhead_, config_.overlap, config_.early_copies);
 }
 
 std::size_t KSplitScheduler::decide(std::size_t current) {
@@ -188,7 +192,7 @@ std::size_t KSplitScheduler::decide(std::size_t current) {
   std::vector<Prediction> preds;
   preds.reserve(L + 1);
   for (std::size_t k = 0; k <= L; ++k) {
-    preds.push_back(simulate(c, k, config_.deferred, overhead_, config_.overlap));
+    preds.push_back(simulate(c, k, config_.deferred, overhead_, config_.overlap, config_.early_copies));
   }
   if (!due && cur <= kmax) {
     last_ = preds[cur];

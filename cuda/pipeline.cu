@@ -64,7 +64,7 @@ std::string OffloadPipeline::stream_failure() {
 
 void OffloadPipeline::stage(int64_t block, const std::vector<HostCopy>& d2h,
                             const std::vector<UpdateJob>& jobs, const std::vector<HostCopy>& h2d,
-                            std::uintptr_t compute_stream) {
+                            std::uintptr_t compute_stream, bool hold) {
   std::lock_guard<std::mutex> stage_lock(stage_mutex_);  // tickets and copying_ in one order
   if (in_flight(block)) {
     // The previous pass was never consumed (no forward used the block): let it finish, and keep
@@ -73,6 +73,7 @@ void OffloadPipeline::stage(int64_t block, const std::vector<HostCopy>& d2h,
   }
   auto p = std::make_shared<Pass>();
   p->block = block;
+  p->hold = hold && !d2h.empty();
   p->jobs = jobs;
   p->h2d = h2d;
   for (const HostCopy& c : h2d) p->info.h2d_bytes += c.bytes;
@@ -120,8 +121,15 @@ std::vector<std::shared_ptr<OffloadPipeline::Pass>> OffloadPipeline::take_landed
   while (n < copying_.size() && copying_[n]->info.d2h_last <= done) {
     Pass& p = *copying_[n];
     if (p.state == State::copying_out) {
-      p.state = State::updating;
-      out.push_back(copying_[n]);
+      if (p.cancelled) {
+        p.state = State::ready;
+        changed_.notify_all();
+      } else if (p.hold) {
+        p.state = State::landed;
+      } else {
+        p.state = State::updating;
+        out.push_back(copying_[n]);
+      }
     }
     ++n;
   }
@@ -144,6 +152,40 @@ void OffloadPipeline::submit(const std::shared_ptr<Pass>& p) {
   } catch (const std::exception& e) {
     std::lock_guard<std::mutex> lock(mutex_);
     fail(*p, std::string("queuing the update: ") + e.what());
+  }
+}
+
+void OffloadPipeline::release(int64_t block, double grad_scale) {
+  std::shared_ptr<Pass> go;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = passes_.find(block);
+    HYTRAIN_CHECK(it != passes_.end() && it->second->hold,
+                  "block " + std::to_string(block) + " has no held pass to release");
+    Pass& p = *it->second;
+    for (UpdateJob& j : p.jobs) j.config.grad_scale = grad_scale;
+    p.hold = false;
+    if (p.state == State::landed) {
+      p.state = State::updating;
+      go = it->second;
+    }
+  }
+  if (go) submit(go);
+}
+
+void OffloadPipeline::cancel(int64_t block) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = passes_.find(block);
+  HYTRAIN_CHECK(it != passes_.end() && it->second->hold,
+                "block " + std::to_string(block) + " has no held pass to cancel");
+  Pass& p = *it->second;
+  p.jobs.clear();
+  p.h2d.clear();
+  p.hold = false;
+  p.cancelled = true;
+  if (p.state == State::landed) {
+    p.state = State::ready;
+    changed_.notify_all();
   }
 }
 
@@ -180,6 +222,10 @@ void OffloadPipeline::wait_ready(int64_t block, std::uintptr_t stream, double ti
   auto it = passes_.find(block);
   if (it == passes_.end()) return;
   const std::shared_ptr<Pass> p = it->second;
+  if (p->hold && p->state != State::failed) {
+    throw Error("block " + std::to_string(block) + " was staged with hold and never released",
+                __FILE__, __LINE__);
+  }
   const auto start = std::chrono::steady_clock::now();
   const auto settled = [&] { return p->state == State::ready || p->state == State::failed; };
   while (!settled()) {

@@ -172,7 +172,9 @@ class HybridAdamW(torch.optim.Optimizer):
         self._expected = [len(b) for b in self._blocks]
         self._submitted = [False] * n
         self._inflight = {}  # block -> what the workers read (CPU path) / True (pipeline)
-        self._landing = collections.deque()  # (D2H ticket, gradients it reads) until the copy lands
+        self._landing = collections.deque()
+        self._held = {}  # block -> parameters handed off early, awaiting step()'s multiplier
+        self._sq_parts = []  # squared gradient norms of the blocks handed off early (device scalars)  # (D2H ticket, gradients it reads) until the copy lands
         self._on_gpu = [False] * n
         self._dev_state = {}  # id(p) -> device master/exp_avg/exp_avg_sq/max_exp_avg_sq/grad
         self._gpu_groups = {}  # tuple of parameter ids -> CudaAdamW
@@ -511,6 +513,7 @@ class HybridAdamW(torch.optim.Optimizer):
             return
         self._scheduler.deferred = self._deferred()
         self._scheduler.overlap = self.overlap
+        self._scheduler.early_copies = self._early_handoff()
         if not self.auto:
             if self._scheduler.ready():
                 self._prediction = self._scheduler.predict(self.gpu_blocks)
@@ -555,6 +558,35 @@ class HybridAdamW(torch.optim.Optimizer):
         return (not self.overlap or self._steps_taken == 0 or self.max_grad_norm is not None
                 or self._loss_scaling)
 
+    def _early_handoff(self) -> bool:
+        """Clipping without loss scaling (CUDA): each block's gradients leave the GPU during
+        backward, with the block's share of the squared norm; the updates wait for step()."""
+        return (self._cuda and self.overlap and self._steps_taken > 0 and self.max_grad_norm is not None
+                and not self._loss_scaling)
+
+    def _sq_norm(self, grads):
+        """The squared 2-norm of some gradients as a 0-d float64 device tensor (no fp32 copies)."""
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        return torch.stack(norms).double().square().sum()
+
+    def _hand_off(self, b):
+        """Early hand-off of block b (see _early_handoff): offloaded blocks are staged on hold,
+        GPU-resident blocks copy their gradients into their update buffers; ``.grad`` is released."""
+        pairs = self._grads(b)
+        if pairs:
+            self._sq_parts.append(self._sq_norm([g for _, g in pairs]))
+        if self._on_gpu[b]:
+            for p, g in pairs:
+                self._dev_state[id(p)]["grad"].copy_(g)
+            self._held[b] = [p for p, _ in pairs]
+            for p, _ in pairs:
+                p.grad = None
+            self._submitted[b] = True
+        else:
+            self._launch(b, 1.0, release=True, hold=True)
+            if pairs:
+                self._held[b] = [p for p, _ in pairs]
+
     def _on_grad(self, p):
         b = self._block_of[id(p)]
         if self._submitted[b]:
@@ -570,6 +602,8 @@ class HybridAdamW(torch.optim.Optimizer):
                 self._meter.backward_done(b)
             if not self._deferred():
                 self._launch(b, 1.0, release=True)
+            elif self._early_handoff():
+                self._hand_off(b)
         self._release_landed()
 
     def _grads(self, b):
@@ -599,9 +633,10 @@ class HybridAdamW(torch.optim.Optimizer):
                 float(group["eps"]), float(group["weight_decay"]), step, True,
                 bool(group["amsgrad"]), float(grad_scale))
 
-    def _launch(self, b, grad_scale, *, release):
+    def _launch(self, b, grad_scale, *, release, hold=False):
         """Starts block b's update with gradient multiplier ``grad_scale``. ``release`` drops the
-        parameters' ``.grad`` (the GPU memory returns once the gradient copy has landed)."""
+        parameters' ``.grad`` (the GPU memory returns once the gradient copy has landed). ``hold``
+        (offloaded blocks): copy the gradients out now, update on OffloadPipeline.release."""
         pairs = self._grads(b)
         if self.timeline is not None:
             self._pass_owner[b] = self.timeline.current
@@ -629,7 +664,7 @@ class HybridAdamW(torch.optim.Optimizer):
                                       _checks.address(weight_host)))
                 h2d.append((p.data_ptr(), (weight_host if weight_host is not None else st["master"]).data_ptr(),
                             nbytes))
-            self._pipeline.stage(b, d2h, rows, h2d, torch.cuda.current_stream(self.device).cuda_stream)
+            self._pipeline.stage(b, d2h, rows, h2d, torch.cuda.current_stream(self.device).cuda_stream, hold)
             for p, _ in pairs:
                 self.state[p]["step"] += 1
             self._landing.append((self._pipeline.d2h_issued, [g for _, g in pairs]))
@@ -640,11 +675,14 @@ class HybridAdamW(torch.optim.Optimizer):
                 p.grad = None
 
     def _gpu_update(self, b, pairs, grad_scale):
+        """pairs: (parameter, gradient), or (parameter, None) when the gradient is already in the
+        parameter's update buffer (early hand-off)."""
         self._migration_done(b, host=False)  # states that went up: the compute stream waits for them
         groups = {}
         for p, g in pairs:
             d = self._dev_state[id(p)]
-            d["grad"].copy_(g)
+            if g is not None:
+                d["grad"].copy_(g)
             st = self.state[p]
             st["step"] += 1
             groups.setdefault((self._group_index[id(p)], p.dtype, int(st["step"].item())), []).append(p)
@@ -674,6 +712,16 @@ class HybridAdamW(torch.optim.Optimizer):
                 self.timeline.gpu_update(b, start, end)
             if self._meter is not None:
                 self._meter.gpu_update(b, start, end)
+
+    def _drop_held(self):
+        """A step that cannot be taken: held updates are cancelled and their step counts restored,
+        so that the states are as before the backward."""
+        for b, ps in self._held.items():
+            if not self._on_gpu[b]:
+                self._pipeline.cancel(b)
+                for p in ps:
+                    self.state[p]["step"] -= 1
+        self._held.clear()
 
     def _release_landed(self):
         if not self._landing:
@@ -736,10 +784,12 @@ class HybridAdamW(torch.optim.Optimizer):
             return inv
         grads = [p.grad for b in range(len(self._blocks)) if not self._submitted[b]
                  for p in self._blocks[b] if p.grad is not None]
-        if not grads:
+        parts = list(self._sq_parts)
+        if grads:
+            parts.append(self._sq_norm(grads))
+        if not parts:
             return inv
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads], 2)
-        total = float(torch.linalg.vector_norm(torch.stack(norms).double())) * inv
+        total = math.sqrt(float(torch.stack(parts).sum())) * inv
         return inv * min(1.0, self.max_grad_norm / (total + 1e-6))
 
     @torch.no_grad()
@@ -762,21 +812,33 @@ class HybridAdamW(torch.optim.Optimizer):
                 return loss  # overflow: skip the step entirely, state untouched (torch's behaviour)
             mult = self._multiplier(grad_scale)
             if not math.isfinite(mult):
+                self._drop_held()
                 raise RuntimeError(f"the gradient multiplier is {mult} (non-finite gradient norm)")
             # Forward order (the next forward needs block 0 first), offloaded blocks first so that
             # their copies start before the GPU updates queue up on the compute stream.
             n = len(self._blocks)
             for b in sorted(range(n), key=lambda b: (self._on_gpu[b], b)):
-                if not self._submitted[b]:
+                if b in self._held:
+                    if self._on_gpu[b]:
+                        self._gpu_update(b, [(p, None) for p in self._held[b]], mult)
+                    else:
+                        self._pipeline.release(b, mult)
+                elif not self._submitted[b]:
                     self._launch(b, mult, release=False)
+            self._held.clear()
             self._steps_taken += 1
             if self._meter is not None:
                 self._schedule(self._meter.end_iteration())
             if not self._model_hooks or not self.overlap:
                 self.synchronize()
+        except BaseException:
+            if self._meter is not None:
+                self._meter.current = None  # a step not taken is not measured
+            raise
         finally:
             self._arrivals = [0] * len(self._blocks)
             self._submitted = [False] * len(self._blocks)
+            self._sq_parts = []
             if self.timeline is not None:
                 self.timeline.current.k = self.gpu_blocks
                 self.timeline.next_iteration()

@@ -27,9 +27,10 @@ from ._native import native
 
 
 class _Record:
-    __slots__ = ("hooks", "bwd", "gpu", "passes", "launch", "k", "deferred", "next_start")
+    __slots__ = ("index", "hooks", "bwd", "gpu", "passes", "launch", "k", "deferred", "next_start")
 
-    def __init__(self, k: int, deferred: bool):
+    def __init__(self, index: int, k: int, deferred: bool):
+        self.index = index
         self.hooks = []      # (blocks, event before the wait, event after it)
         self.bwd = {}        # block -> event when its gradients were complete
         self.gpu = {}        # block -> (start, end) events of its GPU AdamW update
@@ -59,11 +60,14 @@ class _Discard:
 
 
 class Meter:
+    WARMUP = 2  # iterations not measured: allocator growth, kernel selection, first copies
+
     def __init__(self, device: torch.device, pipeline, n_blocks: int):
         self.device = device
         self.pipeline = pipeline
         self.n_blocks = n_blocks
         self.current = None
+        self.started = 0
         self.pending = None   # the finished iteration, read at the next step
         self.last = {}        # what the last harvest measured (seconds and shares)
 
@@ -74,7 +78,8 @@ class Meter:
 
     def start(self, k: int, deferred: bool) -> None:
         if self.current is None:
-            self.current = _Record(k, deferred)
+            self.current = _Record(self.started, k, deferred)
+            self.started += 1
 
     def before_wait(self):
         return self._event()
@@ -109,7 +114,8 @@ class Meter:
     def harvest(self, rec: _Record, scheduler=None) -> dict | None:
         """Feeds one finished iteration's costs to ``scheduler`` (when given); returns the measured
         summary, or None while the iteration is incomplete."""
-        if rec is None or not rec.hooks or rec.next_start is None or len(rec.bwd) < self.n_blocks:
+        if (rec is None or rec.index < self.WARMUP or not rec.hooks or rec.next_start is None
+                or len(rec.bwd) < self.n_blocks):
             return None
         rec.next_start.synchronize()  # recorded an iteration ago: complete, this returns at once
         ref = rec.hooks[0][1]

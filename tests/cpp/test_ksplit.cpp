@@ -53,7 +53,7 @@ struct Ticks {
   std::vector<long> fwd, bwd, d2h, cpu, h2d, gpu;
 };
 
-long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, bool overlap) {
+long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, bool overlap, bool early) {
   const std::size_t L = c.fwd.size();
   enum Kind { Bwd, Gpu, Overhead, Fwd };
   struct Op { Kind kind; std::size_t block; long dur; };
@@ -73,7 +73,8 @@ long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, bo
   };
   Lane lanes[3];  // D2H, CPU, H2D
   const std::vector<long>* dur[3] = {&c.d2h, &c.cpu, &c.h2d};
-  std::vector<bool> ready(L, false);
+  std::vector<bool> ready(L, false), landed(L, false);
+  early = early && deferred;
   std::size_t pc = 0;
   long left = -1;  // compute stream's current op
   for (long t = 0;; ++t) {
@@ -87,9 +88,11 @@ long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, bo
           changed = true;
         }
         if (left == 0) {
-          if (op.kind == Bwd && !deferred && op.block >= k) lanes[0].queue.push_back(op.block);
+          if (op.kind == Bwd && (!deferred || early) && op.block >= k) lanes[0].queue.push_back(op.block);
           if (op.kind == Gpu) ready[op.block] = true;
-          if (op.kind == Overhead && deferred) for (std::size_t j = k; j < L; ++j) lanes[0].queue.push_back(j);
+          if (op.kind == Overhead && deferred) {  // the step's launch, in forward order
+            for (std::size_t j = k; j < L; ++j) lanes[early ? 1 : 0].queue.push_back(j);
+          }
           ++pc;
           left = -1;
           changed = true;
@@ -97,13 +100,15 @@ long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, bo
       }
       for (int r = 0; r < 3; ++r) {
         Lane& lane = lanes[r];
-        if (lane.left < 0 && lane.head < lane.queue.size()) {
+        if (lane.left < 0 && lane.head < lane.queue.size() && (r != 1 || !early || landed[lane.queue[lane.head]])) {
           lane.left = (*dur[r])[lane.queue[lane.head]];
           changed = true;
         }
         if (lane.left == 0) {
           const std::size_t b = lane.queue[lane.head++];
-          if (r < 2) lanes[r + 1].queue.push_back(b); else ready[b] = true;
+          if (r == 0 && early) landed[b] = true;  // the CPU queue gets it at the launch
+          else if (r < 2) lanes[r + 1].queue.push_back(b);
+          else ready[b] = true;
           lane.left = -1;
           changed = true;
         }
@@ -232,7 +237,7 @@ TEST(migration_cost_holds_back_a_small_gain) {
 TEST(predictions_match_a_tick_by_tick_simulation) {
   std::mt19937 rng(2024);
   std::uniform_int_distribution<long> small(0, 6), mid(1, 20), big(1, 60);
-  for (int trial = 0; trial < 300; ++trial) {
+  for (int trial = 0; trial < 600; ++trial) {
     const std::size_t L = 1 + rng() % 12;
     Ticks t;
     std::vector<BlockCosts> costs(L);
@@ -250,8 +255,9 @@ TEST(predictions_match_a_tick_by_tick_simulation) {
     const bool deferred = rng() % 2;
     const long overhead = small(rng);
     const bool overlap = trial % 5 != 0;
-    const long ticks = brute_force(t, k, deferred, overhead, overlap);
-    const Prediction p = KSplitScheduler::simulate(costs, k, deferred, double(overhead), overlap);
+    const bool early = trial % 3 == 0;
+    const long ticks = brute_force(t, k, deferred, overhead, overlap, early);
+    const Prediction p = KSplitScheduler::simulate(costs, k, deferred, double(overhead), overlap, early);
     CHECK_MSG(p.iter_s == double(ticks), "trial %d L=%zu k=%zu deferred=%d overlap=%d: %g vs %ld", trial, L,
               k, int(deferred), int(overlap), p.iter_s, ticks);
     CHECK(std::fabs(p.iter_s - p.gpu_busy_s - p.gpu_idle_s) < 1e-9);

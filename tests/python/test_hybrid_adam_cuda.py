@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hytrain
-from hytrain.models import LlamaModel
+from hytrain.models import LlamaConfig, LlamaModel
 from test_hybrid_adam import CFG, STEPS, Reference, assert_close_models, batches, train
 
 pytestmark = pytest.mark.gpu
@@ -76,6 +76,86 @@ def test_pipeline_matches_cpu_adamw_element_by_element():
             assert info["d2h"][1] >= info["d2h"][0] > 0 and info["h2d"][1] > 0
             assert info["update_ns"][2] >= info["update_ns"][1] > 0
     del pipe
+
+
+def test_pipeline_held_passes_release_with_a_multiplier_or_cancel():
+    # Held passes: gradients land on the host during backward, the update runs on release() with the
+    # clipping multiplier (one shared staging buffer for gradient and new weight), or never (cancel).
+    pool = hytrain.PinnedPool("64MiB")
+    engine = hytrain.native().UpdateEngine(2, 1 << 12, "auto")
+    pipe = hytrain.native().OffloadPipeline(engine, 0, 0, -1)
+    s = torch.cuda.current_stream().cuda_stream
+    torch.manual_seed(2)
+    n = 50_001
+    w = torch.randn(n).bfloat16().to(DEV)
+    master = pool.copy_of(w.float().cpu())
+    m, v = pool.zeros(n), pool.zeros(n)
+    staging = pool.empty(n, torch.bfloat16)
+    ref = [master.clone(), torch.zeros(n), torch.zeros(n)]
+    for step, scale in ((1, 0.25), (2, 1.0)):
+        g = torch.randn(n, device=DEV).bfloat16()
+        torch.cuda._sleep(5_000_000)
+        job = list(_job(master, m, v, staging, staging, step))
+        pipe.stage(0, [(staging.data_ptr(), g.data_ptr(), 2 * n)], [tuple(job)],
+                   [(w.data_ptr(), staging.data_ptr(), 2 * n)], s, hold=True)
+        with pytest.raises(RuntimeError, match="never released"):
+            pipe.wait_ready(0, s, 30.0)
+        if step == 1:
+            torch.cuda.synchronize()  # landed before the release
+        pipe.release(0, scale)
+        pipe.wait_ready(0, s, 30.0)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        hytrain.adamw_step(ref[0], g.cpu(), ref[1], ref[2], step=step, lr=1e-2, weight_decay=0.01,
+                           grad_scale=scale, param_copy=out)
+        torch.testing.assert_close(master, ref[0], rtol=0, atol=0)
+        torch.testing.assert_close(v, ref[2], rtol=0, atol=0)
+        torch.testing.assert_close(w.cpu(), out, rtol=0, atol=0)
+    before = (master.clone(), m.clone(), w.cpu())
+    g = torch.randn(n, device=DEV).bfloat16()
+    pipe.stage(0, [(staging.data_ptr(), g.data_ptr(), 2 * n)], [_job(master, m, v, staging, staging, 3)],
+               [(w.data_ptr(), staging.data_ptr(), 2 * n)], s, hold=True)
+    pipe.cancel(0)
+    pipe.wait_ready(0, s, 30.0)
+    assert torch.equal(master, before[0]) and torch.equal(m, before[1]) and torch.equal(w.cpu(), before[2])
+    with pytest.raises(RuntimeError, match="no held pass"):
+        pipe.release(0, 1.0)
+
+
+def test_cuda_clipping_hands_gradients_off_during_backward_and_survives_a_bad_step():
+    model, ref_model = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=0.5, model=model,
+                              gpu_blocks=2, workers=2)
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=0.5)
+    data = cuda_batches(10)
+    released = []
+
+    saved = {}
+
+    def step_fn(i):
+        released.append(all(p.grad is None for p in model.parameters()))
+        if i == 3:
+            opt.step()
+            saved["state"] = copy.deepcopy(opt.state_dict())  # synchronises
+            saved["weights"] = [p.detach().clone() for p in model.parameters()]
+            return
+        if i == 4:  # a non-finite gradient: step() refuses, and nothing changed
+            opt._sq_parts.append(torch.tensor(float("inf"), device=DEV, dtype=torch.float64))
+            with pytest.raises(RuntimeError, match="non-finite"):
+                opt.step()
+            opt.synchronize()
+            after = opt.state_dict()
+            for k, st in saved["state"]["state"].items():
+                for key, t in st.items():
+                    assert torch.equal(t, after["state"][k][key]), (k, key)
+            assert all(torch.equal(a, b) for a, b in zip(saved["weights"], model.parameters()))
+            return
+        opt.step()
+
+    losses = train(model, opt, data, step_fn=step_fn)
+    ref_data = data[:4] + data[5:]
+    ref_losses = train(ref_model, ref, ref_data)
+    assert_close_models(model, ref_model, losses[:4] + losses[5:], ref_losses, torch.bfloat16)
+    assert released[0] is False and all(released[1:])  # after step 1, .grad is gone by step()
 
 
 def test_pipeline_errors_surface_in_the_training_thread():
@@ -181,13 +261,33 @@ def test_cuda_k_changed_every_step_asynchronously(max_grad_norm):
 
 
 def test_cuda_auto_k_chooses_and_stays_exact():
-    opt, _ = run_pair("auto", max_grad_norm=1.0, steps=12)
+    # One CPU worker against a model of 20 M parameters: the CPU update (tens of ms) cannot hide in
+    # a forward of a few ms, so the scheduler must move blocks to the GPU, and the trajectory must
+    # stay the reference's while it does.
+    cfg = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8,
+                      num_kv_heads=8, max_seq_len=64)
+    torch.manual_seed(0)
+    model = LlamaModel(cfg).to(torch.bfloat16).to(DEV)
+    ref_model = copy.deepcopy(model)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, model=model,
+                              workers=1)
+    assert opt.auto and opt.gpu_blocks == 0
+    ref = Reference(ref_model, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
+    data = cuda_batches(12)
+    ks = []
+
+    def step_fn(i):
+        opt.step()
+        ks.append(opt.gpu_blocks)
+
+    losses = train(model, opt, data, step_fn=step_fn)
+    ref_losses = train(ref_model, ref, data)
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
     stats = opt.schedule_stats()
-    # A small model on a big GPU: the GPU update is far cheaper than the round trip, so the
-    # scheduler moves blocks to the GPU; its prediction and the measured wait share are reported.
-    assert opt.gpu_blocks > 0, stats
+    assert ks[-1] > 0, (ks, stats)
     assert stats["predicted_iter_s"] > 0 and 0 <= stats["gpu_wait_frac"] <= 1
     assert stats["state_budget_bytes"] > 0
+    assert stats["predicted_iter_s"] <= opt._scheduler.predict(0)["iter_s"]
 
 
 def test_cuda_auto_k_respects_the_memory_limit():

@@ -8,7 +8,8 @@
 //   compute stream : backward L-1..0 (+ in-backward GPU updates of blocks < k) | step overhead |
 //                    (deferred mode: GPU updates 0..k-1) | forward 0..L-1, block j waiting for ready[j]
 //                    (without overlap: the forward waits for every block)
-//   D2H stream     : block j's gradients, after its backward (or after the step launch when deferred)
+//   D2H stream     : block j's gradients, after its backward (deferred: after the step's launch, or
+//                    still after its backward with early copies)
 //   CPU workers    : block j's update once its gradients landed, one block after another (FIFO)
 //   H2D stream     : block j's new weights once its update finished -> ready[j]
 //
@@ -36,6 +37,7 @@ struct KSplitConfig {
   int every = 1;                // decide every N iterations (others keep k)
   bool deferred = false;        // updates start after backward (clipping, loss scaling) in forward order
   bool overlap = true;          // false: the next forward waits for every update (no overlap at all)
+  bool early_copies = false;    // deferred mode: gradients still go to the host during backward
 };
 
 // One block's estimated costs (seconds); what the simulation runs on.
@@ -64,6 +66,7 @@ class KSplitScheduler {
   const KSplitConfig& config() const { return config_; }
   void set_deferred(bool deferred) { config_.deferred = deferred; }
   void set_overlap(bool overlap) { config_.overlap = overlap; }
+  void set_early_copies(bool early) { config_.early_copies = early; }
 
   // One measurement of `phase` for `block`, in seconds (>= 0, finite).
   void observe(std::size_t block, Phase phase, double seconds);
@@ -85,7 +88,7 @@ class KSplitScheduler {
   // The simulated iteration for a given k (throws if k > blocks()).
   Prediction predict(std::size_t k) const;
   static Prediction simulate(const std::vector<BlockCosts>& costs, std::size_t k, bool deferred,
-                             double overhead_s, bool overlap = true);
+                             double overhead_s, bool overlap = true, bool early_copies = false);
 
   // The k for the next iteration, given the k in use now. Applies `every`, the memory limit, and
   // hysteresis; returns `current` unchanged while ready() is false.

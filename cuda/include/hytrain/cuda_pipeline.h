@@ -54,14 +54,23 @@ class OffloadPipeline {
   // Starts a block's pass. compute_stream: the cudaStream_t whose queued work produced the gradients
   // (and last read the weights). If the block's previous pass was never consumed by wait_ready, the
   // host waits for it first and the new gradient copies wait for its weight copies on the device.
+  // hold: the gradients are copied out now, but the update waits for release() (clipping: the
+  // gradient multiplier is known only once every block's gradients exist).
   void stage(int64_t block, const std::vector<HostCopy>& d2h, const std::vector<UpdateJob>& jobs,
-             const std::vector<HostCopy>& h2d, std::uintptr_t compute_stream);
+             const std::vector<HostCopy>& h2d, std::uintptr_t compute_stream, bool hold = false);
+  // Lets a held block's update go, with every job's gradient multiplier set to grad_scale; it is
+  // submitted at once when its gradients have landed, else when they land. Throws if the block has
+  // no held pass.
 
   // Waits until the block's updated weights are on their way to the device and orders `stream` after
   // them. Returns at once for a block with no pass in flight. Throws hytrain::Error for a failed pass
   // (the block is then free to be staged again) and hytrain::Timeout after timeout_s (< 0: never).
   void wait_ready(int64_t block, std::uintptr_t stream, double timeout_s = -1.0);
 
+  void release(int64_t block, double grad_scale);
+  // Drops a held block's update (nothing is written to its states or weights); the pass ends when
+  // its gradient copies have landed. Throws if the block has no held pass.
+  void cancel(int64_t block);
   bool in_flight(int64_t block);
   // The last pass of `block` that wait_ready consumed.
   BlockPass last_pass(int64_t block);
@@ -70,10 +79,12 @@ class OffloadPipeline {
   CopyStream& h2d() { return *h2d_; }
 
  private:
-  enum class State { copying_out, updating, ready, failed };
+  enum class State { copying_out, landed, updating, ready, failed };  // landed: held on the host
   struct Pass {
     int64_t block = 0;
     State state = State::copying_out;
+    bool hold = false;
+    bool cancelled = false;
     std::vector<UpdateJob> jobs;
     std::vector<HostCopy> h2d;
     BlockPass info;
