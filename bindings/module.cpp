@@ -365,7 +365,8 @@ PYBIND11_MODULE(hytrain_native, m) {
       .def_property("memory_budget", &KSplitScheduler::memory_budget, &KSplitScheduler::set_memory_budget)
       .def("observe", &KSplitScheduler::observe, py::arg("block"), py::arg("phase"), py::arg("seconds"))
       .def("observe_rate", &KSplitScheduler::observe_rate, py::arg("phase"), py::arg("seconds_per_unit"))
-      .def("observe_overhead", &KSplitScheduler::observe_overhead, py::arg("seconds"))
+      .def("observe_overhead", &KSplitScheduler::observe_overhead, py::arg("before_launch_s"),
+           py::arg("after_launch_s") = 0.0)
       .def("max_k", &KSplitScheduler::max_k)
       .def("ready", &KSplitScheduler::ready)
       .def("costs", [](const KSplitScheduler& s) {

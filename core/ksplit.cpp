@@ -80,11 +80,23 @@ void KSplitScheduler::observe_rate(Phase phase, double seconds_per_unit) {
   r = std::isnan(r) ? seconds_per_unit : (1 - a) * r + a * seconds_per_unit;
 }
 
-void KSplitScheduler::observe_overhead(double seconds) {
-  check_seconds(seconds, "the step overhead");
+void KSplitScheduler::observe_overhead(double before_launch_s, double after_launch_s) {
+  check_seconds(before_launch_s, "the step overhead");
+  check_seconds(after_launch_s, "the step overhead");
   const double a = config_.smoothing;
-  overhead_ = overhead_seen_ ? (1 - a) * overhead_ + a * seconds : seconds;
+  before_launch_ = overhead_seen_ ? (1 - a) * before_launch_ + a * before_launch_s : before_launch_s;
+  after_launch_ = overhead_seen_ ? (1 - a) * after_launch_ + a * after_launch_s : after_launch_s;
   overhead_seen_ = true;
+}
+
+StepShape KSplitScheduler::shape() const {
+  StepShape s;
+  s.deferred = config_.deferred;
+  s.overlap = config_.overlap;
+  s.early_copies = config_.early_copies;
+  s.before_launch_s = before_launch_;
+  s.after_launch_s = after_launch_;
+  return s;
 }
 
 double KSplitScheduler::estimate(std::size_t block, Phase phase) const {
@@ -128,8 +140,8 @@ std::size_t KSplitScheduler::max_k() const {
   return blocks();
 }
 
-Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size_t k, bool deferred,
-                                     double overhead_s, bool overlap, bool early_copies) {
+Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size_t k, const StepShape& shape) {
+  const bool deferred = shape.deferred, early_copies = shape.early_copies && shape.deferred;
   const std::size_t L = c.size();
   if (k > L) HYTRAIN_THROW("KSplitScheduler: k=" + std::to_string(k) + " > " + std::to_string(L) + " blocks");
   Prediction p;
@@ -158,7 +170,7 @@ Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size
       offload(i, gpu);
     }
   }
-  gpu += overhead_s;
+  gpu += shape.before_launch_s;
   if (deferred) {  // step(): offloaded blocks staged first (forward order), then the GPU updates
     for (std::size_t j = k; j < L; ++j) offload(j, gpu);
     for (std::size_t j = 0; j < k; ++j) {
@@ -166,19 +178,20 @@ Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size
       p.ready[j] = gpu;
     }
   }
+  gpu += shape.after_launch_s;
   double t = gpu;
-  if (!overlap) t = std::max(t, *std::max_element(p.ready.begin(), p.ready.end()));
+  if (!shape.overlap) t = std::max(t, *std::max_element(p.ready.begin(), p.ready.end()));
   for (std::size_t j = 0; j < L; ++j) t = std::max(t, p.ready[j]) + c[j].fwd;
   p.iter_s = t;
   for (std::size_t j = 0; j < L; ++j) p.gpu_busy_s += c[j].fwd + c[j].bwd + (j < k ? c[j].gpu : 0.0);
-  p.gpu_busy_s += overhead_s;
+  p.gpu_busy_s += shape.before_launch_s + shape.after_launch_s;
   p.gpu_idle_s = std::max(0.0, p.iter_s - p.gpu_busy_s);
   return p;
 }
 
 Prediction KSplitScheduler::predict(std::size_t k) const {
   if (!ready()) HYTRAIN_THROW("KSplitScheduler::predict: forward, backward, CPU and GPU times not all known yet");
-  return simulate(costs(), k, config_.deferred, overhead_, config_.overlap, config_.early_copies);
+  return simulate(costs(), k, shape());
 }
 
 std::size_t KSplitScheduler::decide(std::size_t current) {
@@ -189,11 +202,10 @@ std::size_t KSplitScheduler::decide(std::size_t current) {
   const std::size_t cur = std::min(current, L);
   const std::size_t kmax = max_k();
   const std::vector<BlockCosts> c = costs();
+  const StepShape s = shape();
   std::vector<Prediction> preds;
   preds.reserve(L + 1);
-  for (std::size_t k = 0; k <= L; ++k) {
-    preds.push_back(simulate(c, k, config_.deferred, overhead_, config_.overlap, config_.early_copies));
-  }
+  for (std::size_t k = 0; k <= L; ++k) preds.push_back(simulate(c, k, s));
   if (!due && cur <= kmax) {
     last_ = preds[cur];
     return cur;

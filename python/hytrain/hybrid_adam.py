@@ -105,7 +105,7 @@ class HybridAdamW(torch.optim.Optimizer):
             less the largest non-state use seen, less a margin.
         schedule_every: how often (in steps) the scheduler may change k.
         accumulation_steps: micro-batches per step; blocks are updated after the last one.
-        workers: CPU update threads (default: the usable cores).
+        workers: CPU update threads (default: the usable cores less one, for the training thread).
         pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
         overlap: False updates everything inside ``step()`` and waits for it there (what overlap
             buys, for benchmarks).
@@ -156,7 +156,8 @@ class HybridAdamW(torch.optim.Optimizer):
         self._staging = {}  # id(p) -> (gradient staging, weight staging or None); CUDA parameters
         for p in all_params:
             self._init_state(p)
-        n_workers = workers if workers is not None else max(1, len(os.sched_getaffinity(0)))
+        # Default: every usable core but one, which the training thread needs to keep the GPU fed.
+        n_workers = workers if workers is not None else max(1, len(os.sched_getaffinity(0)) - 1)
         n_workers = _checks.integer("workers", n_workers, lo=1)
         self._engine = native().UpdateEngine(n_workers, _checks.integer("slice_elements", slice_elements, lo=1024),
                                              simd_paths()["selected"])
@@ -479,7 +480,6 @@ class HybridAdamW(torch.optim.Optimizer):
             limit = int(total * fraction)
         self.gpu_memory_limit = limit
         self._nonstate_peak = 0
-        self._resident_max = 0
         self._scheduler.memory_budget = 0.0  # nothing resident until a step's peak has been seen
         self._probe_gpu_rate()
 
@@ -508,7 +508,7 @@ class HybridAdamW(torch.optim.Optimizer):
         budget, and let the scheduler pick k for the next step (migrations start now)."""
         summary = self._meter.harvest(record, self._scheduler) if record is not None else None
         if summary is not None:
-            self._last_summary = dict(summary)
+            self._last_summary = {k: v for k, v in summary.items() if k != "nonstate_peak_bytes"}
         if self._scheduler is None:
             return
         self._scheduler.deferred = self._deferred()
@@ -518,11 +518,13 @@ class HybridAdamW(torch.optim.Optimizer):
             if self._scheduler.ready():
                 self._prediction = self._scheduler.predict(self.gpu_blocks)
             return
-        resident = self._resident_bytes()
-        self._resident_max = max(self._resident_max, resident)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        self._nonstate_peak = max(self._nonstate_peak, peak - self._resident_max)
-        margin = max(1 << 30, self.gpu_memory_limit // 20)
+        if summary is None:
+            return  # no measured iteration yet: no budget, no decision
+        # The most memory seen in use apart from resident states, sampled as each block's gradients
+        # completed (backward is where activations and gradients meet), plus a margin for what falls
+        # between samples (the loss, temporary buffers).
+        self._nonstate_peak = max(self._nonstate_peak, summary["nonstate_peak_bytes"])
+        margin = (1 << 30) + self.gpu_memory_limit // 20
         self._scheduler.memory_budget = float(max(0, self.gpu_memory_limit - self._nonstate_peak - margin))
         k = self._scheduler.decide(self.gpu_blocks)
         if self._scheduler.ready():
@@ -599,7 +601,7 @@ class HybridAdamW(torch.optim.Optimizer):
             if self.timeline is not None:
                 self.timeline.mark("backward", b)
             if self._meter is not None:
-                self._meter.backward_done(b)
+                self._meter.backward_done(b, self._resident_bytes if self._scheduler is not None else None)
             if not self._deferred():
                 self._launch(b, 1.0, release=True)
             elif self._early_handoff():
@@ -790,6 +792,8 @@ class HybridAdamW(torch.optim.Optimizer):
         if not parts:
             return inv
         total = math.sqrt(float(torch.stack(parts).sum())) * inv
+        if not math.isfinite(total):
+            return total  # refused by step(): clipping by a non-finite norm would poison every weight
         return inv * min(1.0, self.max_grad_norm / (total + 1e-6))
 
     @torch.no_grad()
@@ -817,6 +821,8 @@ class HybridAdamW(torch.optim.Optimizer):
             # Forward order (the next forward needs block 0 first), offloaded blocks first so that
             # their copies start before the GPU updates queue up on the compute stream.
             n = len(self._blocks)
+            if self._meter is not None:
+                self._meter.launched()
             for b in sorted(range(n), key=lambda b: (self._on_gpu[b], b)):
                 if b in self._held:
                     if self._on_gpu[b]:

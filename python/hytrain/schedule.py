@@ -27,7 +27,8 @@ from ._native import native
 
 
 class _Record:
-    __slots__ = ("index", "hooks", "bwd", "gpu", "passes", "launch", "k", "deferred", "next_start")
+    __slots__ = ("index", "hooks", "bwd", "gpu", "passes", "launch", "k", "deferred", "next_start",
+                 "mem_peak", "resident")
 
     def __init__(self, index: int, k: int, deferred: bool):
         self.index = index
@@ -39,6 +40,8 @@ class _Record:
         self.k = k
         self.deferred = deferred
         self.next_start = None  # the next iteration's first pre-wait event
+        self.mem_peak = 0       # the most GPU memory allocated when a block's gradients were complete
+        self.resident = None    # bytes of resident optimizer states during backward
 
 
 def _service_times(spans):
@@ -90,9 +93,12 @@ class Meter:
                 self.pending.next_start = before
             self.current.hooks.append((list(blocks), before, self._event()))
 
-    def backward_done(self, block: int) -> None:
+    def backward_done(self, block: int, resident=None) -> None:
         if self.current is not None:
             self.current.bwd[block] = self._event()
+            self.current.mem_peak = max(self.current.mem_peak, torch.cuda.memory_allocated(self.device))
+            if self.current.resident is None and resident is not None:
+                self.current.resident = resident()
 
     def gpu_update(self, block: int, start, end) -> None:
         if self.current is not None:
@@ -175,9 +181,12 @@ class Meter:
                 scheduler.observe(b, phase, t)
         end_bwd = bwd_ms[min(bwd_ms)]
         next_ms = ms(rec.next_start)
+        launch_ms = ms(rec.launch) if rec.launch is not None else end_bwd
         deferred_gpu = sum(gpu_s.values()) if rec.deferred else 0.0
-        scheduler.observe_overhead(max(0.0, (next_ms - end_bwd) / 1e3 - deferred_gpu))
+        scheduler.observe_overhead(max(0.0, launch_ms - end_bwd) / 1e3,
+                                   max(0.0, (next_ms - launch_ms) / 1e3 - deferred_gpu))
         span_s = next_ms / 1e3
         self.last = {"iter_gpu_s": span_s, "gpu_wait_s": wait_s,
-                     "gpu_wait_frac": wait_s / span_s if span_s > 0 else 0.0}
+                     "gpu_wait_frac": wait_s / span_s if span_s > 0 else 0.0,
+                     "nonstate_peak_bytes": rec.mem_peak - (rec.resident or 0)}
         return self.last

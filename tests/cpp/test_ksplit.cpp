@@ -53,9 +53,10 @@ struct Ticks {
   std::vector<long> fwd, bwd, d2h, cpu, h2d, gpu;
 };
 
-long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, bool overlap, bool early) {
+long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, long after, bool overlap,
+                 bool early) {
   const std::size_t L = c.fwd.size();
-  enum Kind { Bwd, Gpu, Overhead, Fwd };
+  enum Kind { Bwd, Gpu, Overhead, After, Fwd };
   struct Op { Kind kind; std::size_t block; long dur; };
   std::vector<Op> program;
   for (std::size_t i = L; i-- > 0;) {
@@ -64,6 +65,7 @@ long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, bo
   }
   program.push_back({Overhead, 0, overhead});
   if (deferred) for (std::size_t j = 0; j < k; ++j) program.push_back({Gpu, j, c.gpu[j]});
+  program.push_back({After, 0, after});
   for (std::size_t j = 0; j < L; ++j) program.push_back({Fwd, j, c.fwd[j]});
 
   struct Lane {
@@ -253,11 +255,16 @@ TEST(predictions_match_a_tick_by_tick_simulation) {
     }
     const std::size_t k = rng() % (L + 1);
     const bool deferred = rng() % 2;
-    const long overhead = small(rng);
-    const bool overlap = trial % 5 != 0;
-    const bool early = trial % 3 == 0;
-    const long ticks = brute_force(t, k, deferred, overhead, overlap, early);
-    const Prediction p = KSplitScheduler::simulate(costs, k, deferred, double(overhead), overlap, early);
+    StepShape shape;
+    shape.deferred = deferred;
+    shape.overlap = trial % 5 != 0;
+    shape.early_copies = trial % 3 == 0;
+    const long overhead = small(rng), after = small(rng);
+    shape.before_launch_s = double(overhead);
+    shape.after_launch_s = double(after);
+    const long ticks = brute_force(t, k, deferred, overhead, after, shape.overlap, shape.early_copies);
+    const Prediction p = KSplitScheduler::simulate(costs, k, shape);
+    const bool overlap = shape.overlap;
     CHECK_MSG(p.iter_s == double(ticks), "trial %d L=%zu k=%zu deferred=%d overlap=%d: %g vs %ld", trial, L,
               k, int(deferred), int(overlap), p.iter_s, ticks);
     CHECK(std::fabs(p.iter_s - p.gpu_busy_s - p.gpu_idle_s) < 1e-9);
@@ -310,7 +317,7 @@ TEST(bad_input_throws) {
   CHECK_THROWS(s.observe(0, Phase::Cpu, -1.0));
   CHECK_THROWS(s.observe(0, Phase::Cpu, std::nan("")));
   CHECK_THROWS(s.observe_overhead(INFINITY));
-  CHECK_THROWS(KSplitScheduler::simulate(std::vector<BlockCosts>(2), 3, false, 0));
+  CHECK_THROWS(KSplitScheduler::simulate(std::vector<BlockCosts>(2), 3, StepShape{}));
 }
 
 HYTEST_MAIN()

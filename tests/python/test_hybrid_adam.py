@@ -277,3 +277,25 @@ def test_exhausted_pool_is_a_clear_error_before_training():
     assert all(p.grad is None for p in model.parameters())
     x = batches(1)[0][0]
     model(x, x).backward()  # no hooks of the failed optimizer are left behind
+
+
+def test_clipping_refuses_a_non_finite_norm_and_keeps_the_state():
+    torch.manual_seed(0)
+    model = LlamaModel(CFG)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0, model=model, workers=2)
+    data = batches(2)
+    train(model, opt, data[:1])
+    saved = copy.deepcopy(opt.state_dict())
+    weights = [p.detach().clone() for p in model.parameters()]
+    x = data[1][0]
+    model(x, x).backward()
+    next(model.parameters()).grad[0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite gradient norm"):
+        opt.step()
+    opt.zero_grad()
+    after = opt.state_dict()
+    for i, st in saved["state"].items():
+        for key, t in st.items():
+            assert torch.equal(t, after["state"][i][key]), (i, key)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    train(model, opt, data[1:])  # and training goes on

@@ -5,8 +5,9 @@
 // The runtime reports per-block measurements (seconds), smoothed by an exponential moving average.
 // For each candidate k the scheduler simulates one steady-state iteration of the pipeline:
 //
-//   compute stream : backward L-1..0 (+ in-backward GPU updates of blocks < k) | step overhead |
-//                    (deferred mode: GPU updates 0..k-1) | forward 0..L-1, block j waiting for ready[j]
+//   compute stream : backward L-1..0 (+ in-backward GPU updates of blocks < k) | step, up to its
+//                    launch | (deferred mode: GPU updates 0..k-1) | the rest of the step and the
+//                    training loop | forward 0..L-1, block j waiting for ready[j]
 //                    (without overlap: the forward waits for every block)
 //   D2H stream     : block j's gradients, after its backward (deferred: after the step's launch, or
 //                    still after its backward with early copies)
@@ -45,6 +46,15 @@ struct BlockCosts {
   double fwd = 0, bwd = 0, d2h = 0, cpu = 0, h2d = 0, gpu = 0, migrate = 0;
 };
 
+// The shape of a step: when updates start, and the compute-stream time around the step's launch.
+struct StepShape {
+  bool deferred = false;      // updates start at the step's launch, in forward order
+  bool overlap = true;        // false: the next forward waits for every update
+  bool early_copies = false;  // deferred, with the gradients copied to the host during backward
+  double before_launch_s = 0; // end of backward -> the launch (norm, overflow check)
+  double after_launch_s = 0;  // the launch -> the next forward, less the GPU updates (loop, data)
+};
+
 // A simulated iteration: its length and where the time went.
 struct Prediction {
   std::size_t k = 0;
@@ -73,8 +83,11 @@ class KSplitScheduler {
   // A per-size rate for a phase, without a block (e.g. a start-up probe of the GPU AdamW): seconds
   // per parameter (Forward/Backward/Cpu/Gpu) or per byte (D2H/H2D).
   void observe_rate(Phase phase, double seconds_per_unit);
-  // Compute-stream time between the end of backward and the step's first update (norm, launch).
-  void observe_overhead(double seconds);
+  // Compute-stream time from the end of backward to the step's launch, and from the launch to the
+  // next forward less the GPU updates in between.
+  void observe_overhead(double before_launch_s, double after_launch_s = 0);
+  // The step shape the predictions use (flags from the config, overheads as measured).
+  StepShape shape() const;
   // GPU bytes available for resident states; negative means unlimited.
   void set_memory_budget(double bytes) { budget_ = bytes; }
   double memory_budget() const { return budget_; }
@@ -87,8 +100,7 @@ class KSplitScheduler {
   std::vector<BlockCosts> costs() const;
   // The simulated iteration for a given k (throws if k > blocks()).
   Prediction predict(std::size_t k) const;
-  static Prediction simulate(const std::vector<BlockCosts>& costs, std::size_t k, bool deferred,
-                             double overhead_s, bool overlap = true, bool early_copies = false);
+  static Prediction simulate(const std::vector<BlockCosts>& costs, std::size_t k, const StepShape& shape);
 
   // The k for the next iteration, given the k in use now. Applies `every`, the memory limit, and
   // hysteresis; returns `current` unchanged while ready() is false.
@@ -108,7 +120,7 @@ class KSplitScheduler {
   static constexpr int kPhases = static_cast<int>(Phase::Count);
   std::vector<double> ewma_;         // blocks x phases; NaN = never measured
   double rate_[kPhases];             // pooled seconds per unit; NaN = unknown
-  double overhead_ = 0;
+  double before_launch_ = 0, after_launch_ = 0;
   bool overhead_seen_ = false;
   double budget_ = -1;
   std::int64_t iterations_ = 0;
