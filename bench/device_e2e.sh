@@ -31,6 +31,9 @@ for stage in "$@"; do
     l3b)
       python3 bench/train_bench.py --workloads l3b --cap-gb deepspeed ${L3B_MODES:+--modes $L3B_MODES} 2>&1 \
         | tee "$out/train_bench_l3b.txt" ;;
+    l3b_extra)  # the modes not capped by DeepSpeed's memory: auto without a cap, the naive offload
+      python3 bench/train_bench.py --workloads l3b --modes torch_gpu,hytrain_auto,naive_offload 2>&1 \
+        | tee "$out/train_bench_l3b_extra.txt" ;;
     l7b)
       python3 bench/train_bench.py --workloads l7b --trace "$out/l7b_trace.json" 2>&1 | tee "$out/train_bench_l7b.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

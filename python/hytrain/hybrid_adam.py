@@ -689,6 +689,7 @@ class HybridAdamW(torch.optim.Optimizer):
             st["step"] += 1
             groups.setdefault((self._group_index[id(p)], p.dtype, int(st["step"].item())), []).append(p)
         timed = self.timeline is not None or self._meter is not None
+        first = False
         if timed:
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.device))
@@ -696,6 +697,7 @@ class HybridAdamW(torch.optim.Optimizer):
             key = tuple(id(p) for p in ps)
             fused = self._gpu_groups.get(key)
             if fused is None:
+                first = True  # building the group's tables is not the update's cost: not measured
                 ds = [self._dev_state[id(p)] for p in ps]
                 half = dtype != torch.float32
                 amsgrad = bool(self.param_groups[gi]["amsgrad"])
@@ -712,7 +714,7 @@ class HybridAdamW(torch.optim.Optimizer):
             end.record(torch.cuda.current_stream(self.device))
             if self.timeline is not None:
                 self.timeline.gpu_update(b, start, end)
-            if self._meter is not None:
+            if self._meter is not None and not first:
                 self._meter.gpu_update(b, start, end)
 
     def _drop_held(self):
