@@ -69,7 +69,9 @@ def run(mode, args):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        torch.cuda.synchronize()  # the next forward's waits are inside the next iteration
+        # The compute stream only: the copy streams (CPU updates) may still run; the next
+        # forward's waits for them fall in the next iteration.
+        torch.cuda.current_stream().synchronize()
         times.append(time.perf_counter() - t0)
     if isinstance(opt, hytrain.HybridAdamW):
         opt.synchronize()

@@ -115,7 +115,7 @@ def gpu_idle_frac(run_iteration, iterations=2):
         for _ in range(iterations):
             with record_function("bench_iteration"):
                 run_iteration()
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
@@ -199,12 +199,17 @@ def run_mode(args):
         opt.step()
         opt.zero_grad()
 
+    # Iterations end when the compute stream has drained. Not torch.cuda.synchronize(): that would
+    # also wait for hytrain's copy streams, i.e. for every CPU update, and so forbid the overlap of
+    # the updates with the next forward that the iteration is meant to measure (those waits fall in
+    # the next iteration's forward, as in training).
+    stream = torch.cuda.current_stream()
     times, ks = [], []
+    torch.cuda.synchronize()
     for i in range(args.warmup + args.iters):
-        torch.cuda.synchronize()
         t0 = time.perf_counter()
         iteration()
-        torch.cuda.synchronize()  # the next forward's waits for updates fall in the next iteration
+        stream.synchronize()
         times.append(time.perf_counter() - t0)
         if mode.startswith("hytrain"):
             ks.append(opt.gpu_blocks)
