@@ -319,7 +319,8 @@ PYBIND11_MODULE(hytrain_native, m) {
         const BlockTiming t = e.timing(block);
         return std::make_tuple(t.submit_ns, t.start_ns, t.end_ns, t.elements);
       })
-      .def_property_readonly("workers", &UpdateEngine::workers);
+      .def_property_readonly("workers", &UpdateEngine::workers)
+      .def_property_readonly_static("queue_slices", [](py::object) { return UpdateEngine::kQueueSlices; });
   m.def("steady_now_ns", &steady_now_ns, "The clock of UpdateEngine timings (ns).");
 
   py::enum_<Phase>(m, "Phase")

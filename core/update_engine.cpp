@@ -35,7 +35,7 @@ AdamWTensor slice_of(const AdamWTensor& t, int64_t begin, int64_t end) {
 }  // namespace
 
 UpdateEngine::UpdateEngine(int workers, int64_t slice_elems, SimdPath path)
-    : queue_(4096), slice_elems_(slice_elems), path_(path) {
+    : queue_(kQueueSlices), slice_elems_(slice_elems), path_(path) {
   HYTRAIN_CHECK(workers >= 1 && workers <= 1024, "workers must be in [1, 1024]");
   HYTRAIN_CHECK(slice_elems >= 1024, "slice_elems must be at least 1024");
   path_ = resolve_simd_path(path);

@@ -43,6 +43,9 @@ int64_t steady_now_ns();
 
 class UpdateEngine {
  public:
+  // Slices the queue holds; submit() blocks while it is full, so a step's slices should fit.
+  static constexpr std::size_t kQueueSlices = std::size_t(1) << 18;
+
   UpdateEngine(int workers, int64_t slice_elems, SimdPath path = SimdPath::automatic);
   ~UpdateEngine();  // finishes queued work, then joins the workers
   UpdateEngine(const UpdateEngine&) = delete;
