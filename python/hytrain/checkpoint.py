@@ -65,7 +65,8 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
     final, tmp = root / name, root / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+    own = getattr(model, "saved_module", model)  # a wrapper saves what it wraps, under its names
+    weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in own.state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
     torch.save(opt.state_dict(), tmp / "optimizer.pt")
     torch.save({"scheduler": sched.state_dict() if sched is not None else None, "rng": _rng_state()},
@@ -137,7 +138,7 @@ def load(path: Path, model, opt, sched) -> int:
     meta = verify(path)
     weights = load_file(str(Path(path) / "model.safetensors"))
     try:
-        model.load_state_dict(weights, strict=True)
+        getattr(model, "saved_module", model).load_state_dict(weights, strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"{path}: the weights do not fit this model: {e}") from None
     opt.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location="cpu", weights_only=True))

@@ -245,6 +245,10 @@ def build_model(args, device, dtype):
             super().__init__()
             self.inner = inner
 
+        @property
+        def saved_module(self):  # checkpoints hold the transformers model under its own names
+            return self.inner
+
         def forward(self, tokens, targets=None):
             out = self.inner(input_ids=tokens)
             if targets is None:

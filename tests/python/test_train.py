@@ -139,3 +139,29 @@ def test_toml_config_and_flags(tmp_path):
     assert [r["step"] for r in metrics(out)] == [1, 2]
     opts = json.load(open(os.path.join(out, "config.json")))["options"]
     assert opts["lr"] == 0.001 and opts["steps"] == 2
+
+
+def test_a_transformers_model_by_config_directory(tmp_path):
+    # Any causal LM transformers can build from a config (a hub name or a local directory): here a
+    # two-layer Llama from a config.json, so nothing is downloaded. It trains, saves and resumes.
+    transformers = pytest.importorskip("transformers")
+    cfg_dir = tmp_path / "tiny-llama"
+    transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             tie_word_embeddings=False).save_pretrained(cfg_dir)
+    out = str(tmp_path / "run")
+    args = ["--model", str(cfg_dir), "--eval-every", "0", "--lr", "3e-3", "--out", out, *FAST]
+    assert main(["--steps", "16", *args]) == 0
+    rows = metrics(out)
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert main(["--steps", "20", "--resume", "latest", *args]) == 0
+    assert [r["step"] for r in metrics(out)][-4:] == [17, 18, 19, 20]
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt.resolve(out, "latest") / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.down_proj.weight" in names, sorted(names)[:5]
+    fresh = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(cfg_dir))
+    from safetensors.torch import load_file
+
+    fresh.load_state_dict(load_file(str(ckpt.resolve(out, "latest") / "model.safetensors")))  # no hytrain
