@@ -234,7 +234,12 @@ def build_model(args, device, dtype):
         return model, n, dataclasses.asdict(cfg)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_cfg = AutoConfig.from_pretrained(args.model)
+    try:
+        hf_cfg = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as e:  # not a hub name, a config directory or a cached model
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                          f"transformers config transformers could load: {first}") from None
     torch.manual_seed(args.seed)
     inner = AutoModelForCausalLM.from_config(hf_cfg).to(device=device, dtype=dtype)
     if args.activation_checkpointing:

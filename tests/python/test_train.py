@@ -155,6 +155,7 @@ def test_a_transformers_model_by_config_directory(tmp_path):
     rows = metrics(out)
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert main(["--steps", "20", "--resume", "latest", *args]) == 0
+    assert main(["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "bad"), *FAST]) == 2
     assert [r["step"] for r in metrics(out)][-4:] == [17, 18, 19, 20]
     from safetensors import safe_open
 
