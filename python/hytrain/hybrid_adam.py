@@ -813,6 +813,7 @@ class HybridAdamW(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if grad_scale is not None or found_inf is not None:
             if not self._loss_scaling and any(self._submitted):
+                self._drop_held()
                 raise RuntimeError("a GradScaler started driving HybridAdamW after updates had begun "
                                    "overlapping backward; create the optimizer with loss scaling in use "
                                    "from the first step")
@@ -832,19 +833,20 @@ class HybridAdamW(torch.optim.Optimizer):
                 self._meter.launched()
             for b in sorted(range(n), key=lambda b: (self._on_gpu[b], b)):
                 if b in self._held:
+                    held = self._held.pop(b)
                     if self._on_gpu[b]:
-                        self._gpu_update(b, [(p, None) for p in self._held[b]], mult)
+                        self._gpu_update(b, [(p, None) for p in held], mult)
                     else:
                         self._pipeline.release(b, mult)
                 elif not self._submitted[b]:
                     self._launch(b, mult, release=False)
-            self._held.clear()
             self._steps_taken += 1
             if self._meter is not None:
                 self._schedule(self._meter.end_iteration())
             if not self._model_hooks or not self.overlap:
                 self.synchronize()
         except BaseException:
+            self._drop_held()  # whatever was not released yet: as before the backward
             if self._meter is not None:
                 self._meter.current = None  # a step not taken is not measured
             raise
