@@ -203,13 +203,13 @@ std::size_t KSplitScheduler::decide(std::size_t current) {
   const std::size_t kmax = max_k();
   const std::vector<BlockCosts> c = costs();
   const StepShape s = shape();
+  if (!due && cur <= kmax) {  // not a deciding iteration: only the current k's prediction
+    last_ = simulate(c, cur, s);
+    return cur;
+  }
   std::vector<Prediction> preds;
   preds.reserve(L + 1);
   for (std::size_t k = 0; k <= L; ++k) preds.push_back(simulate(c, k, s));
-  if (!due && cur <= kmax) {
-    last_ = preds[cur];
-    return cur;
-  }
   std::size_t best = 0;
   for (std::size_t k = 1; k <= kmax; ++k) {
     if (preds[k].iter_s < preds[best].iter_s) best = k;

@@ -336,7 +336,7 @@ class HybridAdamW(torch.optim.Optimizer):
                                 and not any(self._arrivals)) else None
         before = None
         if meter is not None:
-            meter.start(self.gpu_blocks, self._deferred())
+            meter.start(self._deferred())
             before = meter.before_wait()
         self._wait_blocks(wait_for)
         if meter is not None:
@@ -546,7 +546,6 @@ class HybridAdamW(torch.optim.Optimizer):
         if p is not None:
             out["predicted_iter_s"] = p["iter_s"]
             out["predicted_gpu_idle_s"] = p["gpu_idle_s"]
-            out["predicted_k"] = p["k"]
         if self._scheduler is not None and self.auto:
             out["state_budget_bytes"] = self._scheduler.memory_budget
         return out

@@ -27,17 +27,16 @@ from ._native import native
 
 
 class _Record:
-    __slots__ = ("index", "hooks", "bwd", "gpu", "passes", "launch", "k", "deferred", "next_start",
+    __slots__ = ("index", "hooks", "bwd", "gpu", "passes", "launch", "deferred", "next_start",
                  "mem_peak", "resident")
 
-    def __init__(self, index: int, k: int, deferred: bool):
+    def __init__(self, index: int, deferred: bool):
         self.index = index
         self.hooks = []      # (blocks, event before the wait, event after it)
         self.bwd = {}        # block -> event when its gradients were complete
         self.gpu = {}        # block -> (start, end) events of its GPU AdamW update
         self.passes = {}     # block -> OffloadPipeline.last_pass dict
         self.launch = None   # event at the step's launch (deferred mode)
-        self.k = k
         self.deferred = deferred
         self.next_start = None  # the next iteration's first pre-wait event
         self.mem_peak = 0       # the most GPU memory allocated when a block's gradients were complete
@@ -79,9 +78,9 @@ class Meter:
         e.record(torch.cuda.current_stream(self.device))
         return e
 
-    def start(self, k: int, deferred: bool) -> None:
+    def start(self, deferred: bool) -> None:
         if self.current is None:
-            self.current = _Record(self.started, k, deferred)
+            self.current = _Record(self.started, deferred)
             self.started += 1
 
     def before_wait(self):
@@ -150,10 +149,10 @@ class Meter:
         for i, b in enumerate(order):
             if i == 0:  # the last block: its forward, the loss and its backward together
                 both = max(0.0, bwd_ms[b] - last_after) / 1e3
-                for lb in last_hook_blocks:
-                    if lb == b:
-                        scheduler.observe(b, P.forward, both / 3)
-                scheduler.observe(b, P.backward, both * 2 / 3 if b in last_hook_blocks else both)
+                if b in last_hook_blocks:
+                    scheduler.observe(b, P.forward, both / 3)
+                    both *= 2 / 3
+                scheduler.observe(b, P.backward, both)
                 continue
             prev = order[i - 1]
             t = (bwd_ms[b] - bwd_ms[prev]) / 1e3
