@@ -204,7 +204,7 @@ def run_mode(args):
     # the updates with the next forward that the iteration is meant to measure (those waits fall in
     # the next iteration's forward, as in training).
     stream = torch.cuda.current_stream()
-    times, ks = [], []
+    times, ks, norms = [], [], []
     torch.cuda.synchronize()
     for i in range(args.warmup + args.iters):
         t0 = time.perf_counter()
@@ -213,6 +213,7 @@ def run_mode(args):
         times.append(time.perf_counter() - t0)
         if mode.startswith("hytrain"):
             ks.append(opt.gpu_blocks)
+            norms.append(opt.last_grad_norm)
     iter_s = statistics.median(times[args.warmup:])
     rec = {"mode": mode, "workload": workload, "model": "transformers" if use_tf else "hytrain",
            "params": n_params, "iter_s": iter_s, "tokens_per_s": BATCH * SEQ / iter_s,
@@ -222,7 +223,7 @@ def run_mode(args):
            "cap_gb": cap if mode.startswith("hytrain") else None, "k": None, "predicted_iter_s": None}
     if mode.startswith("hytrain"):
         stats = opt.schedule_stats()
-        rec.update(k=stats["k"], k_per_iteration=ks, predicted_iter_s=stats.get("predicted_iter_s"),
+        rec.update(k=stats["k"], k_per_iteration=ks, grad_norms=[round(v, 4) for v in norms if v is not None], predicted_iter_s=stats.get("predicted_iter_s"),
                    predicted_gpu_idle_s=stats.get("predicted_gpu_idle_s"), gpu_wait_frac=stats.get("gpu_wait_frac"),
                    state_budget_gb=stats.get("state_budget_bytes", 0) / 1e9)
         if rec["predicted_iter_s"]:

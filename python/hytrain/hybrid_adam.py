@@ -90,7 +90,8 @@ class HybridAdamW(torch.optim.Optimizer):
         params: parameters (fp32, bf16 or fp16, leaves, all on the CPU or all on one CUDA device) or
             param-group dicts.
         lr, betas, eps, weight_decay, amsgrad: as ``torch.optim.AdamW``.
-        max_grad_norm: global-norm clipping of the (unscaled) gradients, as ``clip_grad_norm_``.
+        max_grad_norm: global-norm clipping of the (unscaled) gradients, as ``clip_grad_norm_``;
+            each step's norm before clipping is then in ``last_grad_norm``.
         model: the module the parameters belong to; enables block detection and just-in-time waits.
         blocks: explicit blocks, each a module or a list of parameters (forward order).
         gpu_blocks: k, the number of leading blocks (forward order) updated on the GPU by the fused
@@ -197,6 +198,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._meter_owner = {}
         self._last_summary = {}
         self._prediction = None  # the scheduler's simulated iteration for the k in use
+        self.last_grad_norm = None  # the last step's global gradient norm (before clipping), when clipping
         if self._cuda:
             self._mig_stream = torch.cuda.Stream(self.device, priority=0)
         self.set_gpu_blocks(k)
@@ -798,6 +800,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if not parts:
             return inv
         total = math.sqrt(float(torch.stack(parts).sum())) * inv
+        self.last_grad_norm = total
         if not math.isfinite(total):
             return total  # refused by step(): clipping by a non-finite norm would poison every weight
         return inv * min(1.0, self.max_grad_norm / (total + 1e-6))

@@ -443,6 +443,8 @@ def run(args) -> int:
             dt = time.perf_counter() - t0
             rec = {"step": step, "loss": loss_v, "lr": sched.get_last_lr()[0], "step_s": dt,
                    "tokens_per_s": tokens_per_step / dt, **power.sample()}
+            if opt.last_grad_norm is not None:
+                rec["grad_norm"] = opt.last_grad_norm
             sched_stats = opt.schedule_stats()
             rec.update({key: sched_stats[key] for key in ("k", "gpu_wait_frac", "predicted_iter_s")
                         if key in sched_stats})

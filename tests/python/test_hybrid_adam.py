@@ -32,6 +32,7 @@ class Reference:
         self.opt = torch.optim.AdamW(self.master, lr=lr, foreach=False, **kw)
         self.max_grad_norm = max_grad_norm
         self.clipped = 0
+        self.norms = []
 
     def step(self, inv_scale=1.0, skip=False):
         if skip:
@@ -40,6 +41,7 @@ class Reference:
             m.grad = p.grad.float() * inv_scale
         if self.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm)
+            self.norms.append(float(norm))
             self.clipped += int(norm > self.max_grad_norm)
         self.opt.step()
         with torch.no_grad():
@@ -96,7 +98,8 @@ def test_matches_reference_bf16(with_model, max_grad_norm):
                               model=model if with_model else None, workers=2)
     ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
     data = batches(STEPS)
-    losses = train(model, opt, data)
+    norms = []
+    losses = train(model, opt, data, step_fn=lambda i: (opt.step(), norms.append(opt.last_grad_norm)))
     ref_losses = []
     for micro in data:
         ref_losses.append(ref_model(micro[0], micro[0]).item())
@@ -107,6 +110,9 @@ def test_matches_reference_bf16(with_model, max_grad_norm):
     if max_grad_norm is not None:
         assert 0 < ref.clipped < STEPS or ref.clipped == STEPS, "clipping should fire"
         assert ref.clipped > 0
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref.norms), rtol=2e-2, atol=0)
+    else:
+        assert norms == [None] * STEPS
     assert losses[-1] < losses[0]
 
 
