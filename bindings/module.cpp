@@ -133,10 +133,12 @@ std::shared_ptr<PinnedPool> make_pool(std::size_t capacity, std::size_t slab_byt
 
 // Job rows: (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, grad_dtype, param_copy,
 // param_copy_dtype, numel, lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
-// grad_scale), addresses as ints, validated by python/hytrain.
+// grad_scale, param_out, exp_avg_out, exp_avg_sq_out, max_exp_avg_sq_out), addresses as ints
+// (outputs 0: in place), validated by python/hytrain.
 using JobRow = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t,
                           std::uintptr_t, int, std::uintptr_t, int, int64_t, double, double,
-                          double, double, double, int64_t, bool, bool, double>;
+                          double, double, double, int64_t, bool, bool, double, std::uintptr_t,
+                          std::uintptr_t, std::uintptr_t, std::uintptr_t>;
 
 std::vector<UpdateJob> to_jobs(const std::vector<JobRow>& rows) {
   std::vector<UpdateJob> jobs;
@@ -152,6 +154,10 @@ std::vector<UpdateJob> to_jobs(const std::vector<JobRow>& rows) {
     j.tensor.param_copy = as_ptr<void>(std::get<6>(r));
     j.tensor.param_copy_dtype = static_cast<DType>(std::get<7>(r));
     j.tensor.numel = std::get<8>(r);
+    j.tensor.param_out = as_ptr<float>(std::get<18>(r));
+    j.tensor.exp_avg_out = as_ptr<float>(std::get<19>(r));
+    j.tensor.exp_avg_sq_out = as_ptr<float>(std::get<20>(r));
+    j.tensor.max_exp_avg_sq_out = as_ptr<float>(std::get<21>(r));
     j.config = make_config(std::get<14>(r), std::get<9>(r), std::get<10>(r), std::get<11>(r),
                            std::get<12>(r), std::get<13>(r), std::get<15>(r), std::get<16>(r),
                            std::get<17>(r));

@@ -69,16 +69,26 @@ AdamWScalars make_adamw_scalars(const AdamWConfig& c) {
   return s;
 }
 
-bool adamw_step(const AdamWTensor& t, const AdamWConfig& cfg, int num_threads, SimdPath path) {
+void validate_adamw_job(const AdamWTensor& t, const AdamWConfig& cfg) {
   validate_adamw_config(cfg);
   HYTRAIN_CHECK(t.numel >= 0, "numel must be >= 0");
-  const RangeFn kernel = range_kernel(path);
-  if (t.numel == 0) return false;
+  if (t.numel == 0) return;
   HYTRAIN_CHECK(t.param && t.exp_avg && t.exp_avg_sq && t.grad,
                 "param, exp_avg, exp_avg_sq and grad must be non-null");
   HYTRAIN_CHECK(!cfg.amsgrad || t.max_exp_avg_sq, "amsgrad needs max_exp_avg_sq");
   HYTRAIN_CHECK(t.param_copy == nullptr || t.param_copy_dtype != DType::f32,
                 "param_copy must be bfloat16 or float16");
+  HYTRAIN_CHECK((t.param_out == nullptr && t.exp_avg_out == nullptr && t.exp_avg_sq_out == nullptr &&
+                 t.max_exp_avg_sq_out == nullptr) ||
+                    (t.param_out && t.exp_avg_out && t.exp_avg_sq_out && (!cfg.amsgrad || t.max_exp_avg_sq_out)),
+                "param_out, exp_avg_out and exp_avg_sq_out (and max_exp_avg_sq_out with amsgrad) are "
+                "given together or not at all");
+}
+
+bool adamw_step(const AdamWTensor& t, const AdamWConfig& cfg, int num_threads, SimdPath path) {
+  validate_adamw_job(t, cfg);
+  const RangeFn kernel = range_kernel(path);
+  if (t.numel == 0) return false;
   const AdamWScalars s = make_adamw_scalars(cfg);
 
   int threads = 1;

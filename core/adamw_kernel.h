@@ -38,14 +38,19 @@ inline void store_copy(void* base, int64_t i, typename V::F x) {
 
 inline int64_t elem_size(DType t) { return t == DType::f32 ? 4 : 2; }
 
-// Pointers of one W-wide slice: either into the tensors or into tail buffers.
+// Pointers of one W-wide slice: either into the tensors or into tail buffers. The state is read
+// from p, m, v, vmax and written to po, mo, vo, vmaxo (the same pointers when in place).
 struct Slice {
-  float* p;
-  float* m;
-  float* v;
-  float* vmax;
+  const float* p;
+  const float* m;
+  const float* v;
+  const float* vmax;
   const void* g;
   void* copy;
+  float* po;
+  float* mo;
+  float* vo;
+  float* vmaxo;
 };
 
 template <class V, DType G, bool kCopy, DType C, bool kAmsgrad>
@@ -74,13 +79,13 @@ struct AdamWBody {
     F vd = v;
     if constexpr (kAmsgrad) {
       vd = V::max(V::load(x.vmax + i), v);
-      V::store(x.vmax + i, vd);
+      V::store(x.vmaxo + i, vd);
     }
     const F denom = V::add(V::div(V::sqrt(vd), bc2s), eps);
     p = V::fmadd(nstep, V::div(m, denom), p);
-    V::store(x.p + i, p);
-    V::store(x.m + i, m);
-    V::store(x.v + i, v);
+    V::store(x.po + i, p);
+    V::store(x.mo + i, m);
+    V::store(x.vo + i, v);
     if constexpr (kCopy) store_copy<V, C>(x.copy, i, p);
   }
 };
@@ -92,7 +97,12 @@ bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin
   const AdamWBody<V, G, kCopy, C, kAmsgrad> body(s);
   F bad = V::set1(0.0f);
 
-  const Slice whole{t.param, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.grad, t.param_copy};
+  float* const po = t.param_out ? t.param_out : t.param;
+  float* const mo = t.param_out ? t.exp_avg_out : t.exp_avg;
+  float* const vo = t.param_out ? t.exp_avg_sq_out : t.exp_avg_sq;
+  float* const vmaxo = t.param_out ? t.max_exp_avg_sq_out : t.max_exp_avg_sq;
+  const Slice whole{t.param, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.grad, t.param_copy,
+                    po, mo, vo, vmaxo};
   int64_t i = begin;
   for (; i + W <= end; i += W) body(whole, i, bad);
 
@@ -107,11 +117,11 @@ bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin
     std::memcpy(v, t.exp_avg_sq + i, n * 4);
     if (kAmsgrad) std::memcpy(vmax, t.max_exp_avg_sq + i, n * 4);
     std::memcpy(g, static_cast<const unsigned char*>(t.grad) + i * gsz, n * gsz);
-    body(Slice{p, m, v, vmax, g, copy}, 0, bad);
-    std::memcpy(t.param + i, p, n * 4);
-    std::memcpy(t.exp_avg + i, m, n * 4);
-    std::memcpy(t.exp_avg_sq + i, v, n * 4);
-    if (kAmsgrad) std::memcpy(t.max_exp_avg_sq + i, vmax, n * 4);
+    body(Slice{p, m, v, vmax, g, copy, p, m, v, vmax}, 0, bad);
+    std::memcpy(po + i, p, n * 4);
+    std::memcpy(mo + i, m, n * 4);
+    std::memcpy(vo + i, v, n * 4);
+    if (kAmsgrad) std::memcpy(vmaxo + i, vmax, n * 4);
     if (kCopy) std::memcpy(static_cast<uint16_t*>(t.param_copy) + i, copy, n * 2);
   }
   return V::any_nan(bad);

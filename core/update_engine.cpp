@@ -28,6 +28,12 @@ AdamWTensor slice_of(const AdamWTensor& t, int64_t begin, int64_t end) {
   if (t.param_copy) {
     s.param_copy = static_cast<char*>(t.param_copy) + begin * element_bytes(t.param_copy_dtype);
   }
+  if (t.param_out) {
+    s.param_out = t.param_out + begin;
+    s.exp_avg_out = t.exp_avg_out + begin;
+    s.exp_avg_sq_out = t.exp_avg_sq_out + begin;
+    if (t.max_exp_avg_sq_out) s.max_exp_avg_sq_out = t.max_exp_avg_sq_out + begin;
+  }
   s.numel = end - begin;
   return s;
 }
@@ -54,15 +60,7 @@ void UpdateEngine::set_on_complete(std::function<void(int64_t)> fn) {
 
 void UpdateEngine::submit(int64_t block, const std::vector<UpdateJob>& jobs) {
   // Validate everything before anything is queued: a refused submit changes nothing.
-  for (const UpdateJob& j : jobs) {
-    validate_adamw_config(j.config);
-    HYTRAIN_CHECK(j.tensor.numel >= 0, "numel must be >= 0");
-    HYTRAIN_CHECK(j.tensor.numel == 0 || (j.tensor.param && j.tensor.exp_avg &&
-                                          j.tensor.exp_avg_sq && j.tensor.grad),
-                  "tensor pointers must be non-null");
-    HYTRAIN_CHECK(!j.config.amsgrad || j.tensor.numel == 0 || j.tensor.max_exp_avg_sq,
-                  "amsgrad needs max_exp_avg_sq");
-  }
+  for (const UpdateJob& j : jobs) validate_adamw_job(j.tensor, j.config);
   Block* b = nullptr;
   std::function<void(int64_t)> on_complete;
   {

@@ -13,6 +13,7 @@
 #include "hytrain/cpu_features.h"
 #include "hytrain/dtype.h"
 #include "hytrain/error.h"
+#include "hytrain/update_engine.h"
 
 using namespace hytrain;
 
@@ -259,6 +260,69 @@ TEST(gradient_and_weight_copy_may_share_a_buffer) {
   }
 }
 
+TEST(out_of_place_equals_in_place_and_leaves_the_input_alone) {
+  // A speculative update writes the new state elsewhere: bit for bit what the in-place update
+  // writes, with the input state untouched, on every SIMD path, in the tail, with amsgrad, in
+  // threaded pieces and through the UpdateEngine's slices.
+  const int64_t n = 100'003;
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal;
+  std::vector<float> p(n), m(n), v(n), vmax(n);
+  std::vector<uint16_t> g(n);
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = normal(rng);
+    m[i] = normal(rng) * 1e-2f;
+    v[i] = std::abs(normal(rng)) * 1e-4f;
+    vmax[i] = v[i] * (i % 3 == 0 ? 2.0f : 1.0f);
+    g[i] = f32_to_bf16(normal(rng) * 1e-2f);
+  }
+  for (bool amsgrad : {false, true}) {
+    AdamWConfig c;
+    c.step = 5;
+    c.amsgrad = amsgrad;
+    c.grad_scale = 0.37;
+    for (SimdPath path : runnable_paths()) {
+      std::vector<float> ip = p, im = m, iv = v, ivmax = vmax;
+      std::vector<uint16_t> icopy(n), ocopy(n);
+      AdamWTensor in_place{ip.data(), im.data(), iv.data(), ivmax.data(), g.data(), DType::bf16,
+                           icopy.data(), DType::bf16, n};
+      adamw_step(in_place, c, 3, path);
+      std::vector<float> sp = p, sm = m, sv = v, svmax = vmax;
+      std::vector<float> op(n, NAN), om(n, NAN), ov(n, NAN), ovmax(n, NAN);
+      AdamWTensor apart{sp.data(), sm.data(), sv.data(), svmax.data(), g.data(), DType::bf16,
+                        ocopy.data(), DType::bf16, n};
+      apart.param_out = op.data();
+      apart.exp_avg_out = om.data();
+      apart.exp_avg_sq_out = ov.data();
+      apart.max_exp_avg_sq_out = ovmax.data();
+      adamw_step(apart, c, 3, path);
+      CHECK_MSG(op == ip && om == im && ov == iv && ocopy == icopy, "%s amsgrad=%d", simd_path_name(path),
+                int(amsgrad));
+      CHECK(!amsgrad || ovmax == ivmax);
+      CHECK(sp == p && sm == m && sv == v && svmax == vmax);
+    }
+    UpdateEngine engine(2, 4096, best_simd_path());  // 25 slices, the last a short one
+    std::vector<float> sp = p, sm = m, sv = v, svmax = vmax;
+    std::vector<float> op(n, NAN), om(n, NAN), ov(n, NAN), ovmax(n, NAN), ip = p, im = m, iv = v,
+                                   ivmax = vmax;
+    UpdateJob job;
+    job.tensor = AdamWTensor{sp.data(), sm.data(), sv.data(), svmax.data(), g.data(), DType::bf16,
+                             nullptr, DType::bf16, n};
+    job.tensor.param_out = op.data();
+    job.tensor.exp_avg_out = om.data();
+    job.tensor.exp_avg_sq_out = ov.data();
+    job.tensor.max_exp_avg_sq_out = ovmax.data();
+    job.config = c;
+    engine.submit(0, {job});
+    engine.wait(0);
+    AdamWTensor ref{ip.data(), im.data(), iv.data(), ivmax.data(), g.data(), DType::bf16, nullptr,
+                    DType::bf16, n};
+    adamw_step(ref, c, 1, best_simd_path());
+    CHECK(op == ip && om == im && ov == iv && (!amsgrad || ovmax == ivmax));
+    CHECK(sp == p && sm == m && sv == v && svmax == vmax);
+  }
+}
+
 TEST(non_finite_gradients_are_reported) {
   for (SimdPath path : runnable_paths()) {
     for (int64_t n : {1, 17, 1000, 100001}) {
@@ -307,6 +371,9 @@ TEST(invalid_arguments_throw) {
   f32_copy.param_copy = p.data();
   f32_copy.param_copy_dtype = DType::f32;
   CHECK_THROWS(adamw_step(f32_copy, c));
+  AdamWTensor half_out = t;  // outputs come all together or not at all
+  half_out.param_out = p.data();
+  CHECK_THROWS(adamw_step(half_out, c));
   CHECK(p[0] == 1.0f);  // nothing was touched by the rejected calls
 }
 

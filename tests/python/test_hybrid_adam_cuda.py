@@ -37,7 +37,7 @@ def _job(master, m, v, grad_host, weight_host, step, lr=1e-2):
     codes = hytrain._checks.DTYPE_CODES
     return (master.data_ptr(), m.data_ptr(), v.data_ptr(), 0, grad_host.data_ptr(), codes[grad_host.dtype],
             weight_host.data_ptr(), codes[weight_host.dtype], master.numel(), lr, 0.9, 0.999, 1e-8, 0.01,
-            step, True, False, 1.0)
+            step, True, False, 1.0, 0, 0, 0, 0)
 
 
 def test_pipeline_matches_cpu_adamw_element_by_element():
@@ -194,7 +194,7 @@ def test_cuda_error_in_a_pipeline_worker_is_raised_not_crashed():
         master, m, v = pool.zeros(n), pool.zeros(n), pool.zeros(n)
         gh, wh = pool.empty(n, torch.bfloat16), pool.empty(n, torch.bfloat16)
         job = (master.data_ptr(), m.data_ptr(), v.data_ptr(), 0, gh.data_ptr(), 2, wh.data_ptr(), 2, n,
-               1e-3, 0.9, 0.999, 1e-8, 0.0, 1, True, False, 1.0)
+               1e-3, 0.9, 0.999, 1e-8, 0.0, 1, True, False, 1.0, 0, 0, 0, 0)
         s = torch.cuda.current_stream().cuda_stream
         pipe.stage(0, [(gh.data_ptr(), g.data_ptr(), 2 * n)], [job], [(0x10, wh.data_ptr(), 2 * n)], s)
         try:

@@ -44,6 +44,13 @@ struct AdamWTensor {
                                     // grad buffer itself (each gradient is read before its copy is written)
   DType param_copy_dtype = DType::bf16;
   int64_t numel = 0;
+  // Optional destinations of the new master weight and states (all three, or none: in place), e.g.
+  // a speculative update that must leave the current state intact. max_exp_avg_sq_out is required
+  // with them when amsgrad. Inputs and outputs are either the same memory or disjoint.
+  float* param_out = nullptr;
+  float* exp_avg_out = nullptr;
+  float* exp_avg_sq_out = nullptr;
+  float* max_exp_avg_sq_out = nullptr;
 };
 
 // Scalars derived once per step from AdamWConfig (bias corrections folded in, computed in double as
@@ -60,6 +67,8 @@ struct AdamWScalars {
 
 // Throws hytrain::Error naming the first out-of-range hyperparameter.
 void validate_adamw_config(const AdamWConfig& cfg);
+// Throws hytrain::Error naming what is wrong with a job's hyperparameters or pointers.
+void validate_adamw_job(const AdamWTensor& t, const AdamWConfig& cfg);
 AdamWScalars make_adamw_scalars(const AdamWConfig& cfg);
 
 // Updates one tensor in place. Returns true when any gradient element was non-finite (the update is
