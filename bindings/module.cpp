@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <tuple>
 
@@ -339,6 +340,8 @@ PYBIND11_MODULE(hytrain_native, m) {
   const auto prediction_dict = [](const Prediction& p) {
     py::dict d;
     d["k"] = p.k;
+    d["speculative_from"] = p.speculative_from < p.ready.size() ? py::object(py::int_(p.speculative_from))
+                                                                  : py::object(py::none());
     d["iter_s"] = p.iter_s;
     d["gpu_busy_s"] = p.gpu_busy_s;
     d["gpu_idle_s"] = p.gpu_idle_s;
@@ -369,6 +372,18 @@ PYBIND11_MODULE(hytrain_native, m) {
                     &KSplitScheduler::set_overlap)
       .def_property("early_copies", [](const KSplitScheduler& s) { return s.config().early_copies; },
                     &KSplitScheduler::set_early_copies)
+      .def_property("speculative_min",
+                    [](const KSplitScheduler& s) -> py::object {
+                      const std::size_t j = s.config().speculative_min;
+                      if (j >= s.blocks()) return py::none();
+                      return py::int_(j);
+                    },
+                    [](KSplitScheduler& s, py::object j) {
+                      s.set_speculative_min(j.is_none() ? std::numeric_limits<std::size_t>::max()
+                                                        : j.cast<std::size_t>());
+                    },
+                    "deferred mode: the first block that may be updated speculatively during "
+                    "backward (predictions pick the best start from here); None: none")
       .def_property("memory_budget", &KSplitScheduler::memory_budget, &KSplitScheduler::set_memory_budget)
       .def("observe", &KSplitScheduler::observe, py::arg("block"), py::arg("phase"), py::arg("seconds"))
       .def("observe_rate", &KSplitScheduler::observe_rate, py::arg("phase"), py::arg("seconds_per_unit"))

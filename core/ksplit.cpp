@@ -94,6 +94,7 @@ StepShape KSplitScheduler::shape() const {
   s.deferred = config_.deferred;
   s.overlap = config_.overlap;
   s.early_copies = config_.early_copies;
+  s.speculative_from = std::numeric_limits<std::size_t>::max();
   s.before_launch_s = before_launch_;
   s.after_launch_s = after_launch_;
   return s;
@@ -146,6 +147,7 @@ Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size
   if (k > L) HYTRAIN_THROW("KSplitScheduler: k=" + std::to_string(k) + " > " + std::to_string(L) + " blocks");
   Prediction p;
   p.k = k;
+  p.speculative_from = deferred ? std::min(L, std::max(k, shape.speculative_from)) : L;
   p.ready.assign(L, 0.0);
   double gpu = 0, d2h_free = 0, cpu_free = 0, h2d_free = 0;
   std::vector<double> landed(L, -1.0);  // early copies: when block j's gradients reached the host
@@ -160,7 +162,8 @@ Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size
   for (std::size_t i = L; i-- > 0;) {  // backward, last block first
     gpu += c[i].bwd;
     if (deferred) {
-      if (early_copies && i >= k) landed[i] = d2h_free = std::max(gpu, d2h_free) + c[i].d2h;
+      if (i >= k && i >= shape.speculative_from) offload(i, gpu);
+      else if (early_copies && i >= k) landed[i] = d2h_free = std::max(gpu, d2h_free) + c[i].d2h;
       continue;
     }
     if (i < k) {
@@ -172,7 +175,7 @@ Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size
   }
   gpu += shape.before_launch_s;
   if (deferred) {  // step(): offloaded blocks staged first (forward order), then the GPU updates
-    for (std::size_t j = k; j < L; ++j) offload(j, gpu);
+    for (std::size_t j = k; j < std::min(L, shape.speculative_from); ++j) offload(j, gpu);
     for (std::size_t j = 0; j < k; ++j) {
       gpu += c[j].gpu;
       p.ready[j] = gpu;
@@ -189,9 +192,22 @@ Prediction KSplitScheduler::simulate(const std::vector<BlockCosts>& c, std::size
   return p;
 }
 
+Prediction KSplitScheduler::best_for(const std::vector<BlockCosts>& c, std::size_t k, StepShape s) const {
+  const std::size_t L = blocks();
+  s.speculative_from = L;  // none
+  Prediction best = simulate(c, k, s);
+  if (!s.deferred || k > L) return best;
+  for (std::size_t from = L; from-- > std::max(k, std::min(L, config_.speculative_min));) {
+    s.speculative_from = from;
+    Prediction p = simulate(c, k, s);
+    if (p.iter_s < best.iter_s) best = std::move(p);
+  }
+  return best;
+}
+
 Prediction KSplitScheduler::predict(std::size_t k) const {
   if (!ready()) HYTRAIN_THROW("KSplitScheduler::predict: forward, backward, CPU and GPU times not all known yet");
-  return simulate(costs(), k, shape());
+  return best_for(costs(), k, shape());
 }
 
 std::size_t KSplitScheduler::decide(std::size_t current) {
@@ -204,12 +220,12 @@ std::size_t KSplitScheduler::decide(std::size_t current) {
   const std::vector<BlockCosts> c = costs();
   const StepShape s = shape();
   if (!due && cur <= kmax) {  // not a deciding iteration: only the current k's prediction
-    last_ = simulate(c, cur, s);
+    last_ = best_for(c, cur, s);
     return cur;
   }
   std::vector<Prediction> preds;
   preds.reserve(L + 1);
-  for (std::size_t k = 0; k <= L; ++k) preds.push_back(simulate(c, k, s));
+  for (std::size_t k = 0; k <= L; ++k) preds.push_back(best_for(c, k, s));
   std::size_t best = 0;
   for (std::size_t k = 1; k <= kmax; ++k) {
     if (preds[k].iter_s < preds[best].iter_s) best = k;

@@ -54,8 +54,10 @@ struct Ticks {
 };
 
 long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, long after, bool overlap,
-                 bool early) {
+                 bool early, std::size_t spec_from) {
   const std::size_t L = c.fwd.size();
+  std::vector<bool> spec(L);  // deferred: offloaded blocks updated as soon as their gradients land
+  for (std::size_t j = 0; j < L; ++j) spec[j] = deferred && j >= k && j >= spec_from;
   enum Kind { Bwd, Gpu, Overhead, After, Fwd };
   struct Op { Kind kind; std::size_t block; long dur; };
   std::vector<Op> program;
@@ -90,10 +92,14 @@ long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, lo
           changed = true;
         }
         if (left == 0) {
-          if (op.kind == Bwd && (!deferred || early) && op.block >= k) lanes[0].queue.push_back(op.block);
+          if (op.kind == Bwd && (!deferred || early || spec[op.block]) && op.block >= k) {
+            lanes[0].queue.push_back(op.block);
+          }
           if (op.kind == Gpu) ready[op.block] = true;
           if (op.kind == Overhead && deferred) {  // the step's launch, in forward order
-            for (std::size_t j = k; j < L; ++j) lanes[early ? 1 : 0].queue.push_back(j);
+            for (std::size_t j = k; j < L; ++j) {
+              if (!spec[j]) lanes[early ? 1 : 0].queue.push_back(j);
+            }
           }
           ++pc;
           left = -1;
@@ -108,8 +114,10 @@ long brute_force(const Ticks& c, std::size_t k, bool deferred, long overhead, lo
         }
         if (lane.left == 0) {
           const std::size_t b = lane.queue[lane.head++];
-          if (r == 0 && early) landed[b] = true;  // the CPU queue gets it at the launch
-          else if (r < 2) lanes[r + 1].queue.push_back(b);
+          if (r == 0) landed[b] = true;
+          if (r == 0 && early && !spec[b]) {
+            // held: the CPU queue gets it at the launch
+          } else if (r < 2) lanes[r + 1].queue.push_back(b);
           else ready[b] = true;
           lane.left = -1;
           changed = true;
@@ -259,16 +267,70 @@ TEST(predictions_match_a_tick_by_tick_simulation) {
     shape.deferred = deferred;
     shape.overlap = trial % 5 != 0;
     shape.early_copies = trial % 3 == 0;
+    if (trial % 4 == 1) shape.speculative_from = rng() % (L + 2);
     const long overhead = small(rng), after = small(rng);
     shape.before_launch_s = double(overhead);
     shape.after_launch_s = double(after);
-    const long ticks = brute_force(t, k, deferred, overhead, after, shape.overlap, shape.early_copies);
+    const long ticks = brute_force(t, k, deferred, overhead, after, shape.overlap, shape.early_copies,
+                                   shape.speculative_from);
     const Prediction p = KSplitScheduler::simulate(costs, k, shape);
     const bool overlap = shape.overlap;
-    CHECK_MSG(p.iter_s == double(ticks), "trial %d L=%zu k=%zu deferred=%d overlap=%d: %g vs %ld", trial, L,
-              k, int(deferred), int(overlap), p.iter_s, ticks);
+    CHECK_MSG(p.iter_s == double(ticks), "trial %d L=%zu k=%zu deferred=%d overlap=%d spec=%zu: %g vs %ld",
+              trial, L, k, int(deferred), int(overlap), shape.speculative_from, p.iter_s, ticks);
     CHECK(std::fabs(p.iter_s - p.gpu_busy_s - p.gpu_idle_s) < 1e-9);
   }
+}
+
+TEST(speculation_is_chosen_where_it_helps) {
+  // Every offloaded block speculated: the CPU works during backward exactly as without clipping.
+  // Not always best (the CPU then works in backward order, and the next forward needs the first
+  // blocks first): predictions take the best start at or above the allowed minimum, and never do
+  // worse than no speculation.
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> u(0.5, 2.0);
+  int helped = 0, partial = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const std::size_t L = 2 + rng() % 10;
+    std::vector<BlockCosts> c(L);
+    for (auto& b : c) b = {u(rng), 2 * u(rng), 0.3 * u(rng), (trial % 2 ? 5 : 1) * u(rng), 0.3 * u(rng), 0.2 * u(rng), 0};
+    StepShape deferred, plain;
+    deferred.deferred = true;
+    deferred.early_copies = true;
+    deferred.before_launch_s = plain.before_launch_s = 0.5;
+    deferred.speculative_from = 0;
+    CHECK(KSplitScheduler::simulate(c, 0, deferred).iter_s == KSplitScheduler::simulate(c, 0, plain).iter_s);
+
+    KSplitScheduler s(std::vector<std::int64_t>(L, 1000), std::vector<std::int64_t>(L, 2000),
+                      std::vector<std::int64_t>(L, 14000));
+    for (std::size_t j = 0; j < L; ++j) {
+      s.observe(j, Phase::Forward, c[j].fwd);
+      s.observe(j, Phase::Backward, c[j].bwd);
+      s.observe(j, Phase::D2H, c[j].d2h);
+      s.observe(j, Phase::Cpu, c[j].cpu);
+      s.observe(j, Phase::H2D, c[j].h2d);
+      s.observe(j, Phase::Gpu, c[j].gpu);
+    }
+    s.observe_overhead(0.5);
+    s.set_deferred(true);
+    s.set_early_copies(true);
+    const std::size_t k = rng() % (L + 1), lo = rng() % (L + 1);
+    const double none = s.predict(k).iter_s;
+    CHECK(s.predict(k).speculative_from == L);  // not allowed yet
+    s.set_speculative_min(lo);
+    const Prediction p = s.predict(k);
+    CHECK(p.speculative_from >= std::max(k, lo) && p.speculative_from <= L);
+    CHECK(p.iter_s <= none);
+    double best = none;
+    for (std::size_t from = std::max(k, lo); from <= L; ++from) {
+      deferred.speculative_from = from;
+      best = std::min(best, KSplitScheduler::simulate(s.costs(), k, deferred).iter_s);
+    }
+    CHECK(p.iter_s == best);
+    helped += p.iter_s < none;
+    partial += p.speculative_from > std::max(k, lo) && p.speculative_from < L;
+  }
+  std::printf("  speculation helped in %d of 200 cases, partially in %d\n", helped, partial);
+  CHECK(helped > 20 && partial > 5);  // both outcomes occur, so the search matters
 }
 
 TEST(unmeasured_blocks_borrow_pooled_rates_and_waits_until_ready) {

@@ -10,7 +10,8 @@
 //                    training loop | forward 0..L-1, block j waiting for ready[j]
 //                    (without overlap: the forward waits for every block)
 //   D2H stream     : block j's gradients, after its backward (deferred: after the step's launch, or
-//                    still after its backward with early copies)
+//                    still after its backward with early copies; speculative blocks, deferred mode:
+//                    after its backward, and their CPU updates start at once)
 //   CPU workers    : block j's update once its gradients landed, one block after another (FIFO)
 //   H2D stream     : block j's new weights once its update finished -> ready[j]
 //
@@ -23,6 +24,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace hytrain {
@@ -39,6 +41,10 @@ struct KSplitConfig {
   bool deferred = false;        // updates start after backward (clipping, loss scaling) in forward order
   bool overlap = true;          // false: the next forward waits for every update (no overlap at all)
   bool early_copies = false;    // deferred mode: gradients still go to the host during backward
+  // Deferred mode: offloaded blocks j >= speculative_min may be updated on the CPU as soon as their
+  // gradients land (a speculative update, kept when the step's multiplier turns out to be 1); for
+  // each k the scheduler picks the s >= speculative_min from which they are (StepShape).
+  std::size_t speculative_min = std::numeric_limits<std::size_t>::max();
 };
 
 // One block's estimated costs (seconds); what the simulation runs on.
@@ -51,6 +57,10 @@ struct StepShape {
   bool deferred = false;      // updates start at the step's launch, in forward order
   bool overlap = true;        // false: the next forward waits for every update
   bool early_copies = false;  // deferred, with the gradients copied to the host during backward
+  // Deferred mode: offloaded blocks j >= speculative_from are updated as soon as their gradients
+  // land; the others at the launch. Speculating everything is not always best: the CPU then works
+  // in backward order, and the first blocks the next forward needs come last.
+  std::size_t speculative_from = std::numeric_limits<std::size_t>::max();
   double before_launch_s = 0; // end of backward -> the launch (norm, overflow check)
   double after_launch_s = 0;  // the launch -> the next forward, less the GPU updates (loop, data)
 };
@@ -58,6 +68,7 @@ struct StepShape {
 // A simulated iteration: its length and where the time went.
 struct Prediction {
   std::size_t k = 0;
+  std::size_t speculative_from = 0;  // as StepShape (blocks() or more: none)
   double iter_s = 0;        // backward start to the end of the next forward
   double gpu_busy_s = 0;    // compute-stream work: forward + backward + GPU updates + step overhead
   double gpu_idle_s = 0;    // iter_s - gpu_busy_s: the compute stream waiting for weights
@@ -77,6 +88,7 @@ class KSplitScheduler {
   void set_deferred(bool deferred) { config_.deferred = deferred; }
   void set_overlap(bool overlap) { config_.overlap = overlap; }
   void set_early_copies(bool early) { config_.early_copies = early; }
+  void set_speculative_min(std::size_t j) { config_.speculative_min = j; }
 
   // One measurement of `phase` for `block`, in seconds (>= 0, finite).
   void observe(std::size_t block, Phase phase, double seconds);
@@ -98,7 +110,8 @@ class KSplitScheduler {
   bool ready() const;
   // Per-block costs as estimated now (measured EWMA, else pooled rate x size, else 0 for copies).
   std::vector<BlockCosts> costs() const;
-  // The simulated iteration for a given k (throws if k > blocks()).
+  // The simulated iteration for a given k (throws if k > blocks()), with the best speculative_from
+  // the config allows.
   Prediction predict(std::size_t k) const;
   static Prediction simulate(const std::vector<BlockCosts>& costs, std::size_t k, const StepShape& shape);
 
@@ -113,6 +126,7 @@ class KSplitScheduler {
 
  private:
   double estimate(std::size_t block, Phase phase) const;
+  Prediction best_for(const std::vector<BlockCosts>& costs, std::size_t k, StepShape shape) const;
   double size_of(std::size_t block, Phase phase) const;
 
   std::vector<std::int64_t> numel_, weight_bytes_, state_bytes_;
