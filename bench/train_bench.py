@@ -13,7 +13,9 @@ Modes (each in its own process, so memory and pinned pages start clean):
                       weights back; nothing overlapped
   hytrain_k0          HybridAdamW, every block updated by the CPU workers
   hytrain_no_overlap  as hytrain_k0, with every update finished inside step() (what overlap buys)
-  hytrain_auto        HybridAdamW with gpu_blocks="auto" (the k-split scheduler)
+  hytrain_nospec      k auto, without speculative updates during backward (what speculation buys)
+  hytrain_auto        HybridAdamW with the defaults: gpu_blocks="auto" (the k-split scheduler) and
+                      speculate="auto" (CPU updates during backward, redone when clipping fires)
   deepspeed_offload   DeepSpeed ZeRO-2 with offload_optimizer cpu (DeepSpeedCPUAdam), when importable
 
 --cap-gb limits hytrain's GPU memory (torch.cuda.set_per_process_memory_fraction, and the scheduler's
@@ -44,7 +46,7 @@ WORKLOADS = {
     "l7b": dict(hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008, checkpointing=True),
 }
 VOCAB, BATCH, SEQ, LR, WD, CLIP = 32000, 2, 2048, 1e-4, 0.01, 1.0
-HYTRAIN_MODES = ("hytrain_k0", "hytrain_no_overlap", "hytrain_auto")
+HYTRAIN_MODES = ("hytrain_k0", "hytrain_no_overlap", "hytrain_nospec", "hytrain_auto")
 
 
 # ---- one mode, in a child process -----------------------------------------------------------------
@@ -168,7 +170,8 @@ def run_mode(args):
 
         opt = hytrain.HybridAdamW(
             model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
-            gpu_blocks="auto" if mode == "hytrain_auto" else 0, overlap=mode != "hytrain_no_overlap",
+            gpu_blocks="auto" if mode in ("hytrain_auto", "hytrain_nospec") else 0,
+            overlap=mode != "hytrain_no_overlap", speculate=False if mode == "hytrain_nospec" else "auto",
             gpu_memory_limit=int(cap * 1e9) if cap is not None else None, trace=args.trace is not None)
     elif mode == "deepspeed_offload":
         import deepspeed
@@ -223,6 +226,7 @@ def run_mode(args):
            "cap_gb": cap if mode.startswith("hytrain") else None, "k": None, "predicted_iter_s": None}
     if mode.startswith("hytrain"):
         stats = opt.schedule_stats()
+        rec.update(speculative_from=stats.get("speculative_from"), speculation=dict(opt.speculation_counts))
         rec.update(k=stats["k"], k_per_iteration=ks, grad_norms=[round(v, 4) for v in norms if v is not None], predicted_iter_s=stats.get("predicted_iter_s"),
                    predicted_gpu_idle_s=stats.get("predicted_gpu_idle_s"), gpu_wait_frac=stats.get("gpu_wait_frac"),
                    state_budget_gb=stats.get("state_budget_bytes", 0) / 1e9)
@@ -287,7 +291,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="l3b,l7b")
     ap.add_argument("--modes", default="torch_gpu,naive_offload,deepspeed_offload,hytrain_k0,hytrain_no_overlap,"
-                                       "hytrain_auto")
+                                       "hytrain_nospec,hytrain_auto")
     ap.add_argument("--cap-gb", default=None,
                     help="GPU memory for hytrain modes in GB, or 'deepspeed' (DeepSpeed's reserved peak)")
     ap.add_argument("--l7b-cap-gb", type=float, default=75.0, help="hytrain's GPU memory on L7B (an H100's worth)")

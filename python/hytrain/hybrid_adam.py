@@ -23,6 +23,13 @@ are *deferred*: they start in ``step()`` once the global norm / overflow flag is
 next forward instead of backward. The first step is always deferred, because only ``step()`` reveals
 whether a GradScaler drives the optimizer; fp16 parameters are assumed to be loss-scaled from the start.
 
+Clipping on CUDA may still update offloaded blocks during backward, *speculatively* (``speculate``):
+the CPU writes the new state beside the current one, as if the multiplier were 1. If the global norm
+then needs no clipping, step() adopts the new state, which is bit for bit what the deferred update
+would have written; if it does, the speculative result is dropped and the block is updated again from
+its untouched state with the clip multiplier. After a step that clipped, the next one does not
+speculate (clipping comes in runs, early in training).
+
 Outside the deferred modes, the ``.grad`` of CUDA parameters is released as soon as it has been handed
 off (that is the point: gradient memory returns during backward). Use ``max_grad_norm`` rather than
 ``clip_grad_norm_`` on the gradients after backward.
@@ -41,12 +48,21 @@ from . import _checks
 from ._native import native
 from .cpu_adam import simd_paths
 from .cuda_adam import CudaAdamW
-from .pool import PinnedPool
+from .pool import PinnedPool, physical_memory_bytes
 from .schedule import Meter
 from .trace import Timeline
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _rss_bytes() -> int:
+    """The process's resident memory (0 where /proc is not there to tell)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def repeated_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -105,6 +121,13 @@ class HybridAdamW(torch.optim.Optimizer):
             its per-process fraction when set); the scheduler's budget for resident states is this
             less the largest non-state use seen, less a margin.
         schedule_every: how often (in steps) the scheduler may change k.
+        speculate: offloaded blocks updated during backward under clipping (see the module notes):
+            ``"auto"`` (the default; the scheduler picks from which block on, where it shortens the
+            iteration), an int s (blocks >= s, whenever the previous step did not clip), or False.
+            Each speculated parameter needs a second fp32 master, m and v (and staging for its new
+            weights) in pinned memory, allocated only within ``host_memory_limit``.
+        host_memory_limit: bytes of host memory the process may use before speculation stops
+            allocating (default: 85 % of the machine's memory).
         accumulation_steps: micro-batches per step; blocks are updated after the last one.
         workers: CPU update threads (default: the usable cores less one, for the training thread).
         pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
@@ -119,7 +142,7 @@ class HybridAdamW(torch.optim.Optimizer):
                  amsgrad=False, max_grad_norm=None, model=None, blocks=None, gpu_blocks="auto",
                  accumulation_steps=1, workers=None, pool=None, overlap=True,
                  bucket_elements=4 << 20, slice_elements=1 << 18, trace=False,
-                 gpu_memory_limit=None, schedule_every=1):
+                 gpu_memory_limit=None, schedule_every=1, speculate="auto", host_memory_limit=None):
         _checks.adamw_hparams(step=1, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_scale=1.0)
         if max_grad_norm is not None:
             max_grad_norm = _checks.real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
@@ -147,6 +170,14 @@ class HybridAdamW(torch.optim.Optimizer):
         self.schedule_every = _checks.integer("schedule_every", schedule_every, lo=1)
         if gpu_memory_limit is not None:
             gpu_memory_limit = _checks.integer("gpu_memory_limit", gpu_memory_limit, lo=1)
+        if speculate is True or speculate is None:
+            speculate = 0
+        if speculate not in ("auto", False):
+            speculate = _checks.integer("speculate", speculate, lo=0)
+        self.speculate = speculate
+        if host_memory_limit is None:
+            host_memory_limit = int(physical_memory_bytes() * 0.85)
+        self.host_memory_limit = _checks.integer("host_memory_limit", host_memory_limit, lo=1)
 
         self._pool = pool if pool is not None else PinnedPool(self._pool_bytes(all_params), slab_bytes="256MiB")
         if not isinstance(self._pool, PinnedPool):
@@ -179,9 +210,14 @@ class HybridAdamW(torch.optim.Optimizer):
         self._expected = [len(b) for b in self._blocks]
         self._submitted = [False] * n
         self._inflight = {}  # block -> what the workers read (CPU path) / True (pipeline)
-        self._landing = collections.deque()
+        self._landing = collections.deque()  # (D2H ticket, gradients it reads) until the copy lands
         self._held = {}  # block -> parameters handed off early, awaiting step()'s multiplier
-        self._sq_parts = []  # squared gradient norms of the blocks handed off early (device scalars)  # (D2H ticket, gradients it reads) until the copy lands
+        self._sq_parts = []  # squared gradient norms of the blocks handed off early (device scalars)
+        self._shadow = {}  # id(p) -> spare host master/exp_avg/exp_avg_sq[/max_exp_avg_sq]/copy
+        self._speculated = {}  # block -> parameters updated speculatively in this backward
+        self._spec_from = None  # blocks >= this (offloaded, with shadows) speculate in the next backward
+        self._last_clipped = True  # whether the last step's multiplier differed from 1 (or none yet)
+        self.speculation_counts = {"adopted": 0, "redone": 0}  # speculated block updates, so far
         self._on_gpu = [False] * n
         self._dev_state = {}  # id(p) -> device master/exp_avg/exp_avg_sq/max_exp_avg_sq/grad
         self._gpu_groups = {}  # tuple of parameter ids -> CudaAdamW
@@ -285,7 +321,9 @@ class HybridAdamW(torch.optim.Optimizer):
                 per += 4  # master
             if self._cuda:
                 per += p.element_size()  # staging: the gradient lands there, the new weights replace it
-            total += p.numel() * per + 4 * 256
+                if self.speculate is not False:  # a capacity only: shadows are allocated when used
+                    per += per - (4 if p.dtype == torch.float32 else 0)
+            total += p.numel() * per + 6 * 256
         return total * 3 // 2 + (256 << 20)
 
     def _init_state(self, p):
@@ -391,6 +429,8 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def _to_gpu(self, b):
         self._pending_up.discard(b)
+        for p in self._blocks[b]:  # a resident block does not speculate; nothing reads its shadows now
+            self._shadow.pop(id(p), None)
         compute = torch.cuda.current_stream(self.device)
         states = []
         for p in self._blocks[b]:
@@ -524,6 +564,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if not self.auto:
             if self._scheduler.ready():
                 self._prediction = self._scheduler.predict(self.gpu_blocks)
+                self._speculate_as_predicted()
             return
         if summary is None:
             return  # no measured iteration yet: no budget, no decision
@@ -536,14 +577,19 @@ class HybridAdamW(torch.optim.Optimizer):
         k = self._scheduler.decide(self.gpu_blocks)
         if self._scheduler.ready():
             self._prediction = self._scheduler.last_prediction()
+            self._speculate_as_predicted()
         if k != self.gpu_blocks:
             self._migrate(k)
+
+    def _speculate_as_predicted(self):
+        if self.speculate == "auto":
+            self._spec_from = self._prediction["speculative_from"]
 
     def schedule_stats(self) -> dict:
         """What the scheduler saw and predicts: k, the predicted iteration (``predicted_iter_s``,
         ``predicted_gpu_idle_s``), the measured compute-stream iteration and the share of it spent
         waiting for updated weights (``gpu_wait_frac``), and the memory budget for resident states."""
-        out = {"k": self.gpu_blocks, **self._last_summary}
+        out = {"k": self.gpu_blocks, "speculative_from": self._spec_from, **self._last_summary}
         p = self._prediction
         if p is not None:
             out["predicted_iter_s"] = p["iter_s"]
@@ -591,9 +637,11 @@ class HybridAdamW(torch.optim.Optimizer):
                 p.grad = None
             self._submitted[b] = True
         else:
-            self._launch(b, 1.0, release=True, hold=True)
+            spec = (self._spec_from is not None and b >= self._spec_from and not self._last_clipped
+                    and self._has_shadows(b))
+            self._launch(b, 1.0, release=True, hold=not spec, speculative=spec)
             if pairs:
-                self._held[b] = [p for p, _ in pairs]
+                (self._speculated if spec else self._held)[b] = [p for p, _ in pairs]
 
     def _on_grad(self, p):
         b = self._block_of[id(p)]
@@ -630,21 +678,27 @@ class HybridAdamW(torch.optim.Optimizer):
             out.append((p, g if g.is_contiguous() else g.contiguous()))
         return out
 
-    def _row(self, p, grad_addr, grad_scale, step, copy_addr):
+    def _row(self, p, grad_addr, grad_scale, step, copy_addr, out=None):
+        """One native job row; ``out``: a shadow the new state is written to (else in place)."""
         group = self._group_of[id(p)]
         st = self.state[p]
         half = p.dtype != torch.float32
+        outs = (0, 0, 0, 0) if out is None else (
+            out["master"].data_ptr(), out["exp_avg"].data_ptr(), out["exp_avg_sq"].data_ptr(),
+            _checks.address(out.get("max_exp_avg_sq")))
         return (st.get("master", p).data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(),
                 _checks.address(st.get("max_exp_avg_sq")), grad_addr, _checks.DTYPE_CODES[p.dtype],
                 copy_addr if half else 0, _checks.DTYPE_CODES[p.dtype] if half else 1,
                 p.numel(), float(group["lr"]), float(group["betas"][0]), float(group["betas"][1]),
                 float(group["eps"]), float(group["weight_decay"]), step, True,
-                bool(group["amsgrad"]), float(grad_scale))
+                bool(group["amsgrad"]), float(grad_scale), *outs)
 
-    def _launch(self, b, grad_scale, *, release, hold=False):
+    def _launch(self, b, grad_scale, *, release, hold=False, speculative=False):
         """Starts block b's update with gradient multiplier ``grad_scale``. ``release`` drops the
         parameters' ``.grad`` (the GPU memory returns once the gradient copy has landed). ``hold``
-        (offloaded blocks): copy the gradients out now, update on OffloadPipeline.release."""
+        (offloaded blocks): copy the gradients out now, update on OffloadPipeline.release.
+        ``speculative`` (offloaded blocks): the new state goes to the block's shadows and the new
+        weights come from the shadow staging; the gradients stay in staging (see _adopt, _redo)."""
         pairs = self._grads(b)
         if self.timeline is not None:
             self._pass_owner[b] = self.timeline.current
@@ -667,10 +721,13 @@ class HybridAdamW(torch.optim.Optimizer):
                 grad_host, weight_host = self._staging[id(p)]
                 nbytes = p.numel() * p.element_size()
                 st = self.state[p]
+                out = self._shadow[id(p)] if speculative else None
+                if out is not None:
+                    weight_host = out.get("copy")
                 d2h.append((grad_host.data_ptr(), g.data_ptr(), nbytes))
                 rows.append(self._row(p, grad_host.data_ptr(), grad_scale, int(st["step"].item()) + 1,
-                                      _checks.address(weight_host)))
-                h2d.append((p.data_ptr(), (weight_host if weight_host is not None else st["master"]).data_ptr(),
+                                      _checks.address(weight_host), out))
+                h2d.append((p.data_ptr(), (weight_host if weight_host is not None else (out or st)["master"]).data_ptr(),
                             nbytes))
             self._pipeline.stage(b, d2h, rows, h2d, torch.cuda.current_stream(self.device).cuda_stream, hold)
             for p, _ in pairs:
@@ -724,14 +781,97 @@ class HybridAdamW(torch.optim.Optimizer):
                 self._meter.gpu_update(b, start, end)
 
     def _drop_held(self):
-        """A step that cannot be taken: held updates are cancelled and their step counts restored,
-        so that the states are as before the backward."""
+        """A step that cannot be taken: held updates are cancelled, speculative ones dropped (their
+        blocks get back the weights of their untouched state), and step counts restored, so that the
+        states and weights are as before the backward."""
         for b, ps in self._held.items():
             if not self._on_gpu[b]:
                 self._pipeline.cancel(b)
                 for p in ps:
                     self.state[p]["step"] -= 1
         self._held.clear()
+        for b, ps in self._speculated.items():
+            self._wait_blocks([b])  # the compute stream now follows the speculative weight copies
+            for p in ps:
+                p.data.copy_(self.state[p]["master"], non_blocking=True)  # the weights are its rounding
+                self.state[p]["step"] -= 1
+        self._speculated.clear()
+
+    # ---- speculation (see the module notes) -------------------------------------------------------
+
+    def _has_shadows(self, b) -> bool:
+        return all(id(p) in self._shadow for p in self._blocks[b])
+
+    def _alloc_shadows(self, b) -> bool:
+        """Spare state for block b's speculative updates, if ``host_memory_limit`` allows."""
+        if self._has_shadows(b):
+            return True
+        need = sum(p.numel() * 4 * sum(1 for key in ("master", *_STATE_KEYS) if key in self.state[p])
+                   + (p.numel() * p.element_size() if p.dtype != torch.float32 else 0) for p in self._blocks[b])
+        stats = self._pool.stats()
+        if _rss_bytes() + max(0, need - (stats["reserved"] - stats["in_use"])) > self.host_memory_limit:
+            return False
+        try:
+            for p in self._blocks[b]:
+                st = self.state[p]
+                sh = {key: self._pool.empty(st[key].shape, torch.float32)
+                      for key in ("master", *_STATE_KEYS) if key in st}
+                if p.dtype != torch.float32:
+                    sh["copy"] = self._pool.empty(p.shape, p.dtype)
+                self._shadow[id(p)] = sh
+        except MemoryError:  # the pool's capacity: no speculation for this block
+            for p in self._blocks[b]:
+                self._shadow.pop(id(p), None)
+            return False
+        return True
+
+    def _prepare_speculation(self):
+        """After a step: shadows for the offloaded blocks that may speculate (from the last block
+        down, while memory allows), and the scheduler's lowest allowed start."""
+        lowest = None
+        if self.speculate is not False and self._early_handoff() and not self._last_clipped:
+            floor = 0 if self.speculate == "auto" else self.speculate
+            for b in range(len(self._blocks) - 1, max(floor, self.gpu_blocks) - 1, -1):
+                if self._on_gpu[b] or not self._alloc_shadows(b):
+                    break
+                lowest = b
+        if self._scheduler is not None:
+            self._scheduler.speculative_min = lowest
+        if self.speculate != "auto":
+            self._spec_from = lowest
+        return lowest
+
+    def _adopt(self):
+        """The multiplier is 1: the speculative states are the step's result; the old ones become
+        the shadows (the passes still writing them are waited for before anything reads them)."""
+        self.speculation_counts["adopted"] += len(self._speculated)
+        for ps in self._speculated.values():
+            for p in ps:
+                st, sh = self.state[p], self._shadow[id(p)]
+                for key in ("master", *_STATE_KEYS):
+                    if key in st:
+                        st[key], sh[key] = sh[key], st[key]
+        self._speculated.clear()
+
+    def _redo(self, b, mult):
+        """Clipping fired: block b is updated again from its untouched state with the multiplier;
+        the gradients are still in staging. (The pipeline lets the speculative pass finish first.)"""
+        ps = self._speculated.pop(b)
+        self.speculation_counts["redone"] += 1
+        rows, h2d = [], []
+        for p in ps:
+            grad_host, weight_host = self._staging[id(p)]
+            st = self.state[p]
+            rows.append(self._row(p, grad_host.data_ptr(), mult, int(st["step"].item()),
+                                  _checks.address(weight_host)))
+            h2d.append((p.data_ptr(), (weight_host if weight_host is not None else st["master"]).data_ptr(),
+                        p.numel() * p.element_size()))
+        if self.timeline is not None:
+            self._pass_owner[b] = self.timeline.current
+        if self._meter is not None:
+            self._meter_owner[b] = self._meter.current
+        self._pipeline.stage(b, [], rows, h2d, torch.cuda.current_stream(self.device).cuda_stream, False)
+        self._inflight[b] = True
 
     def _release_landed(self):
         if not self._landing:
@@ -833,6 +973,9 @@ class HybridAdamW(torch.optim.Optimizer):
             n = len(self._blocks)
             if self._meter is not None:
                 self._meter.launched()
+            clipped = mult != 1.0
+            if not clipped:
+                self._adopt()
             for b in sorted(range(n), key=lambda b: (self._on_gpu[b], b)):
                 if b in self._held:
                     held = self._held.pop(b)
@@ -842,7 +985,11 @@ class HybridAdamW(torch.optim.Optimizer):
                         self._pipeline.release(b, mult)
                 elif not self._submitted[b]:
                     self._launch(b, mult, release=False)
+            for b in sorted(self._speculated):  # after the GPU updates: these may wait on the host
+                self._redo(b, mult)
             self._steps_taken += 1
+            self._last_clipped = clipped
+            self._prepare_speculation()
             if self._meter is not None:
                 self._schedule(self._meter.end_iteration())
             if not self._model_hooks or not self.overlap:

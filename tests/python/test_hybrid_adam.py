@@ -236,6 +236,11 @@ def test_bad_input():
         hytrain.HybridAdamW(lin.parameters(), lr=-1.0)
     with pytest.raises(ValueError, match="max_grad_norm"):
         hytrain.HybridAdamW(lin.parameters(), max_grad_norm=0.0)
+    for bad in ("sometimes", -1, 1.5):
+        with pytest.raises((TypeError, ValueError), match="speculate"):
+            hytrain.HybridAdamW(lin.parameters(), speculate=bad)
+    with pytest.raises(ValueError, match="host_memory_limit"):
+        hytrain.HybridAdamW(lin.parameters(), host_memory_limit=0)
     opt = hytrain.HybridAdamW(lin.parameters(), workers=1)
     with pytest.raises(NotImplementedError, match="add_param_group"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})

@@ -121,11 +121,15 @@ def test_pipeline_held_passes_release_with_a_multiplier_or_cancel():
         pipe.release(0, 1.0)
 
 
-def test_cuda_clipping_hands_gradients_off_during_backward_and_survives_a_bad_step():
+@pytest.mark.parametrize("speculate", [False, 2])
+def test_cuda_clipping_hands_gradients_off_during_backward_and_survives_a_bad_step(speculate):
+    # With speculation (and a limit that never clips), blocks >= 2 are updated during backward; the
+    # refused step must give them back their old weights and states.
+    limit = 0.5 if speculate is False else 1e6
     model, ref_model = pair()
-    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=0.5, model=model,
-                              gpu_blocks=2, workers=2)
-    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=0.5)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=limit, model=model,
+                              gpu_blocks=2, workers=2, speculate=speculate)
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=limit)
     data = cuda_batches(10)
     released = []
 
@@ -156,6 +160,36 @@ def test_cuda_clipping_hands_gradients_off_during_backward_and_survives_a_bad_st
     ref_losses = train(ref_model, ref, ref_data)
     assert_close_models(model, ref_model, losses[:4] + losses[5:], ref_losses, torch.bfloat16)
     assert released[0] is False and all(released[1:])  # after step 1, .grad is gone by step()
+    if speculate:
+        assert opt.speculation_counts["adopted"] > 0 and opt.speculation_counts["redone"] == 0
+
+
+def test_cuda_speculation_is_exact_whether_clipping_fires_or_not():
+    # Every third step's loss is scaled up 50 times: its gradients are clipped, the others' are not.
+    # Blocks >= 1 are updated during backward whenever the step before did not clip; a step that
+    # then clips redoes them from the untouched state. Both must follow the reference exactly.
+    model, ref_model = pair()
+    probe = copy.deepcopy(model)
+    x0 = cuda_batches(1)[0][0]
+    probe(x0, x0).backward()
+    limit = 3 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=limit, model=model,
+                              gpu_blocks=1, workers=2, speculate=1)
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=limit)
+    losses, ref_losses = [], []
+    for i, (x,) in enumerate(cuda_batches(3 * STEPS)):
+        factor = 50.0 if i % 3 == 2 else 1.0
+        for m, o, out in ((model, opt, losses), (ref_model, ref, ref_losses)):
+            loss = m(x, x)
+            (loss * factor).backward()
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    opt.synchronize()
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    assert 0 < ref.clipped < 3 * STEPS
+    counts = opt.speculation_counts
+    assert counts["adopted"] > 0 and counts["redone"] > 0, counts
 
 
 def test_pipeline_errors_surface_in_the_training_thread():
