@@ -561,6 +561,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._scheduler.deferred = self._deferred()
         self._scheduler.overlap = self.overlap
         self._scheduler.early_copies = self._early_handoff()
+        self._scheduler.speculative_min = self._speculation_floor()
         if not self.auto:
             if self._scheduler.ready():
                 self._prediction = self._scheduler.predict(self.gpu_blocks)
@@ -575,15 +576,15 @@ class HybridAdamW(torch.optim.Optimizer):
         margin = (1 << 30) + self.gpu_memory_limit // 20
         self._scheduler.memory_budget = float(max(0, self.gpu_memory_limit - self._nonstate_peak - margin))
         k = self._scheduler.decide(self.gpu_blocks)
+        if k != self.gpu_blocks:
+            self._migrate(k)
         if self._scheduler.ready():
             self._prediction = self._scheduler.last_prediction()
             self._speculate_as_predicted()
-        if k != self.gpu_blocks:
-            self._migrate(k)
 
     def _speculate_as_predicted(self):
         if self.speculate == "auto":
-            self._spec_from = self._prediction["speculative_from"]
+            self._speculate_from(self._prediction["speculative_from"])
 
     def schedule_stats(self) -> dict:
         """What the scheduler saw and predicts: k, the predicted iteration (``predicted_iter_s``,
@@ -802,44 +803,59 @@ class HybridAdamW(torch.optim.Optimizer):
     def _has_shadows(self, b) -> bool:
         return all(id(p) in self._shadow for p in self._blocks[b])
 
-    def _alloc_shadows(self, b) -> bool:
-        """Spare state for block b's speculative updates, if ``host_memory_limit`` allows."""
-        if self._has_shadows(b):
-            return True
-        need = sum(p.numel() * 4 * sum(1 for key in ("master", *_STATE_KEYS) if key in self.state[p])
-                   + (p.numel() * p.element_size() if p.dtype != torch.float32 else 0) for p in self._blocks[b])
-        stats = self._pool.stats()
-        if _rss_bytes() + max(0, need - (stats["reserved"] - stats["in_use"])) > self.host_memory_limit:
-            return False
-        try:
-            for p in self._blocks[b]:
-                st = self.state[p]
-                sh = {key: self._pool.empty(st[key].shape, torch.float32)
-                      for key in ("master", *_STATE_KEYS) if key in st}
-                if p.dtype != torch.float32:
-                    sh["copy"] = self._pool.empty(p.shape, p.dtype)
-                self._shadow[id(p)] = sh
-        except MemoryError:  # the pool's capacity: no speculation for this block
-            for p in self._blocks[b]:
-                self._shadow.pop(id(p), None)
-            return False
-        return True
+    def _shadow_bytes(self, b) -> int:
+        return sum(p.numel() * 4 * sum(1 for key in ("master", *_STATE_KEYS) if key in self.state[p])
+                   + (p.numel() * p.element_size() if p.dtype != torch.float32 else 0)
+                   for p in self._blocks[b] if id(p) not in self._shadow)
 
-    def _prepare_speculation(self):
-        """After a step: shadows for the offloaded blocks that may speculate (from the last block
-        down, while memory allows), and the scheduler's lowest allowed start."""
-        lowest = None
-        if self.speculate is not False and self._early_handoff() and not self._last_clipped:
-            floor = 0 if self.speculate == "auto" else self.speculate
-            for b in range(len(self._blocks) - 1, max(floor, self.gpu_blocks) - 1, -1):
-                if self._on_gpu[b] or not self._alloc_shadows(b):
-                    break
-                lowest = b
-        if self._scheduler is not None:
-            self._scheduler.speculative_min = lowest
-        if self.speculate != "auto":
-            self._spec_from = lowest
+    def _speculation_allowed(self) -> bool:
+        """Whether the next backward may speculate: clipping on CUDA, and the last step did not clip."""
+        return self.speculate is not False and self._early_handoff() and not self._last_clipped
+
+    def _speculation_floor(self):
+        """The lowest block from which every offloaded block has, or could get, shadows within
+        ``host_memory_limit`` and the pool's capacity (None: not even the last block)."""
+        if not self._speculation_allowed():
+            return None
+        stats = self._pool.stats()
+        free = stats["reserved"] - stats["in_use"]
+        room = min(self.host_memory_limit - _rss_bytes() + free, stats["capacity"] - stats["in_use"])
+        lowest, floor = None, 0 if self.speculate == "auto" else self.speculate
+        for b in range(len(self._blocks) - 1, floor - 1, -1):
+            room -= self._shadow_bytes(b)
+            if self._on_gpu[b] or room < 0:
+                break
+            lowest = b
         return lowest
+
+    def _speculate_from(self, start) -> None:
+        """Blocks >= start speculate in the next backward: their shadows are allocated now, from the
+        last block down (a failed allocation raises the start). Allocation is slow the first time
+        (page-locking), so the iteration it falls in is not measured."""
+        self._spec_from = None
+        if start is None or not self._speculation_allowed():
+            return
+        allocated = False
+        for b in range(len(self._blocks) - 1, start - 1, -1):
+            if self._on_gpu[b]:
+                break
+            if not self._has_shadows(b):
+                try:
+                    for p in self._blocks[b]:
+                        st = self.state[p]
+                        sh = {key: self._pool.empty(st[key].shape, torch.float32)
+                              for key in ("master", *_STATE_KEYS) if key in st}
+                        if p.dtype != torch.float32:
+                            sh["copy"] = self._pool.empty(p.shape, p.dtype)
+                        self._shadow[id(p)] = sh
+                        allocated = True
+                except MemoryError:  # the pool's capacity: speculation starts above this block
+                    for p in self._blocks[b]:
+                        self._shadow.pop(id(p), None)
+                    break
+            self._spec_from = b
+        if allocated and self._meter is not None:
+            self._meter.pending = None  # the allocation stalled this iteration: not a measurement
 
     def _adopt(self):
         """The multiplier is 1: the speculative states are the step's result; the old ones become
@@ -989,9 +1005,10 @@ class HybridAdamW(torch.optim.Optimizer):
                 self._redo(b, mult)
             self._steps_taken += 1
             self._last_clipped = clipped
-            self._prepare_speculation()
             if self._meter is not None:
                 self._schedule(self._meter.end_iteration())
+            if self._scheduler is None or self.speculate != "auto":
+                self._speculate_from(self._speculation_floor())
             if not self._model_hooks or not self.overlap:
                 self.synchronize()
         except BaseException:
