@@ -127,7 +127,8 @@ class HybridAdamW(torch.optim.Optimizer):
             Each speculated parameter needs a second fp32 master, m and v (and staging for its new
             weights) in pinned memory, allocated only within ``host_memory_limit``.
         host_memory_limit: bytes of host memory the process may use before speculation stops
-            allocating (default: 85 % of the machine's memory).
+            allocating (default: 75 % of the machine's memory, which leaves room for the rest of
+            the process, page cache and the system).
         accumulation_steps: micro-batches per step; blocks are updated after the last one.
         workers: CPU update threads (default: the usable cores less one, for the training thread).
         pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
@@ -176,7 +177,7 @@ class HybridAdamW(torch.optim.Optimizer):
             speculate = _checks.integer("speculate", speculate, lo=0)
         self.speculate = speculate
         if host_memory_limit is None:
-            host_memory_limit = int(physical_memory_bytes() * 0.85)
+            host_memory_limit = int(physical_memory_bytes() * 0.75)
         self.host_memory_limit = _checks.integer("host_memory_limit", host_memory_limit, lo=1)
 
         self._pool = pool if pool is not None else PinnedPool(self._pool_bytes(all_params), slab_bytes="256MiB")
