@@ -873,8 +873,7 @@ class HybridAdamW(torch.optim.Optimizer):
     def _redo(self, b, mult):
         """Clipping fired: block b is updated again from its untouched state with the multiplier;
         the gradients are still in staging. (The pipeline lets the speculative pass finish first.)"""
-        ps = self._speculated.pop(b)
-        self.speculation_counts["redone"] += 1
+        ps = self._speculated[b]
         rows, h2d = [], []
         for p in ps:
             grad_host, weight_host = self._staging[id(p)]
@@ -889,6 +888,8 @@ class HybridAdamW(torch.optim.Optimizer):
             self._meter_owner[b] = self._meter.current
         self._pipeline.stage(b, [], rows, h2d, torch.cuda.current_stream(self.device).cuda_stream, False)
         self._inflight[b] = True
+        del self._speculated[b]  # (until here a failure leaves it to _drop_held)
+        self.speculation_counts["redone"] += 1
 
     def _release_landed(self):
         if not self._landing:
