@@ -215,6 +215,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._held = {}  # block -> parameters handed off early, awaiting step()'s multiplier
         self._sq_parts = []  # squared gradient norms of the blocks handed off early (device scalars)
         self._shadow = {}  # id(p) -> spare host master/exp_avg/exp_avg_sq[/max_exp_avg_sq]/copy
+        self._lent = {}  # block -> the GPU-resident block whose idle host state and staging are its shadows
         self._speculated = {}  # block -> parameters updated speculatively in this backward
         self._spec_from = None  # blocks >= this (offloaded, with shadows) speculate in the next backward
         self._last_clipped = True  # whether the last step's multiplier differed from 1 (or none yet)
@@ -432,6 +433,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._pending_up.discard(b)
         for p in self._blocks[b]:  # a resident block does not speculate; nothing reads its shadows now
             self._shadow.pop(id(p), None)
+        self._lent.pop(b, None)  # a donor's state entries already name the spare set
         compute = torch.cuda.current_stream(self.device)
         states = []
         for p in self._blocks[b]:
@@ -458,6 +460,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._on_gpu[b] = True
 
     def _to_host(self, b):
+        self._reclaim(b)
         self._mig_stream.wait_stream(torch.cuda.current_stream(self.device))  # after the block's last update
         with torch.cuda.stream(self._mig_stream):
             for p in self._blocks[b]:
@@ -813,34 +816,84 @@ class HybridAdamW(torch.optim.Optimizer):
         """Whether the next backward may speculate: clipping on CUDA, and the last step did not clip."""
         return self.speculate is not False and self._early_handoff() and not self._last_clipped
 
-    def _speculation_floor(self):
-        """The lowest block from which every offloaded block has, or could get, shadows within
-        ``host_memory_limit`` and the pool's capacity (None: not even the last block)."""
-        if not self._speculation_allowed():
-            return None
+    def _signature(self, b):
+        return tuple((tuple(p.shape), p.dtype, "max_exp_avg_sq" in self.state[p]) for p in self._blocks[b])
+
+    def _donors(self) -> dict:
+        """GPU-resident blocks whose host state and staging nothing reads (moved up, not lent yet),
+        by parameter signature: they can be a speculating block's shadows at no memory cost."""
+        taken = set(self._lent.values())
+        out = {}
+        for r, resident in enumerate(self._on_gpu):
+            ev = self._mig_events.get(r)
+            if resident and r not in taken and (ev is None or ev.query()):
+                out.setdefault(self._signature(r), []).append(r)
+        return out
+
+    def _borrow(self, b, r):
+        for p, q in zip(self._blocks[b], self._blocks[r]):
+            st = self.state[q]
+            sh = {key: st[key] for key in ("master", *_STATE_KEYS) if key in st}
+            if p.dtype != torch.float32:
+                sh["copy"] = self._staging[id(q)][0]
+            self._shadow[id(p)] = sh
+        self._lent[b] = r
+
+    def _reclaim(self, r):
+        """Donor r is about to need its host state again (it moves down): its borrower stops
+        speculating once its pass in flight (which may read or write that memory) is done."""
+        for b in [b for b, d in self._lent.items() if d == r]:
+            if b in self._inflight:
+                self._wait_blocks([b])
+            for p in self._blocks[b]:
+                self._shadow.pop(id(p), None)
+            del self._lent[b]
+
+    def _shadow_plan(self, lowest_start):
+        """From the last block down to ``lowest_start``: (block, donor or None) for each offloaded
+        block that can have shadows, borrowed from a donor or allocated within the host limit and the
+        pool's capacity; stops at the first that cannot."""
         stats = self._pool.stats()
         free = stats["reserved"] - stats["in_use"]
         room = min(self.host_memory_limit - _rss_bytes() + free, stats["capacity"] - stats["in_use"])
-        lowest, floor = None, 0 if self.speculate == "auto" else self.speculate
-        for b in range(len(self._blocks) - 1, floor - 1, -1):
-            room -= self._shadow_bytes(b)
-            if self._on_gpu[b] or room < 0:
+        donors = self._donors()
+        plan = []
+        for b in range(len(self._blocks) - 1, lowest_start - 1, -1):
+            if self._on_gpu[b]:
                 break
-            lowest = b
-        return lowest
+            donor = None
+            if not self._has_shadows(b):
+                spare = donors.get(self._signature(b))
+                if spare:
+                    donor = spare.pop()
+                else:
+                    room -= self._shadow_bytes(b)
+                    if room < 0:
+                        break
+            plan.append((b, donor))
+        return plan
+
+    def _speculation_floor(self):
+        """The lowest block from which every offloaded block has, or could get, shadows (None: not
+        even the last block)."""
+        if not self._speculation_allowed():
+            return None
+        plan = self._shadow_plan(0 if self.speculate == "auto" else self.speculate)
+        return plan[-1][0] if plan else None
 
     def _speculate_from(self, start) -> None:
-        """Blocks >= start speculate in the next backward: their shadows are allocated now, from the
-        last block down (a failed allocation raises the start). Allocation is slow the first time
+        """Blocks >= start speculate in the next backward. Their shadows are borrowed from GPU-resident
+        blocks of the same shapes where there are such, else allocated (from the last block down;
+        where neither is possible, the start rises). Allocation is slow the first time
         (page-locking), so the iteration it falls in is not measured."""
         self._spec_from = None
         if start is None or not self._speculation_allowed():
             return
         allocated = False
-        for b in range(len(self._blocks) - 1, start - 1, -1):
-            if self._on_gpu[b]:
-                break
-            if not self._has_shadows(b):
+        for b, donor in self._shadow_plan(start):
+            if donor is not None:
+                self._borrow(b, donor)
+            elif not self._has_shadows(b):
                 try:
                     for p in self._blocks[b]:
                         st = self.state[p]
@@ -862,12 +915,16 @@ class HybridAdamW(torch.optim.Optimizer):
         """The multiplier is 1: the speculative states are the step's result; the old ones become
         the shadows (the passes still writing them are waited for before anything reads them)."""
         self.speculation_counts["adopted"] += len(self._speculated)
-        for ps in self._speculated.values():
+        for b, ps in self._speculated.items():
+            donor = self._lent.get(b)
+            twin = {} if donor is None else {id(p): q for p, q in zip(self._blocks[b], self._blocks[donor])}
             for p in ps:
                 st, sh = self.state[p], self._shadow[id(p)]
                 for key in ("master", *_STATE_KEYS):
                     if key in st:
                         st[key], sh[key] = sh[key], st[key]
+                        if donor is not None:  # the donor's state entries follow the spare set
+                            self.state[twin[id(p)]][key] = sh[key]
         self._speculated.clear()
 
     def _redo(self, b, mult):

@@ -164,10 +164,14 @@ def test_cuda_clipping_hands_gradients_off_during_backward_and_survives_a_bad_st
         assert opt.speculation_counts["adopted"] > 0 and opt.speculation_counts["redone"] == 0
 
 
-def test_cuda_speculation_is_exact_whether_clipping_fires_or_not():
+@pytest.mark.parametrize("k_changes", [False, True])
+def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
     # Every third step's loss is scaled up 50 times: its gradients are clipped, the others' are not.
     # Blocks >= 1 are updated during backward whenever the step before did not clip; a step that
     # then clips redoes them from the untouched state. Both must follow the reference exactly.
+    # k_changes: k changes at random every step (asynchronously), so speculating blocks borrow the
+    # idle host state of GPU-resident ones, donors move down and take it back, borrowers move up;
+    # a state_dict round trip in the middle must change nothing.
     model, ref_model = pair()
     probe = copy.deepcopy(model)
     x0 = cuda_batches(1)[0][0]
@@ -177,6 +181,9 @@ def test_cuda_speculation_is_exact_whether_clipping_fires_or_not():
                               gpu_blocks=1, workers=2, speculate=1)
     ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=limit)
     losses, ref_losses = [], []
+    n = len(opt._blocks)
+    ks = torch.randint(0, n, (3 * STEPS,), generator=torch.Generator().manual_seed(5)).tolist()
+    lent = 0
     for i, (x,) in enumerate(cuda_batches(3 * STEPS)):
         factor = 50.0 if i % 3 == 2 else 1.0
         for m, o, out in ((model, opt, losses), (ref_model, ref, ref_losses)):
@@ -185,7 +192,13 @@ def test_cuda_speculation_is_exact_whether_clipping_fires_or_not():
             o.step()
             o.zero_grad()
             out.append(loss.item())
+        lent = max(lent, len(opt._lent))
+        if k_changes:
+            opt.set_gpu_blocks(ks[i], wait=False)
+        if k_changes and i == 10:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     opt.synchronize()
+    assert (lent > 0) == k_changes
     assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
     assert 0 < ref.clipped < 3 * STEPS
     counts = opt.speculation_counts
