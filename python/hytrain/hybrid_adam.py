@@ -1096,8 +1096,13 @@ class HybridAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def state_dict(self):
-        """torch's format, with CPU tensors (GPU-resident blocks are copied into their host state)."""
+        """torch's format, with CPU tensors (GPU-resident blocks are copied into their host state).
+        As with torch's optimizers the tensors are the optimizer's own buffers: save or copy them
+        before training goes on (a GPU-resident block's host buffers may serve as a speculating
+        block's shadows again from the step after next)."""
         self.synchronize()
+        for r in set(self._lent.values()):  # borrowers stop for a step: the donors' buffers hold state
+            self._reclaim(r)
         for b in range(len(self._blocks)):
             if self._on_gpu[b]:
                 self._sync_host(b)
