@@ -2,6 +2,7 @@
 #include "hytrain/update_engine.h"
 
 #include <chrono>
+#include <thread>
 
 #include "hytrain/error.h"
 
@@ -40,15 +41,21 @@ AdamWTensor slice_of(const AdamWTensor& t, int64_t begin, int64_t end) {
 
 }  // namespace
 
-UpdateEngine::UpdateEngine(int workers, int64_t slice_elems, SimdPath path)
-    : queue_(kQueueSlices), slice_elems_(slice_elems), path_(path) {
+UpdateEngine::UpdateEngine(int workers, int64_t slice_elems, SimdPath path, std::size_t queue_slices)
+    : queue_(queue_slices), slice_elems_(slice_elems), path_(path) {
   HYTRAIN_CHECK(workers >= 1 && workers <= 1024, "workers must be in [1, 1024]");
+  HYTRAIN_CHECK(queue_slices >= 2, "queue_slices must be at least 2");
   HYTRAIN_CHECK(slice_elems >= 1024, "slice_elems must be at least 1024");
   path_ = resolve_simd_path(path);
   for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { run_worker(); });
 }
 
 UpdateEngine::~UpdateEngine() {
+  // The workers move the overflow into the queue as it drains; closing first would strand it.
+  while (pending_.load() > 0) {
+    refill();
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
   queue_.close();  // workers drain what is queued, then exit
   for (auto& t : threads_) t.join();
 }
@@ -91,9 +98,25 @@ void UpdateEngine::submit(int64_t block, const std::vector<UpdateJob>& jobs) {
     if (on_complete) on_complete(block);
     return;
   }
-  for (Slice& s : b->slices) {
-    HYTRAIN_CHECK(queue_.push(&s), "the update engine is shutting down");
+  // Straight into the queue while it has room and nothing waits ahead; the rest, in order, behind.
+  // pending_ is raised before a failed try_push can be observed, so a worker that frees a cell
+  // afterwards sees it and refills: the overflow cannot be stranded behind an empty queue.
+  std::lock_guard<std::mutex> lock(overflow_mutex_);
+  std::size_t i = 0;
+  if (overflow_.empty()) {
+    while (i < b->slices.size() && queue_.try_push(&b->slices[i])) ++i;
   }
+  if (i == b->slices.size()) return;
+  for (; i < b->slices.size(); ++i) overflow_.push_back(&b->slices[i]);
+  pending_.store(overflow_.size());
+  while (!overflow_.empty() && queue_.try_push(overflow_.front())) overflow_.pop_front();
+  pending_.store(overflow_.size());
+}
+
+void UpdateEngine::refill() {
+  std::lock_guard<std::mutex> lock(overflow_mutex_);
+  while (!overflow_.empty() && queue_.try_push(overflow_.front())) overflow_.pop_front();
+  pending_.store(overflow_.size());
 }
 
 void UpdateEngine::run_worker() {
@@ -113,6 +136,7 @@ void UpdateEngine::run_worker() {
       }
     }
     if (b.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(b);
+    if (pending_.load() > 0) refill();
   }
 }
 

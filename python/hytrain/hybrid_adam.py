@@ -192,8 +192,8 @@ class HybridAdamW(torch.optim.Optimizer):
         # Default: every usable core but one, which the training thread needs to keep the GPU fed.
         n_workers = workers if workers is not None else max(1, len(os.sched_getaffinity(0)) - 1)
         n_workers = _checks.integer("workers", n_workers, lo=1)
-        # Slices large enough that a whole step's fit in the engine's queue: submitting then never
-        # blocks the caller (the training thread, when clipping releases held blocks).
+        # Slices large enough that a whole step's fit in the engine's lock-free queue (submitting
+        # never blocks; what does not fit waits in the engine's overflow list, behind a mutex).
         slice_elements = _checks.integer("slice_elements", slice_elements, lo=1024)
         total = sum(p.numel() for p in all_params)
         slice_elements = max(slice_elements, -(-total // (native().UpdateEngine.queue_slices // 2)))

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import signal
 import sys
 import sysconfig

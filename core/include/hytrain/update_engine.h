@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -43,16 +44,19 @@ int64_t steady_now_ns();
 
 class UpdateEngine {
  public:
-  // Slices the queue holds; submit() blocks while it is full, so a step's slices should fit.
+  // Slices the lock-free queue holds by default. submit() never blocks: slices that do not fit wait,
+  // in order, in an overflow list that the workers move into the queue as it drains.
   static constexpr std::size_t kQueueSlices = std::size_t(1) << 18;
 
-  UpdateEngine(int workers, int64_t slice_elems, SimdPath path = SimdPath::automatic);
-  ~UpdateEngine();  // finishes queued work, then joins the workers
+  UpdateEngine(int workers, int64_t slice_elems, SimdPath path = SimdPath::automatic,
+               std::size_t queue_slices = kQueueSlices);
+  ~UpdateEngine();  // finishes queued work (overflow included), then joins the workers
   UpdateEngine(const UpdateEngine&) = delete;
   UpdateEngine& operator=(const UpdateEngine&) = delete;
 
-  // Queues a block's jobs. The memory they point to must stay valid until the block completes.
-  // Throws (queuing nothing) on invalid jobs or when the block is still in flight.
+  // Queues a block's jobs, without blocking; blocks are updated in submission order. The memory
+  // they point to must stay valid until the block completes. Throws (queuing nothing) on invalid
+  // jobs or when the block is still in flight.
   void submit(int64_t block, const std::vector<UpdateJob>& jobs);
   // Blocks until the block completes (returns at once for a block never submitted); rethrows its
   // first error.
@@ -88,8 +92,12 @@ class UpdateEngine {
 
   void run_worker();
   void finish(Block& b);
+  void refill();  // moves overflow slices into the queue while they fit (takes overflow_mutex_)
 
   MpmcQueue<Slice*> queue_;
+  std::mutex overflow_mutex_;            // guards overflow_
+  std::deque<Slice*> overflow_;          // slices behind a full queue, in submission order
+  std::atomic<std::size_t> pending_{0};  // overflow_.size(), for the workers' lock-free check
   int64_t slice_elems_;
   SimdPath path_;
   std::vector<std::thread> threads_;
