@@ -123,9 +123,10 @@ class HybridAdamW(torch.optim.Optimizer):
         schedule_every: how often (in steps) the scheduler may change k.
         speculate: offloaded blocks updated during backward under clipping (see the module notes):
             ``"auto"`` (the default; the scheduler picks from which block on, where it shortens the
-            iteration), an int s (blocks >= s, whenever the previous step did not clip), or False.
-            Each speculated parameter needs a second fp32 master, m and v (and staging for its new
-            weights) in pinned memory, allocated only within ``host_memory_limit``.
+            iteration), an int s (blocks >= s, whenever the previous step did not clip; True: 0),
+            or False. Each speculated parameter needs a second fp32 master, m and v (and staging for
+            its new weights) in pinned memory: borrowed from a GPU-resident block of the same shapes
+            where there is one (its host copy is idle), else allocated within ``host_memory_limit``.
         host_memory_limit: bytes of host memory the process may use before speculation stops
             allocating (default: 75 % of the machine's memory, which leaves room for the rest of
             the process, page cache and the system).
