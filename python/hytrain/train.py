@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--max-grad-norm", type=float, default=1.0, help="global-norm clipping (0: off)")
     a("--gpu-blocks", type=_k_option, default="auto",
       help="k: leading blocks updated on the GPU (CUDA only), or 'auto': the scheduler picks k each step")
+    a("--speculate", type=_speculate_option, default="auto",
+      help="CPU updates during backward under clipping (CUDA): 'auto' (the scheduler picks from which "
+           "block), 'off', or N (blocks >= N); redone exactly when clipping fires")
     a("--gpu-memory-limit", default=None,
       help="GPU memory hytrain may plan with, e.g. 40GiB (default: the device's); resident states fit in it")
     a("--precision", choices=list(DTYPES), default=None, help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
@@ -117,6 +120,10 @@ def _k_option(text):
     return text if text == "auto" else int(text)
 
 
+def _speculate_option(text):
+    return text if text in ("auto", "off") else int(text)
+
+
 def check_options(args) -> None:
     def positive(name, lo=1):
         v = getattr(args, name)
@@ -129,6 +136,10 @@ def check_options(args) -> None:
         positive(name, 0)
     if args.gpu_blocks != "auto":
         positive("gpu_blocks", 0)
+    if args.speculate is False:  # a TOML boolean
+        args.speculate = "off"
+    if args.speculate not in ("auto", "off"):
+        positive("speculate", 0)
     if args.gpu_memory_limit is not None:
         try:
             from .pool import parse_bytes
@@ -399,7 +410,8 @@ def run(args) -> int:
     opt = hytrain.HybridAdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                               max_grad_norm=args.max_grad_norm or None, model=model, pool=pool,
                               gpu_blocks=k, gpu_memory_limit=limit if device.type == "cuda" else None,
-                              workers=args.workers or None, trace=True)
+                              workers=args.workers or None, trace=True,
+                              speculate=False if args.speculate == "off" else args.speculate)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     start = 0
     if resume_dir is not None:

@@ -146,6 +146,9 @@ def test_bad_options_fail_before_training(tmp_path, capsys):
     cfg.write_text('gpu-blocks = -1\n')
     assert main(["--config", str(cfg), "--out", str(tmp_path / "x"), *FAST]) == 2
     assert "--gpu-blocks must be an integer >= 0" in capsys.readouterr().err
+    cfg.write_text('speculate = -2\n')
+    assert main(["--config", str(cfg), "--out", str(tmp_path / "x"), *FAST]) == 2
+    assert "--speculate must be an integer >= 0" in capsys.readouterr().err
     assert main(["--resume", "latest", "--out", str(tmp_path / "z"), *FAST]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
@@ -153,12 +156,12 @@ def test_bad_options_fail_before_training(tmp_path, capsys):
 
 def test_toml_config_and_flags(tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('steps = 3\neval-every = 0\nlr = 0.001\n')
+    cfg.write_text('steps = 3\neval-every = 0\nlr = 0.001\nspeculate = false\n')
     out = str(tmp_path / "run")
     assert main(["--config", str(cfg), "--out", out, "--steps", "2", *FAST]) == 0
     assert [r["step"] for r in metrics(out)] == [1, 2]
     opts = json.load(open(os.path.join(out, "config.json")))["options"]
-    assert opts["lr"] == 0.001 and opts["steps"] == 2
+    assert opts["lr"] == 0.001 and opts["steps"] == 2 and opts["speculate"] == "off"
 
 
 def test_a_transformers_model_by_config_directory(tmp_path):
