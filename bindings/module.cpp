@@ -384,6 +384,9 @@ PYBIND11_MODULE(hytrain_native, m) {
                     },
                     "deferred mode: the first block that may be updated speculatively during "
                     "backward (predictions pick the best start from here); None: none")
+      .def_property("speculative_fixed", [](const KSplitScheduler& s) { return s.config().speculative_fixed; },
+                    &KSplitScheduler::set_speculative_fixed,
+                    "predictions speculate from exactly max(k, speculative_min) (a fixed start)")
       .def_property("memory_budget", &KSplitScheduler::memory_budget, &KSplitScheduler::set_memory_budget)
       .def("observe", &KSplitScheduler::observe, py::arg("block"), py::arg("phase"), py::arg("seconds"))
       .def("observe_rate", &KSplitScheduler::observe_rate, py::arg("phase"), py::arg("seconds_per_unit"))

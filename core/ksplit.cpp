@@ -197,7 +197,12 @@ Prediction KSplitScheduler::best_for(const std::vector<BlockCosts>& c, std::size
   s.speculative_from = L;  // none
   Prediction best = simulate(c, k, s);
   if (!s.deferred || k > L) return best;
-  for (std::size_t from = L; from-- > std::max(k, std::min(L, config_.speculative_min));) {
+  const std::size_t lo = std::max(k, std::min(L, config_.speculative_min));
+  if (config_.speculative_fixed) {
+    s.speculative_from = lo;
+    return simulate(c, k, s);
+  }
+  for (std::size_t from = L; from-- > lo;) {
     s.speculative_from = from;
     Prediction p = simulate(c, k, s);
     if (p.iter_s < best.iter_s) best = std::move(p);

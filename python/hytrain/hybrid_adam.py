@@ -567,6 +567,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._scheduler.overlap = self.overlap
         self._scheduler.early_copies = self._early_handoff()
         self._scheduler.speculative_min = self._speculation_floor()
+        self._scheduler.speculative_fixed = self.speculate != "auto"  # predictions as the run does
         if not self.auto:
             if self._scheduler.ready():
                 self._prediction = self._scheduler.predict(self.gpu_blocks)

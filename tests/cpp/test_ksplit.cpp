@@ -326,6 +326,12 @@ TEST(speculation_is_chosen_where_it_helps) {
       best = std::min(best, KSplitScheduler::simulate(s.costs(), k, deferred).iter_s);
     }
     CHECK(p.iter_s == best);
+    s.set_speculative_fixed(true);  // a fixed start: exactly there, whatever is best
+    const Prediction fixed = s.predict(k);
+    deferred.speculative_from = std::max(k, lo);
+    CHECK(fixed.speculative_from == std::min(L, std::max(k, lo)));
+    CHECK(fixed.iter_s == KSplitScheduler::simulate(s.costs(), k, deferred).iter_s);
+    s.set_speculative_fixed(false);
     helped += p.iter_s < none;
     partial += p.speculative_from > std::max(k, lo) && p.speculative_from < L;
   }

@@ -37,6 +37,21 @@ def test_decide_predict_and_budget():
     assert native().KSplitScheduler.closed_form_k(10, 5.0, 1.0, 0.25) == pytest.approx(4.0)
 
 
+def test_speculation_through_the_bindings():
+    s = scheduler(cpu=20e-3)
+    s.deferred, s.early_copies = True, True
+    assert s.speculative_min is None and s.predict(2)["speculative_from"] is None
+    none = s.predict(2)["iter_s"]
+    s.speculative_min = 0
+    best = s.predict(2)
+    assert best["iter_s"] <= none and 2 <= best["speculative_from"] <= 15
+    s.speculative_fixed = True
+    fixed = s.predict(2)
+    assert s.speculative_fixed and fixed["speculative_from"] == 2 and fixed["iter_s"] >= best["iter_s"]
+    s.speculative_min = None
+    assert s.predict(2)["speculative_from"] is None
+
+
 def test_bad_input_raises():
     with pytest.raises(RuntimeError, match="one entry per block"):
         native().KSplitScheduler([1, 2], [1], [1, 2])

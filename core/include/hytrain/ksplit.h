@@ -45,6 +45,7 @@ struct KSplitConfig {
   // gradients land (a speculative update, kept when the step's multiplier turns out to be 1); for
   // each k the scheduler picks the s >= speculative_min from which they are (StepShape).
   std::size_t speculative_min = std::numeric_limits<std::size_t>::max();
+  bool speculative_fixed = false;  // speculation starts exactly at max(k, speculative_min), no search
 };
 
 // One block's estimated costs (seconds); what the simulation runs on.
@@ -89,6 +90,7 @@ class KSplitScheduler {
   void set_overlap(bool overlap) { config_.overlap = overlap; }
   void set_early_copies(bool early) { config_.early_copies = early; }
   void set_speculative_min(std::size_t j) { config_.speculative_min = j; }
+  void set_speculative_fixed(bool fixed) { config_.speculative_fixed = fixed; }
 
   // One measurement of `phase` for `block`, in seconds (>= 0, finite).
   void observe(std::size_t block, Phase phase, double seconds);
@@ -111,7 +113,7 @@ class KSplitScheduler {
   // Per-block costs as estimated now (measured EWMA, else pooled rate x size, else 0 for copies).
   std::vector<BlockCosts> costs() const;
   // The simulated iteration for a given k (throws if k > blocks()), with the best speculative_from
-  // the config allows.
+  // the config allows (or its fixed start).
   Prediction predict(std::size_t k) const;
   static Prediction simulate(const std::vector<BlockCosts>& costs, std::size_t k, const StepShape& shape);
 
