@@ -67,6 +67,11 @@ AdamWConfig make_config(int64_t step, double lr, double beta1, double beta2, dou
   return c;
 }
 
+// A block index, or None for "none" (any index >= the block count).
+py::object block_or_none(std::size_t j, std::size_t blocks) {
+  return j < blocks ? py::object(py::int_(j)) : py::object(py::none());
+}
+
 py::dict stats_dict(const PoolStats& s) {
   py::dict d;
   d["capacity"] = s.capacity;
@@ -326,8 +331,7 @@ PYBIND11_MODULE(hytrain_native, m) {
         const BlockTiming t = e.timing(block);
         return std::make_tuple(t.submit_ns, t.start_ns, t.end_ns, t.elements);
       })
-      .def_property_readonly("workers", &UpdateEngine::workers)
-      .def_property_readonly_static("queue_slices", [](py::object) { return UpdateEngine::kQueueSlices; });
+      .def_property_readonly("workers", &UpdateEngine::workers);
   m.def("steady_now_ns", &steady_now_ns, "The clock of UpdateEngine timings (ns).");
 
   py::enum_<Phase>(m, "Phase")
@@ -340,8 +344,7 @@ PYBIND11_MODULE(hytrain_native, m) {
   const auto prediction_dict = [](const Prediction& p) {
     py::dict d;
     d["k"] = p.k;
-    d["speculative_from"] = p.speculative_from < p.ready.size() ? py::object(py::int_(p.speculative_from))
-                                                                  : py::object(py::none());
+    d["speculative_from"] = block_or_none(p.speculative_from, p.ready.size());
     d["iter_s"] = p.iter_s;
     d["gpu_busy_s"] = p.gpu_busy_s;
     d["gpu_idle_s"] = p.gpu_idle_s;
@@ -373,11 +376,7 @@ PYBIND11_MODULE(hytrain_native, m) {
       .def_property("early_copies", [](const KSplitScheduler& s) { return s.config().early_copies; },
                     &KSplitScheduler::set_early_copies)
       .def_property("speculative_min",
-                    [](const KSplitScheduler& s) -> py::object {
-                      const std::size_t j = s.config().speculative_min;
-                      if (j >= s.blocks()) return py::none();
-                      return py::int_(j);
-                    },
+                    [](const KSplitScheduler& s) { return block_or_none(s.config().speculative_min, s.blocks()); },
                     [](KSplitScheduler& s, py::object j) {
                       s.set_speculative_min(j.is_none() ? std::numeric_limits<std::size_t>::max()
                                                         : j.cast<std::size_t>());

@@ -193,12 +193,7 @@ class HybridAdamW(torch.optim.Optimizer):
         # Default: every usable core but one, which the training thread needs to keep the GPU fed.
         n_workers = workers if workers is not None else max(1, len(os.sched_getaffinity(0)) - 1)
         n_workers = _checks.integer("workers", n_workers, lo=1)
-        # Slices large enough that a whole step's fit in the engine's lock-free queue (submitting
-        # never blocks; what does not fit waits in the engine's overflow list, behind a mutex).
-        slice_elements = _checks.integer("slice_elements", slice_elements, lo=1024)
-        total = sum(p.numel() for p in all_params)
-        slice_elements = max(slice_elements, -(-total // (native().UpdateEngine.queue_slices // 2)))
-        self._engine = native().UpdateEngine(n_workers, slice_elements,
+        self._engine = native().UpdateEngine(n_workers, _checks.integer("slice_elements", slice_elements, lo=1024),
                                              simd_paths()["selected"])
         self._pipeline = None
         if self._cuda:
@@ -217,6 +212,8 @@ class HybridAdamW(torch.optim.Optimizer):
         self._sq_parts = []  # squared gradient norms of the blocks handed off early (device scalars)
         self._shadow = {}  # id(p) -> spare host master/exp_avg/exp_avg_sq[/max_exp_avg_sq]/copy
         self._lent = {}  # block -> the GPU-resident block whose idle host state and staging are its shadows
+        self._signatures = [tuple((tuple(p.shape), p.dtype, "max_exp_avg_sq" in self.state[p]) for p in blk)
+                            for blk in self._blocks]  # blocks that can lend each other host state
         self._speculated = {}  # block -> parameters updated speculatively in this backward
         self._spec_from = None  # blocks >= this (offloaded, with shadows) speculate in the next backward
         self._last_clipped = True  # whether the last step's multiplier differed from 1 (or none yet)
@@ -700,6 +697,16 @@ class HybridAdamW(torch.optim.Optimizer):
                 float(group["eps"]), float(group["weight_decay"]), step, True,
                 bool(group["amsgrad"]), float(grad_scale), *outs)
 
+    def _pass_row(self, p, grad_scale, step, out=None):
+        """An offloaded parameter's update row (reading the gradient in staging; writing the new
+        state in place, or to the shadow ``out``) and the H2D copy of its new weights."""
+        grad_host, weight_host = self._staging[id(p)]
+        if out is not None:
+            weight_host = out.get("copy")
+        row = self._row(p, grad_host.data_ptr(), grad_scale, step, _checks.address(weight_host), out)
+        src = weight_host if weight_host is not None else (out or self.state[p])["master"]
+        return row, (p.data_ptr(), src.data_ptr(), p.numel() * p.element_size())
+
     def _launch(self, b, grad_scale, *, release, hold=False, speculative=False):
         """Starts block b's update with gradient multiplier ``grad_scale``. ``release`` drops the
         parameters' ``.grad`` (the GPU memory returns once the gradient copy has landed). ``hold``
@@ -725,17 +732,11 @@ class HybridAdamW(torch.optim.Optimizer):
             self._migration_done(b, host=True)  # states that came down from the GPU have landed
             d2h, rows, h2d = [], [], []
             for p, g in pairs:
-                grad_host, weight_host = self._staging[id(p)]
-                nbytes = p.numel() * p.element_size()
-                st = self.state[p]
-                out = self._shadow[id(p)] if speculative else None
-                if out is not None:
-                    weight_host = out.get("copy")
-                d2h.append((grad_host.data_ptr(), g.data_ptr(), nbytes))
-                rows.append(self._row(p, grad_host.data_ptr(), grad_scale, int(st["step"].item()) + 1,
-                                      _checks.address(weight_host), out))
-                h2d.append((p.data_ptr(), (weight_host if weight_host is not None else (out or st)["master"]).data_ptr(),
-                            nbytes))
+                d2h.append((self._staging[id(p)][0].data_ptr(), g.data_ptr(), p.numel() * p.element_size()))
+                row, copy = self._pass_row(p, grad_scale, int(self.state[p]["step"].item()) + 1,
+                                           self._shadow[id(p)] if speculative else None)
+                rows.append(row)
+                h2d.append(copy)
             self._pipeline.stage(b, d2h, rows, h2d, torch.cuda.current_stream(self.device).cuda_stream, hold)
             for p, _ in pairs:
                 self.state[p]["step"] += 1
@@ -818,9 +819,6 @@ class HybridAdamW(torch.optim.Optimizer):
         """Whether the next backward may speculate: clipping on CUDA, and the last step did not clip."""
         return self.speculate is not False and self._early_handoff() and not self._last_clipped
 
-    def _signature(self, b):
-        return tuple((tuple(p.shape), p.dtype, "max_exp_avg_sq" in self.state[p]) for p in self._blocks[b])
-
     def _donors(self) -> dict:
         """GPU-resident blocks whose host state and staging nothing reads (moved up, not lent yet),
         by parameter signature: they can be a speculating block's shadows at no memory cost."""
@@ -829,7 +827,7 @@ class HybridAdamW(torch.optim.Optimizer):
         for r, resident in enumerate(self._on_gpu):
             ev = self._mig_events.get(r)
             if resident and r not in taken and (ev is None or ev.query()):
-                out.setdefault(self._signature(r), []).append(r)
+                out.setdefault(self._signatures[r], []).append(r)
         return out
 
     def _borrow(self, b, r):
@@ -855,20 +853,23 @@ class HybridAdamW(torch.optim.Optimizer):
         """From the last block down to ``lowest_start``: (block, donor or None) for each offloaded
         block that can have shadows, borrowed from a donor or allocated within the host limit and the
         pool's capacity; stops at the first that cannot."""
-        stats = self._pool.stats()
-        free = stats["reserved"] - stats["in_use"]
-        room = min(self.host_memory_limit - _rss_bytes() + free, stats["capacity"] - stats["in_use"])
-        donors = self._donors()
+        donors = self._donors() if any(self._on_gpu) else {}
+        room = None  # host headroom, read only if some block needs new memory
         plan = []
         for b in range(len(self._blocks) - 1, lowest_start - 1, -1):
             if self._on_gpu[b]:
                 break
             donor = None
             if not self._has_shadows(b):
-                spare = donors.get(self._signature(b))
+                spare = donors.get(self._signatures[b])
                 if spare:
                     donor = spare.pop()
                 else:
+                    if room is None:
+                        stats = self._pool.stats()
+                        free = stats["reserved"] - stats["in_use"]
+                        room = min(self.host_memory_limit - _rss_bytes() + free,
+                                   stats["capacity"] - stats["in_use"])
                     room -= self._shadow_bytes(b)
                     if room < 0:
                         break
@@ -932,15 +933,11 @@ class HybridAdamW(torch.optim.Optimizer):
     def _redo(self, b, mult):
         """Clipping fired: block b is updated again from its untouched state with the multiplier;
         the gradients are still in staging. (The pipeline lets the speculative pass finish first.)"""
-        ps = self._speculated[b]
         rows, h2d = [], []
-        for p in ps:
-            grad_host, weight_host = self._staging[id(p)]
-            st = self.state[p]
-            rows.append(self._row(p, grad_host.data_ptr(), mult, int(st["step"].item()),
-                                  _checks.address(weight_host)))
-            h2d.append((p.data_ptr(), (weight_host if weight_host is not None else st["master"]).data_ptr(),
-                        p.numel() * p.element_size()))
+        for p in self._speculated[b]:
+            row, copy = self._pass_row(p, mult, int(self.state[p]["step"].item()))
+            rows.append(row)
+            h2d.append(copy)
         if self.timeline is not None:
             self._pass_owner[b] = self.timeline.current
         if self._meter is not None:
