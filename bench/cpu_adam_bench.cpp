@@ -6,6 +6,12 @@
 //   mixed : read p, m, v (12 B) + bf16 g (2 B), write p, m, v (12 B) + bf16 copy (2 B) = 28 B
 // so the floor at triad bandwidth B is 28 / B seconds per parameter.
 //
+// Cases: fp32 and mixed in place (the mixed copy in its own buffer), "shared" (mixed, the copy written
+// over the bf16 gradient: the offload pipeline's in-place pass) and "oop" (mixed, the new state and
+// copy written elsewhere: a speculative pass). Each runs with plain and with streaming stores
+// (non-temporal, for the outputs the update does not read), the same bytes counted: plain stores pay a
+// write-allocate read for every such output.
+//
 //   cpu_adam_bench [--params N] [--threads T] [--repeats R]
 #include <algorithm>
 #include <chrono>
@@ -67,39 +73,55 @@ int main(int argc, char** argv) {
   float* g32 = alloc_touch<float>(*alloc, n, 1e-3f, threads);
   uint16_t* g16 = alloc_touch<uint16_t>(*alloc, n, f32_to_bf16(1e-3f), threads);
   uint16_t* copy = alloc_touch<uint16_t>(*alloc, n, 0, threads);
+  float* po = alloc_touch<float>(*alloc, n, 0.0f, threads);
+  float* mo = alloc_touch<float>(*alloc, n, 0.0f, threads);
+  float* vo = alloc_touch<float>(*alloc, n, 0.0f, threads);
 
   // Triad over the fp32 case's footprint: three arrays holding 16 bytes per parameter in all.
   const BandwidthResult bw = measure_host_bandwidth(n * 4 / 3, threads, repeats);
   std::printf("CPU AdamW, %lld params, %d threads\n", static_cast<long long>(n), threads);
   std::printf("host bandwidth: copy %.1f GB/s, triad %.1f GB/s, in-place update %.1f GB/s\n\n",
               bw.copy_gbps, bw.triad_gbps, bw.update_gbps);
-  std::printf("%-8s %-6s %10s %9s %9s %9s %10s\n", "path", "case", "ms/step", "Gparam/s", "GB/s",
-              "vs triad", "vs update");
+  std::printf("%-8s %-7s %-10s %10s %9s %9s %9s %10s\n", "path", "case", "stores", "ms/step", "Gparam/s",
+              "GB/s", "vs triad", "vs update");
 
   const double bytes_per_param = 28.0;
   for (SimdPath path : compiled_simd_paths()) {
     if (!cpu_supports(path)) continue;
-    for (int mixed = 0; mixed < 2; ++mixed) {
-      AdamWTensor t{p, m, v, nullptr, mixed ? static_cast<const void*>(g16) : g32,
-                    mixed ? DType::bf16 : DType::f32, mixed ? copy : nullptr, DType::bf16, n};
-      std::vector<double> times;
-      AdamWConfig c;
-      for (int r = 0; r <= repeats; ++r) {
-        c.step = r + 1;
-        const double t0 = now();
-        adamw_step(t, c, threads, path);
-        if (r > 0) times.push_back(now() - t0);  // the first run is warm-up
+    for (const char* kase : {"fp32", "mixed", "shared", "oop"}) {
+      const bool mixed = std::strcmp(kase, "fp32") != 0;
+      for (bool streaming : {false, true}) {
+        AdamWTensor t{p, m, v, nullptr, mixed ? static_cast<const void*>(g16) : g32,
+                      mixed ? DType::bf16 : DType::f32, mixed ? copy : nullptr, DType::bf16, n};
+        if (std::strcmp(kase, "shared") == 0) t.param_copy = g16;
+        if (std::strcmp(kase, "oop") == 0) {
+          t.param_out = po;
+          t.exp_avg_out = mo;
+          t.exp_avg_sq_out = vo;
+        }
+        std::vector<double> times;
+        AdamWConfig c;
+        c.streaming_stores = streaming;
+        const StreamPlan plan = adamw_stream_plan(t, c, path);
+        if (streaming && !plan.state && !plan.copy) continue;  // nothing this case could stream
+        for (int r = 0; r <= repeats; ++r) {
+          c.step = r + 1;
+          const double t0 = now();
+          adamw_step(t, c, threads, path);
+          if (r > 0) times.push_back(now() - t0);  // the first run is warm-up
+        }
+        std::sort(times.begin(), times.end());
+        const double s = times[times.size() / 2];
+        const double gbps = bytes_per_param * n / s / 1e9;
+        const char* what = plan.state ? "stream all" : plan.copy ? "stream cp" : "plain";
+        std::printf("%-8s %-7s %-10s %10.2f %9.3f %9.1f %8.2fx %9.2fx\n", simd_path_name(path), kase, what,
+                    s * 1e3, n / s / 1e9, gbps, gbps / bw.triad_gbps, gbps / bw.update_gbps);
       }
-      std::sort(times.begin(), times.end());
-      const double s = times[times.size() / 2];
-      const double gbps = bytes_per_param * n / s / 1e9;
-      std::printf("%-8s %-6s %10.2f %9.3f %9.1f %8.2fx %9.2fx\n", simd_path_name(path),
-                  mixed ? "mixed" : "fp32", s * 1e3, n / s / 1e9, gbps, gbps / bw.triad_gbps,
-                  gbps / bw.update_gbps);
     }
   }
   for (void* q : {static_cast<void*>(p), static_cast<void*>(m), static_cast<void*>(v),
-                  static_cast<void*>(g32)}) {
+                  static_cast<void*>(g32), static_cast<void*>(po), static_cast<void*>(mo),
+                  static_cast<void*>(vo)}) {
     alloc->deallocate(q, n * 4);
   }
   alloc->deallocate(g16, n * 2);

@@ -37,6 +37,38 @@ constexpr int64_t kPieceAlign = 64;        // elements: 256 B of fp32, whole cac
 
 }  // namespace
 
+namespace {
+bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+}  // namespace
+
+StreamPlan stream_plan(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end, int lanes) {
+  StreamPlan plan;
+  if (!s.streaming_stores || lanes <= 1 || end - begin < kStreamMin) return plan;
+  const int64_t vec = int64_t{lanes} * 4;
+  if (t.param_out != nullptr) {
+    plan.state = t.param_out != t.param && t.exp_avg_out != t.exp_avg && t.exp_avg_sq_out != t.exp_avg_sq &&
+                 aligned(t.param_out + begin, vec) && aligned(t.exp_avg_out + begin, vec) &&
+                 aligned(t.exp_avg_sq_out + begin, vec);
+    if (s.amsgrad) {
+      plan.state = plan.state && t.max_exp_avg_sq_out != t.max_exp_avg_sq &&
+                   aligned(t.max_exp_avg_sq_out + begin, vec);
+    }
+  }
+  plan.copy = t.param_copy != nullptr && t.param_copy != t.grad &&
+              aligned(static_cast<const uint16_t*>(t.param_copy) + begin, vec / 2);
+  return plan;
+}
+
+StreamPlan adamw_stream_plan(const AdamWTensor& t, const AdamWConfig& cfg, SimdPath path) {
+  int lanes = 1;
+  switch (resolve_simd_path(path)) {
+    case SimdPath::avx512: lanes = 16; break;
+    case SimdPath::avx2: lanes = 8; break;
+    default: break;
+  }
+  return stream_plan(t, make_adamw_scalars(cfg), 0, t.numel, lanes);
+}
+
 void validate_adamw_config(const AdamWConfig& c) {
   auto finite_nonneg = [](double x) { return std::isfinite(x) && x >= 0.0; };
   HYTRAIN_CHECK(finite_nonneg(c.lr), "lr must be finite and >= 0");
@@ -66,6 +98,7 @@ AdamWScalars make_adamw_scalars(const AdamWConfig& c) {
   s.bias_correction2_sqrt = f(std::sqrt(bc2));
   s.grad_scale = f(c.grad_scale);
   s.amsgrad = c.amsgrad;
+  s.streaming_stores = c.streaming_stores;
   return s;
 }
 

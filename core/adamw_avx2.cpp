@@ -11,7 +11,9 @@ struct VecAvx2 {
   using F = __m256;
   static constexpr int W = 8;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static constexpr bool kStream = true;
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static void stream(float* p, F x) { _mm256_stream_ps(p, x); }  // p 32-byte aligned
   static F load_bf16(const uint16_t* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -19,21 +21,22 @@ struct VecAvx2 {
   static F load_f16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static void store_bf16(uint16_t* p, F x) {
+  static __m128i pack_bf16(F x) {
     const __m256i u = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
     r = _mm256_srli_epi32(r, 16);
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-    const __m128i packed =
-        _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   }
-  static void store_f16(uint16_t* p, F x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  static __m128i pack_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static void store_bf16(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x)); }
+  static void store_f16(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_f16(x)); }
+  // p 16-byte aligned
+  static void stream_bf16(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x)); }
+  static void stream_f16(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_f16(x)); }
+  static void fence() { _mm_sfence(); }
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }

@@ -11,7 +11,9 @@ struct VecAvx512 {
   using F = __m512;
   static constexpr int W = 16;
   static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static constexpr bool kStream = true;
   static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static void stream(float* p, F x) { _mm512_stream_ps(p, x); }  // p 64-byte aligned
   static F load_bf16(const uint16_t* p) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -19,19 +21,22 @@ struct VecAvx512 {
   static F load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static void store_bf16(uint16_t* p, F x) {
+  static __m256i pack_bf16(F x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
     r = _mm512_srli_epi32(r, 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
-  static void store_f16(uint16_t* p, F x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  static __m256i pack_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static void store_bf16(uint16_t* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack_bf16(x)); }
+  static void store_f16(uint16_t* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack_f16(x)); }
+  // p 32-byte aligned
+  static void stream_bf16(uint16_t* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack_bf16(x)); }
+  static void stream_f16(uint16_t* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack_f16(x)); }
+  static void fence() { _mm_sfence(); }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }

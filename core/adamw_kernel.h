@@ -4,8 +4,15 @@
 //
 // Traits V provide: F (vector type), W (lanes), load/store (fp32), load_bf16/load_f16 (widen),
 // store_bf16/store_f16 (round to nearest even), set1, add, sub, mul, div, sqrt, max, fmadd(a,b,c) =
-// a*b+c, any_nan. The tail (fewer than W elements) goes through W-element stack buffers, so every
-// path handles any size with the same full-width code and no allocation.
+// a*b+c, any_nan; and kStream: whether stream/stream_bf16/stream_f16 (non-temporal stores to aligned
+// addresses) and fence exist. The tail (fewer than W elements) goes through W-element stack buffers,
+// so every path handles any size with the same full-width code and no allocation.
+//
+// Non-temporal stores: an output the loop does not read (the weight copy when it is not the gradient
+// buffer, the new state of an out-of-place update) would otherwise be read from memory before it is
+// written (write-allocate): 14 of the 42 bytes per parameter an out-of-place mixed-precision update
+// moves. Streaming stores write whole lines without that read, so such an update costs the same 28
+// bytes as one in place. In-place outputs were just loaded and are in cache: they use plain stores.
 #pragma once
 
 #include <cstdint>
@@ -27,12 +34,22 @@ inline typename V::F load_grad(const void* base, int64_t i) {
   }
 }
 
-template <class V, DType C>
-inline void store_copy(void* base, int64_t i, typename V::F x) {
-  if constexpr (C == DType::bf16) {
-    V::store_bf16(static_cast<uint16_t*>(base) + i, x);
+template <class V, bool kNt>
+inline void store_f32(float* p, typename V::F x) {
+  if constexpr (kNt) {
+    V::stream(p, x);
   } else {
-    V::store_f16(static_cast<uint16_t*>(base) + i, x);
+    V::store(p, x);
+  }
+}
+
+template <class V, DType C, bool kNt>
+inline void store_copy(void* base, int64_t i, typename V::F x) {
+  uint16_t* p = static_cast<uint16_t*>(base) + i;
+  if constexpr (C == DType::bf16) {
+    if constexpr (kNt) V::stream_bf16(p, x); else V::store_bf16(p, x);
+  } else {
+    if constexpr (kNt) V::stream_f16(p, x); else V::store_f16(p, x);
   }
 }
 
@@ -53,7 +70,9 @@ struct Slice {
   float* vmaxo;
 };
 
-template <class V, DType G, bool kCopy, DType C, bool kAmsgrad>
+// kNtState: the new state goes to other memory (out of place) through streaming stores; kNtCopy: the
+// weight copy does too. The W-element tail buffers are on the stack: the tail uses plain stores.
+template <class V, DType G, bool kCopy, DType C, bool kAmsgrad, bool kNtState = false, bool kNtCopy = false>
 struct AdamWBody {
   using F = typename V::F;
   F b2, omb1, omb2, eps, wd, pdecay, nstep, bc2s, gscale, zero;
@@ -79,32 +98,47 @@ struct AdamWBody {
     F vd = v;
     if constexpr (kAmsgrad) {
       vd = V::max(V::load(x.vmax + i), v);
-      V::store(x.vmaxo + i, vd);
+      store_f32<V, kNtState>(x.vmaxo + i, vd);
     }
     const F denom = V::add(V::div(V::sqrt(vd), bc2s), eps);
     p = V::fmadd(nstep, V::div(m, denom), p);
-    V::store(x.po + i, p);
-    V::store(x.mo + i, m);
-    V::store(x.vo + i, v);
-    if constexpr (kCopy) store_copy<V, C>(x.copy, i, p);
+    store_f32<V, kNtState>(x.po + i, p);
+    store_f32<V, kNtState>(x.mo + i, m);
+    store_f32<V, kNtState>(x.vo + i, v);
+    if constexpr (kCopy) store_copy<V, C, kNtCopy>(x.copy, i, p);
   }
 };
 
-template <class V, DType G, bool kCopy, DType C, bool kAmsgrad>
+// The state's destinations: the _out pointers of an out-of-place update, else the state itself.
+struct Outputs {
+  float* po;
+  float* mo;
+  float* vo;
+  float* vmaxo;
+  explicit Outputs(const AdamWTensor& t)
+      : po(t.param_out ? t.param_out : t.param),
+        mo(t.param_out ? t.exp_avg_out : t.exp_avg),
+        vo(t.param_out ? t.exp_avg_sq_out : t.exp_avg_sq),
+        vmaxo(t.param_out ? t.max_exp_avg_sq_out : t.max_exp_avg_sq) {}
+};
+
+template <class V, DType G, bool kCopy, DType C, bool kAmsgrad, bool kNtState, bool kNtCopy>
 bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end) {
   constexpr int W = V::W;
   using F = typename V::F;
-  const AdamWBody<V, G, kCopy, C, kAmsgrad> body(s);
+  const AdamWBody<V, G, kCopy, C, kAmsgrad, kNtState, kNtCopy> body(s);
   F bad = V::set1(0.0f);
 
-  float* const po = t.param_out ? t.param_out : t.param;
-  float* const mo = t.param_out ? t.exp_avg_out : t.exp_avg;
-  float* const vo = t.param_out ? t.exp_avg_sq_out : t.exp_avg_sq;
-  float* const vmaxo = t.param_out ? t.max_exp_avg_sq_out : t.max_exp_avg_sq;
+  const Outputs o(t);
+  float* const po = o.po;
+  float* const mo = o.mo;
+  float* const vo = o.vo;
+  float* const vmaxo = o.vmaxo;
   const Slice whole{t.param, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.grad, t.param_copy,
                     po, mo, vo, vmaxo};
   int64_t i = begin;
   for (; i + W <= end; i += W) body(whole, i, bad);
+  if constexpr (kNtState || kNtCopy) V::fence();  // streamed lines are visible before we return
 
   const int64_t n = end - i;
   if (n > 0) {
@@ -117,7 +151,8 @@ bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin
     std::memcpy(v, t.exp_avg_sq + i, n * 4);
     if (kAmsgrad) std::memcpy(vmax, t.max_exp_avg_sq + i, n * 4);
     std::memcpy(g, static_cast<const unsigned char*>(t.grad) + i * gsz, n * gsz);
-    body(Slice{p, m, v, vmax, g, copy, p, m, v, vmax}, 0, bad);
+    const AdamWBody<V, G, kCopy, C, kAmsgrad> plain(s);
+    plain(Slice{p, m, v, vmax, g, copy, p, m, v, vmax}, 0, bad);
     std::memcpy(po + i, p, n * 4);
     std::memcpy(mo + i, m, n * 4);
     std::memcpy(vo + i, v, n * 4);
@@ -127,17 +162,30 @@ bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin
   return V::any_nan(bad);
 }
 
-template <class V, DType G, bool kCopy, DType C>
+template <class V, DType G, bool kCopy, DType C, bool kNtState, bool kNtCopy>
 bool adamw_range_ams(const AdamWTensor& t, const AdamWScalars& s, int64_t b, int64_t e) {
-  return s.amsgrad ? adamw_range_impl<V, G, kCopy, C, true>(t, s, b, e)
-                   : adamw_range_impl<V, G, kCopy, C, false>(t, s, b, e);
+  return s.amsgrad ? adamw_range_impl<V, G, kCopy, C, true, kNtState, kNtCopy>(t, s, b, e)
+                   : adamw_range_impl<V, G, kCopy, C, false, kNtState, kNtCopy>(t, s, b, e);
+}
+
+template <class V, DType G, bool kCopy, DType C>
+bool adamw_range_nt(const AdamWTensor& t, const AdamWScalars& s, int64_t b, int64_t e) {
+  if constexpr (V::kStream) {
+    const StreamPlan plan = stream_plan(t, s, b, e, V::W);
+    const bool ns = plan.state;
+    const bool nc = kCopy && plan.copy;
+    if (ns && nc) return adamw_range_ams<V, G, kCopy, C, true, kCopy>(t, s, b, e);
+    if (ns) return adamw_range_ams<V, G, kCopy, C, true, false>(t, s, b, e);
+    if (nc) return adamw_range_ams<V, G, kCopy, C, false, kCopy>(t, s, b, e);
+  }
+  return adamw_range_ams<V, G, kCopy, C, false, false>(t, s, b, e);
 }
 
 template <class V, DType G>
 bool adamw_range_copy(const AdamWTensor& t, const AdamWScalars& s, int64_t b, int64_t e) {
-  if (t.param_copy == nullptr) return adamw_range_ams<V, G, false, DType::bf16>(t, s, b, e);
-  if (t.param_copy_dtype == DType::bf16) return adamw_range_ams<V, G, true, DType::bf16>(t, s, b, e);
-  return adamw_range_ams<V, G, true, DType::f16>(t, s, b, e);
+  if (t.param_copy == nullptr) return adamw_range_nt<V, G, false, DType::bf16>(t, s, b, e);
+  if (t.param_copy_dtype == DType::bf16) return adamw_range_nt<V, G, true, DType::bf16>(t, s, b, e);
+  return adamw_range_nt<V, G, true, DType::f16>(t, s, b, e);
 }
 
 // Entry point of a SIMD translation unit: picks the instantiation for this tensor's dtypes.

@@ -10,6 +10,7 @@ namespace {
 struct VecScalar {
   using F = float;
   static constexpr int W = 1;
+  static constexpr bool kStream = false;  // no non-temporal stores on the portable path
   static F load(const float* p) { return *p; }
   static void store(float* p, F x) { *p = x; }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }

@@ -323,6 +323,107 @@ TEST(out_of_place_equals_in_place_and_leaves_the_input_alone) {
   }
 }
 
+// Storage with a chosen alignment: `offset` floats past a 4096-byte boundary.
+struct Aligned {
+  std::vector<float> raw;
+  float* at;
+  Aligned(int64_t n, int64_t offset, float fill) : raw(n + 1024 + offset, fill) {
+    const auto a = reinterpret_cast<uintptr_t>(raw.data());
+    at = reinterpret_cast<float*>((a + 4095) / 4096 * 4096) + offset;
+  }
+  std::vector<float> get(int64_t n) const { return {at, at + n}; }
+};
+
+TEST(streaming_stores_write_what_plain_stores_write) {
+  // Outputs the update does not read (out-of-place state, a weight copy apart from the gradient)
+  // go through non-temporal stores when aligned: bit for bit what plain stores write, on every
+  // SIMD path, bf16 and fp16 copies, with amsgrad, threaded and through the engine's slices; and
+  // the plan says which outputs stream (aligned yes, one float off no, switched off no).
+  const int64_t n = 3 * kStreamMin + 77;
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal;
+  std::vector<float> p(n), m(n), v(n), vmax(n);
+  std::vector<uint16_t> g(n + 64);
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = normal(rng);
+    m[i] = normal(rng) * 1e-2f;
+    v[i] = std::abs(normal(rng)) * 1e-4f;
+    vmax[i] = v[i] * (i % 3 == 0 ? 2.0f : 1.0f);
+  }
+  int streamed_state = 0, streamed_copy = 0;
+  for (DType half : {DType::bf16, DType::f16}) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = normal(rng) * 1e-2f;
+      g[i] = half == DType::bf16 ? f32_to_bf16(x) : f32_to_f16(x);
+    }
+    for (bool amsgrad : {false, true}) {
+      for (int64_t offset : {0, 1}) {
+        for (SimdPath path : runnable_paths()) {
+          for (int threads : {1, 3}) {
+            std::vector<std::vector<float>> results[2];
+            std::vector<uint16_t> copies[2];
+            for (int streaming = 0; streaming < 2; ++streaming) {
+              AdamWConfig c;
+              c.step = 4;
+              c.amsgrad = amsgrad;
+              c.grad_scale = 0.61;
+              c.streaming_stores = streaming == 1;
+              Aligned ip(n, 0, 0), im(n, 0, 0), iv(n, 0, 0), ivm(n, 0, 0);
+              std::copy(p.begin(), p.end(), ip.at);
+              std::copy(m.begin(), m.end(), im.at);
+              std::copy(v.begin(), v.end(), iv.at);
+              std::copy(vmax.begin(), vmax.end(), ivm.at);
+              Aligned op(n, offset, NAN), om(n, offset, NAN), ov(n, offset, NAN), ovm(n, offset, NAN),
+                  copy(n, 0, NAN);
+              auto* copy16 = reinterpret_cast<uint16_t*>(copy.at) + offset;
+              AdamWTensor t{ip.at, im.at, iv.at, ivm.at, g.data(), half, copy16, half, n};
+              t.param_out = op.at;
+              t.exp_avg_out = om.at;
+              t.exp_avg_sq_out = ov.at;
+              t.max_exp_avg_sq_out = ovm.at;
+              const StreamPlan plan = adamw_stream_plan(t, c, path);
+              const bool vector = path != SimdPath::scalar;
+              CHECK(plan.state == (streaming == 1 && vector && offset == 0));
+              CHECK(plan.copy == (streaming == 1 && vector && offset == 0));
+              streamed_state += plan.state;
+              streamed_copy += plan.copy;
+              adamw_step(t, c, threads, path);
+              CHECK(ip.get(n) == p && im.get(n) == m && iv.get(n) == v && ivm.get(n) == vmax);
+              results[streaming] = {op.get(n), om.get(n), ov.get(n)};
+              if (amsgrad) results[streaming].push_back(ovm.get(n));
+              copies[streaming].assign(copy16, copy16 + n);
+            }
+            CHECK_MSG(results[0] == results[1] && copies[0] == copies[1], "%s offset %d threads %d",
+                      simd_path_name(path), int(offset), threads);
+          }
+        }
+      }
+    }
+  }
+  // Through the engine: its slices start aligned and stream; the result is the in-place one.
+  Aligned sp(n, 0, 0), sm(n, 0, 0), sv(n, 0, 0), op(n, 0, NAN), om(n, 0, NAN), ov(n, 0, NAN), copy(n, 0, 0);
+  std::copy(p.begin(), p.end(), sp.at);
+  std::copy(m.begin(), m.end(), sm.at);
+  std::copy(v.begin(), v.end(), sv.at);
+  UpdateEngine engine(2, kStreamMin, best_simd_path());
+  UpdateJob job;
+  auto* copy16 = reinterpret_cast<uint16_t*>(copy.at);
+  job.tensor = AdamWTensor{sp.at, sm.at, sv.at, nullptr, g.data(), DType::f16, copy16, DType::f16, n};
+  job.tensor.param_out = op.at;
+  job.tensor.exp_avg_out = om.at;
+  job.tensor.exp_avg_sq_out = ov.at;
+  job.config.step = 2;
+  engine.submit(0, {job});
+  engine.wait(0);
+  std::vector<float> ip = p, im = m, iv = v;
+  std::vector<uint16_t> icopy(n);
+  AdamWTensor ref{ip.data(), im.data(), iv.data(), nullptr, g.data(), DType::f16, icopy.data(), DType::f16, n};
+  adamw_step(ref, job.config, 1, best_simd_path());
+  CHECK(op.get(n) == ip && om.get(n) == im && ov.get(n) == iv &&
+        std::vector<uint16_t>(copy16, copy16 + n) == icopy);
+  CHECK(best_simd_path() == SimdPath::scalar || (streamed_state > 0 && streamed_copy > 0));
+}
+
 TEST(non_finite_gradients_are_reported) {
   for (SimdPath path : runnable_paths()) {
     for (int64_t n : {1, 17, 1000, 100001}) {

@@ -31,6 +31,10 @@ struct AdamWConfig {
   bool decoupled = true;   // true: AdamW (decoupled decay); false: Adam with L2 decay
   bool amsgrad = false;
   double grad_scale = 1.0; // multiplier applied to every gradient element
+  // Non-temporal stores for the outputs the update does not read (a weight copy that is not the
+  // gradient buffer, out-of-place state): saves their write-allocate reads. Results are identical
+  // either way; off only to measure what it buys.
+  bool streaming_stores = true;
 };
 
 struct AdamWTensor {
@@ -63,6 +67,7 @@ struct AdamWScalars {
   float bias_correction2_sqrt;
   float grad_scale;
   bool amsgrad;
+  bool streaming_stores;
 };
 
 // Throws hytrain::Error naming the first out-of-range hyperparameter.
@@ -76,6 +81,20 @@ AdamWScalars make_adamw_scalars(const AdamWConfig& cfg);
 // default. Throws hytrain::Error on invalid arguments.
 bool adamw_step(const AdamWTensor& t, const AdamWConfig& cfg, int num_threads = 0,
                 SimdPath path = SimdPath::automatic);
+
+// Which outputs an update of [begin, end) writes with streaming stores on a path of `lanes` fp32
+// lanes: the new state when out of place (each output distinct from its input), the weight copy when
+// it is not the gradient buffer; each only when enabled, the range is long enough to stream
+// (kStreamMin elements) and its outputs are aligned to the vector at `begin`.
+struct StreamPlan {
+  bool state = false;
+  bool copy = false;
+};
+constexpr int64_t kStreamMin = 1 << 14;
+StreamPlan stream_plan(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end, int lanes);
+// The same for a whole-tensor adamw_step on `path` (single-threaded; threaded pieces start on whole
+// cache lines, so they stream when the whole does).
+StreamPlan adamw_stream_plan(const AdamWTensor& t, const AdamWConfig& cfg, SimdPath path = SimdPath::automatic);
 
 // Range kernels, one per SIMD translation unit; [begin, end) of the tensor, single-threaded.
 // Return true when a non-finite gradient element was seen.
