@@ -5,12 +5,14 @@
 #   tests  the whole Python test suite, GPU tests included
 #   l3b    bench/train_bench.py on L3B, hytrain capped at DeepSpeed's GPU memory, plus auto uncapped
 #   l7b    bench/train_bench.py on L7B (torch_gpu and hytrain auto capped at 75 GB), with a trace
-# Logs and results go to $OUT (or ./device-out).
+# Logs and results go to $OUT (or ./device-out). ITERS timed iterations per mode (default 10: the median
+# then stands on steady-state iterations even when a k change or the first speculation falls in them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-device-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+iters=${ITERS:-10}
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site; fi
 for stage in "$@"; do
   case $stage in
@@ -28,13 +30,13 @@ for stage in "$@"; do
     tests)
       python3 -m pytest -q -rs tests/python 2>&1 | tee "$out/tests_e2e.log" | tail -15 ;;
     l3b)
-      python3 bench/train_bench.py --workloads l3b --cap-gb deepspeed ${L3B_MODES:+--modes $L3B_MODES} 2>&1 \
+      python3 bench/train_bench.py --workloads l3b --iters "$iters" --cap-gb deepspeed ${L3B_MODES:+--modes $L3B_MODES} 2>&1 \
         | tee "$out/train_bench_l3b.txt" ;;
     l3b_extra)  # the modes not capped by DeepSpeed's memory: auto without a cap, the naive offload
-      python3 bench/train_bench.py --workloads l3b --modes torch_gpu,hytrain_auto,naive_offload 2>&1 \
+      python3 bench/train_bench.py --workloads l3b --iters "$iters" --modes torch_gpu,hytrain_auto,naive_offload 2>&1 \
         | tee "$out/train_bench_l3b_extra.txt" ;;
     l7b)
-      python3 bench/train_bench.py --workloads l7b --trace "$out/l7b_trace.json" 2>&1 | tee "$out/train_bench_l7b.txt" ;;
+      python3 bench/train_bench.py --workloads l7b --iters "$iters" --trace "$out/l7b_trace.json" 2>&1 | tee "$out/train_bench_l7b.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
