@@ -308,7 +308,7 @@ def main():
     ap.add_argument("--l7b-cap-gb", type=float, default=75.0, help="hytrain's GPU memory on L7B (an H100's worth)")
     ap.add_argument("--l7b-modes", default="torch_gpu,hytrain_auto",
                     help="modes run on L7B (DeepSpeed and the naive offload do not fit its host memory/time)")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed iterations (the scheduler settles k)")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed iterations, at least (hytrain: more until k and the speculation start hold)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--timeout", type=int, default=400, help="seconds per mode")
     ap.add_argument("--own-model", action="store_true", help="hytrain's Llama model even when transformers exists")
