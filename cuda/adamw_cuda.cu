@@ -188,13 +188,18 @@ AdamWGroup::AdamWGroup(const std::vector<AdamWTensorRef>& tensors, DType grad_dt
   DeviceGuard guard(device_);
   grid_ = persistent_grid(device_, kThreads, num_chunks_);
   if (num_chunks_ == 0) return;
-  descs_ = upload(tensors);
-  chunks_ = upload(chunks);
+  try {
+    descs_ = upload(tensors);
+    chunks_ = upload(chunks);
+  } catch (...) {  // a constructor that throws gets no destructor: free what was made
+    free_device(descs_);
+    throw;
+  }
 }
 
 AdamWGroup::~AdamWGroup() {
-  if (descs_) HYTRAIN_CUDA_CHECK_NOTHROW(cudaFree(descs_));
-  if (chunks_) HYTRAIN_CUDA_CHECK_NOTHROW(cudaFree(chunks_));
+  free_device(descs_);
+  free_device(chunks_);
 }
 
 void AdamWGroup::step(const AdamWConfig& cfg, const float* grad_scale, const float* found_inf,

@@ -73,5 +73,13 @@ void* upload(const std::vector<T>& table) {
   return p;
 }
 
+// Frees a device allocation made by upload or cudaMalloc, if any, and forgets it (never throws: for
+// destructors and for constructors cleaning up before they rethrow).
+template <class T>
+void free_device(T*& p) noexcept {
+  if (p != nullptr) HYTRAIN_CUDA_CHECK_NOTHROW(cudaFree(p));
+  p = nullptr;
+}
+
 }  // namespace cuda
 }  // namespace hytrain

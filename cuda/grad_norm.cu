@@ -147,15 +147,21 @@ GradNormGroup::GradNormGroup(const std::vector<GradRef>& tensors, int device) : 
   DeviceGuard guard(device_);
   grid_ = persistent_grid(device_, kThreads, num_chunks_);
   if (num_chunks_ == 0) return;
-  descs_ = upload(descs);
-  chunks_ = upload(chunks);
-  HYTRAIN_CUDA_CHECK(cudaMalloc(&partials_, sizeof(float) * chunks.size()));
+  try {
+    descs_ = upload(descs);
+    chunks_ = upload(chunks);
+    HYTRAIN_CUDA_CHECK(cudaMalloc(&partials_, sizeof(float) * chunks.size()));
+  } catch (...) {  // a constructor that throws gets no destructor: free what was made
+    free_device(descs_);
+    free_device(chunks_);
+    throw;
+  }
 }
 
 GradNormGroup::~GradNormGroup() {
-  if (descs_) HYTRAIN_CUDA_CHECK_NOTHROW(cudaFree(descs_));
-  if (chunks_) HYTRAIN_CUDA_CHECK_NOTHROW(cudaFree(chunks_));
-  if (partials_) HYTRAIN_CUDA_CHECK_NOTHROW(cudaFree(partials_));
+  free_device(descs_);
+  free_device(chunks_);
+  free_device(partials_);
 }
 
 void GradNormGroup::accumulate(float* sumsq, float* found_inf, std::uintptr_t stream) {
