@@ -35,10 +35,8 @@ RangeFn range_kernel(SimdPath path) {
 constexpr int64_t kSerialBelow = 1 << 15;  // elements; below this one thread is faster
 constexpr int64_t kPieceAlign = 64;        // elements: 256 B of fp32, whole cache lines
 
-}  // namespace
-
-namespace {
 bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
 }  // namespace
 
 StreamPlan stream_plan(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end, int lanes) {

@@ -31,11 +31,10 @@ struct VecAvx2 {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   }
   static __m128i pack_f16(F x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static void store_bf16(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x)); }
-  static void store_f16(uint16_t* p, F x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_f16(x)); }
-  // p 16-byte aligned
-  static void stream_bf16(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_bf16(x)); }
-  static void stream_f16(uint16_t* p, F x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_f16(x)); }
+  static void store_half(uint16_t* p, __m128i h) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h); }
+  static void stream_half(uint16_t* p, __m128i h) {  // p 16-byte aligned
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), h);
+  }
   static void fence() { _mm_sfence(); }
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }

@@ -31,11 +31,10 @@ struct VecAvx512 {
     return _mm512_cvtepi32_epi16(r);
   }
   static __m256i pack_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-  static void store_bf16(uint16_t* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack_bf16(x)); }
-  static void store_f16(uint16_t* p, F x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack_f16(x)); }
-  // p 32-byte aligned
-  static void stream_bf16(uint16_t* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack_bf16(x)); }
-  static void stream_f16(uint16_t* p, F x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack_f16(x)); }
+  static void store_half(uint16_t* p, __m256i h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
+  static void stream_half(uint16_t* p, __m256i h) {  // p 32-byte aligned
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
+  }
   static void fence() { _mm_sfence(); }
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }

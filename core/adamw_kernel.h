@@ -3,9 +3,9 @@
 // traits and compiler flags. Keeping one body means the three paths cannot drift apart.
 //
 // Traits V provide: F (vector type), W (lanes), load/store (fp32), load_bf16/load_f16 (widen),
-// store_bf16/store_f16 (round to nearest even), set1, add, sub, mul, div, sqrt, max, fmadd(a,b,c) =
-// a*b+c, any_nan; and kStream: whether stream/stream_bf16/stream_f16 (non-temporal stores to aligned
-// addresses) and fence exist. The tail (fewer than W elements) goes through W-element stack buffers,
+// pack_bf16/pack_f16 (round to nearest even into W 16-bit values) and store_half, set1, add, sub, mul,
+// div, sqrt, max, fmadd(a,b,c) = a*b+c, any_nan; and kStream: whether stream and stream_half
+// (non-temporal stores to aligned addresses) and fence exist. The tail (fewer than W elements) goes through W-element stack buffers,
 // so every path handles any size with the same full-width code and no allocation.
 //
 // Non-temporal stores: an output the loop does not read (the weight copy when it is not the gradient
@@ -46,10 +46,11 @@ inline void store_f32(float* p, typename V::F x) {
 template <class V, DType C, bool kNt>
 inline void store_copy(void* base, int64_t i, typename V::F x) {
   uint16_t* p = static_cast<uint16_t*>(base) + i;
-  if constexpr (C == DType::bf16) {
-    if constexpr (kNt) V::stream_bf16(p, x); else V::store_bf16(p, x);
+  const auto h = C == DType::bf16 ? V::pack_bf16(x) : V::pack_f16(x);
+  if constexpr (kNt) {
+    V::stream_half(p, h);
   } else {
-    if constexpr (kNt) V::stream_f16(p, x); else V::store_f16(p, x);
+    V::store_half(p, h);
   }
 }
 
@@ -130,12 +131,8 @@ bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin
   F bad = V::set1(0.0f);
 
   const Outputs o(t);
-  float* const po = o.po;
-  float* const mo = o.mo;
-  float* const vo = o.vo;
-  float* const vmaxo = o.vmaxo;
   const Slice whole{t.param, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.grad, t.param_copy,
-                    po, mo, vo, vmaxo};
+                    o.po, o.mo, o.vo, o.vmaxo};
   int64_t i = begin;
   for (; i + W <= end; i += W) body(whole, i, bad);
   if constexpr (kNtState || kNtCopy) V::fence();  // streamed lines are visible before we return
@@ -153,10 +150,10 @@ bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin
     std::memcpy(g, static_cast<const unsigned char*>(t.grad) + i * gsz, n * gsz);
     const AdamWBody<V, G, kCopy, C, kAmsgrad> plain(s);
     plain(Slice{p, m, v, vmax, g, copy, p, m, v, vmax}, 0, bad);
-    std::memcpy(po + i, p, n * 4);
-    std::memcpy(mo + i, m, n * 4);
-    std::memcpy(vo + i, v, n * 4);
-    if (kAmsgrad) std::memcpy(vmaxo + i, vmax, n * 4);
+    std::memcpy(o.po + i, p, n * 4);
+    std::memcpy(o.mo + i, m, n * 4);
+    std::memcpy(o.vo + i, v, n * 4);
+    if (kAmsgrad) std::memcpy(o.vmaxo + i, vmax, n * 4);
     if (kCopy) std::memcpy(static_cast<uint16_t*>(t.param_copy) + i, copy, n * 2);
   }
   return V::any_nan(bad);

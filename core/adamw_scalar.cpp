@@ -15,8 +15,9 @@ struct VecScalar {
   static void store(float* p, F x) { *p = x; }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
   static F load_f16(const uint16_t* p) { return f16_to_f32(*p); }
-  static void store_bf16(uint16_t* p, F x) { *p = f32_to_bf16(x); }
-  static void store_f16(uint16_t* p, F x) { *p = f32_to_f16(x); }
+  static uint16_t pack_bf16(F x) { return f32_to_bf16(x); }
+  static uint16_t pack_f16(F x) { return f32_to_f16(x); }
+  static void store_half(uint16_t* p, uint16_t h) { *p = h; }
   static F set1(float x) { return x; }
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }
