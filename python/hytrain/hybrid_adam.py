@@ -38,8 +38,10 @@ off (that is the point: gradient memory returns during backward). Use ``max_grad
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -63,6 +65,31 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _check_param_list(params) -> None:
+    """What no later move or cast can change: tensors, leaves, each once, floating point."""
+    if not params:
+        raise ValueError("HybridAdamW got an empty parameter list")
+    seen = set()
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
+        if id(p) in seen:
+            raise ValueError(f"parameter {i} appears more than once")
+        seen.add(id(p))
+        if not p.is_leaf:
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not a leaf tensor; "
+                             "optimize the leaf (e.g. the nn.Parameter), not a result of an operation")
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {i} has dtype {p.dtype}; HybridAdamW supports float32, bfloat16 "
+                            "and float16")
+
+
+def _grad_hook(ref, p):
+    opt = ref()
+    if opt is not None:
+        opt._on_grad(p)
 
 
 def repeated_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -144,20 +171,29 @@ class HybridAdamW(torch.optim.Optimizer):
                  amsgrad=False, max_grad_norm=None, model=None, blocks=None, gpu_blocks="auto",
                  accumulation_steps=1, workers=None, pool=None, overlap=True,
                  bucket_elements=4 << 20, slice_elements=1 << 18, trace=False,
-                 gpu_memory_limit=None, schedule_every=1, speculate="auto", host_memory_limit=None):
+                 gpu_memory_limit=None, schedule_every=1, speculate="auto", host_memory_limit=None,
+                 release_grads=None):
         _checks.adamw_hparams(step=1, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_scale=1.0)
         if max_grad_norm is not None:
             max_grad_norm = _checks.real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
         self.max_grad_norm = max_grad_norm
+        if release_grads is None:
+            release_grads = max_grad_norm is not None
+        if not isinstance(release_grads, bool):
+            raise TypeError(f"release_grads must be True, False or None, got {release_grads!r}")
+        if max_grad_norm is not None and not release_grads:
+            raise ValueError("release_grads=False is for clipping outside the optimizer; with max_grad_norm "
+                             "the optimizer clips itself and releases the gradients during backward")
+        self.release_grads = release_grads
         self.accumulation_steps = _checks.integer("accumulation_steps", accumulation_steps, lo=1)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad))
         super().__init__(params, defaults)
-        all_params = [p for g in self.param_groups for p in g["params"]]
-        self.device = self._check_params(all_params)
-        self._cuda = self.device.type == "cuda"
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        _check_param_list(self._params)
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         self._group_index = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        self._blocks = self._make_blocks(all_params, model, blocks, bucket_elements)
+        self._blocks = self._make_blocks(self._params, model, blocks, bucket_elements)
         self._block_of = {}
         for i, b in enumerate(self._blocks):
             for p in b:
@@ -168,10 +204,13 @@ class HybridAdamW(torch.optim.Optimizer):
         if self.auto and gpu_blocks != "auto":
             raise ValueError(f"gpu_blocks must be an integer >= 0 or 'auto', got {gpu_blocks!r}")
         k = 0 if (gpu_blocks is None or self.auto) else _checks.integer("gpu_blocks", gpu_blocks, lo=0)
-        self._check_k(k)
+        if k > len(self._blocks):
+            raise ValueError(f"gpu_blocks={k} but there are only {len(self._blocks)} blocks")
+        self.gpu_blocks = k
         self.schedule_every = _checks.integer("schedule_every", schedule_every, lo=1)
         if gpu_memory_limit is not None:
             gpu_memory_limit = _checks.integer("gpu_memory_limit", gpu_memory_limit, lo=1)
+        self._gpu_memory_request = gpu_memory_limit
         if speculate is True or speculate is None:
             speculate = 0
         if speculate not in ("auto", False):
@@ -180,73 +219,132 @@ class HybridAdamW(torch.optim.Optimizer):
         if host_memory_limit is None:
             host_memory_limit = int(physical_memory_bytes() * 0.75)
         self.host_memory_limit = _checks.integer("host_memory_limit", host_memory_limit, lo=1)
-
-        self._pool = pool if pool is not None else PinnedPool(self._pool_bytes(all_params), slab_bytes="256MiB")
-        if not isinstance(self._pool, PinnedPool):
+        if pool is not None and not isinstance(pool, PinnedPool):
             raise TypeError(f"pool must be a hytrain.PinnedPool, got {type(pool).__name__}")
+        # Default: every usable core but one, which the training thread needs to keep the GPU fed.
+        n_workers = workers if workers is not None else max(1, len(os.sched_getaffinity(0)) - 1)
+        self._settings = dict(pool=pool, workers=_checks.integer("workers", n_workers, lo=1),
+                              slice_elements=_checks.integer("slice_elements", slice_elements, lo=1024),
+                              trace=bool(trace), model=model if blocks is None else None)
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        self.overlap = bool(overlap)
+        n = len(self._blocks)
+        self._arrivals = [0] * n
+        self._expected = [len(b) for b in self._blocks]
+        self._submitted = [False] * n
+        self._steps_taken = 0
+        self._bound = None  # id(p) -> (device, dtype, shape) the state was created for (first step)
+        self._pending_load = None  # a state_dict loaded before the state exists
+        self._spec_from = None  # blocks >= this (offloaded, with shadows) speculate in the next backward
+        self._clip_request = None  # max_norm of a clip_grad_norm_ call for the coming step
+        self._sq_parts = []  # squared gradient norms of the blocks handed off early (device scalars)
+        self._grad_norm = None  # this step's global gradient norm, once computed
+        self._handed = {}  # id(p) -> (gradient, its version) handed off while the caller keeps .grad
+        self.speculation_counts = {"adopted": 0, "redone": 0}  # speculated block updates, so far
+        self.last_grad_norm = None  # the last step's global gradient norm (before clipping), when clipping
+        self.timeline = None
+        self._meter = None
+        self._scheduler = None
+        self._last_summary = {}
+        self._prediction = None  # the scheduler's simulated iteration for the k in use
+        self._model_hooks = []
+        # The optimizer is reached through a weak reference: hooks left on the parameters do not
+        # keep a discarded optimizer alive, and do nothing once it is gone.
+        ref = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref))
+                       for p in self._params]
+
+    # ---- binding: the state is created at the first step ------------------------------------------
+
+    @property
+    def bound(self) -> bool:
+        """Whether the state exists (it is created at the first ``step()``, as torch's optimizers do,
+        for the device and dtype the parameters have then)."""
+        return self._bound is not None
+
+    def _bind(self):
+        """Creates host state, pools, staging, the native engine and the device side for the device
+        and dtype the parameters have now. On failure nothing is left half made."""
+        try:
+            self._create_state()
+        except BaseException:
+            for h in self._model_hooks:
+                h.remove()
+            self._model_hooks = []
+            self.state.clear()
+            self._engine = self._pipeline = self._scheduler = self._meter = self.timeline = None
+            raise
+        self._bound = {id(p): (p.device, p.dtype, p.shape) for p in self._params}
+        if self._pending_load is not None:
+            pending, self._pending_load = self._pending_load, None
+            self.load_state_dict(pending)
+
+    def _create_state(self):
+        self.device = self._check_params(self._params)
+        self._cuda = self.device.type == "cuda"
+        if self.gpu_blocks and not self._cuda:
+            raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
+        pool = self._settings["pool"]
+        self._pool = pool if pool is not None else PinnedPool(self._pool_bytes(self._params), slab_bytes="256MiB")
         if self._cuda and not self._pool.page_locked:
             raise ValueError("CUDA parameters need a page-locked pool (PinnedPool(pinned=True or 'auto') "
                              "on a machine where pinning works)")
         self._staging = {}  # id(p) -> (gradient staging, weight staging or None); CUDA parameters
-        for p in all_params:
+        for p in self._params:
             self._init_state(p)
-        # Default: every usable core but one, which the training thread needs to keep the GPU fed.
-        n_workers = workers if workers is not None else max(1, len(os.sched_getaffinity(0)) - 1)
-        n_workers = _checks.integer("workers", n_workers, lo=1)
-        self._engine = native().UpdateEngine(n_workers, _checks.integer("slice_elements", slice_elements, lo=1024),
+        self._engine = native().UpdateEngine(self._settings["workers"], self._settings["slice_elements"],
                                              simd_paths()["selected"])
         self._pipeline = None
         if self._cuda:
             # The weight copies gate the next forward: give them the higher priority.
             self._pipeline = native().OffloadPipeline(self._engine, self.device.index, 0, -1)
-        self.overlap = bool(overlap)
-        self._loss_scaling = any(p.dtype == torch.float16 for p in all_params)
-        self._steps_taken = 0
+        self._loss_scaling = any(p.dtype == torch.float16 for p in self._params)
         n = len(self._blocks)
-        self._arrivals = [0] * n
-        self._expected = [len(b) for b in self._blocks]
-        self._submitted = [False] * n
-        self._inflight = {}  # block -> what the workers read (CPU path) / True (pipeline)
+        self._inflight = {}  # block -> what the workers read (CPU path) / the weights written (pipeline)
         self._landing = collections.deque()  # (D2H ticket, gradients it reads) until the copy lands
         self._held = {}  # block -> parameters handed off early, awaiting step()'s multiplier
-        self._sq_parts = []  # squared gradient norms of the blocks handed off early (device scalars)
         self._shadow = {}  # id(p) -> spare host master/exp_avg/exp_avg_sq[/max_exp_avg_sq]/copy
         self._lent = {}  # block -> the GPU-resident block whose idle host state and staging are its shadows
         self._signatures = [tuple((tuple(p.shape), p.dtype, "max_exp_avg_sq" in self.state[p]) for p in blk)
                             for blk in self._blocks]  # blocks that can lend each other host state
         self._speculated = {}  # block -> parameters updated speculatively in this backward
-        self._spec_from = None  # blocks >= this (offloaded, with shadows) speculate in the next backward
         self._last_clipped = True  # whether the last step's multiplier differed from 1 (or none yet)
-        self.speculation_counts = {"adopted": 0, "redone": 0}  # speculated block updates, so far
         self._on_gpu = [False] * n
         self._dev_state = {}  # id(p) -> device master/exp_avg/exp_avg_sq/max_exp_avg_sq/grad
-        self._gpu_groups = {}  # tuple of parameter ids -> CudaAdamW
-        self.gpu_blocks = 0
-        self.timeline = Timeline(self.device if self._cuda else None) if trace else None
+        self._gpu_groups = {}  # ((id, address) of each parameter) -> CudaAdamW
+        self.timeline = Timeline(self.device if self._cuda else None) if self._settings["trace"] else None
         if self.timeline is not None:
             self.timeline.pipeline = self._pipeline
         self._pass_owner = {}
         self._mig_stream = None
         self._mig_events = {}  # block -> CUDA event: its states' asynchronous move has completed
         self._pending_up = set()  # blocks to move to the GPU once their in-flight CPU update is done
-        self._meter = None
-        self._scheduler = None
         self._meter_owner = {}
-        self._last_summary = {}
-        self._prediction = None  # the scheduler's simulated iteration for the k in use
-        self.last_grad_norm = None  # the last step's global gradient norm (before clipping), when clipping
         if self._cuda:
             self._mig_stream = torch.cuda.Stream(self.device, priority=0)
-        self.set_gpu_blocks(k)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in all_params]
-        self._model_hooks = []
-        if model is not None and blocks is None:
+            self._migrate(self.gpu_blocks)
+            self._settle_migrations()
+        model = self._settings["model"]
+        if model is not None:
             self._install_forward_hooks(model)
         if self._cuda and self._model_hooks:
             self._meter = Meter(self.device, self._pipeline, len(self._blocks))
         if self._cuda and self._model_hooks and self.accumulation_steps == 1:
             # Fixed k too: its predictions are what a run is checked against.
-            self._start_scheduler(gpu_memory_limit)
+            self._start_scheduler(self._gpu_memory_request)
+
+    def _check_bound(self, p):
+        """Refuses a parameter that changed device, dtype or shape after its state was created."""
+        device, dtype, shape = self._bound[id(p)]
+        if p.device != device or p.dtype != dtype or p.shape != shape:
+            raise RuntimeError(
+                f"parameter {self._index_of[id(p)]} is now {str(p.dtype).replace('torch.', '')} of shape "
+                f"{tuple(p.shape)} on {p.device}, but HybridAdamW created its state at the first step for "
+                f"{str(dtype).replace('torch.', '')} of shape {tuple(shape)} on {device}. Moving or casting "
+                "parameters after the first step is not supported: move the model before the first step, "
+                "or save optimizer.state_dict(), move the model back, and load that state into a new "
+                "HybridAdamW built after the move")
 
     # ---- setup ------------------------------------------------------------------------------------
 
@@ -255,16 +353,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if not params:
             raise ValueError("HybridAdamW got an empty parameter list")
         devices = set()
-        seen = set()
         for i, p in enumerate(params):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
-            if id(p) in seen:
-                raise ValueError(f"parameter {i} appears more than once")
-            seen.add(id(p))
-            if not p.is_leaf:
-                raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not a leaf tensor; "
-                                 "optimize the leaf (e.g. the nn.Parameter), not a result of an operation")
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"parameter {i} has dtype {p.dtype}; HybridAdamW supports float32, "
                                 "bfloat16 and float16")
@@ -387,22 +476,23 @@ class HybridAdamW(torch.optim.Optimizer):
 
     # ---- k: which blocks the GPU updates ----------------------------------------------------------
 
-    def _check_k(self, k):
-        if k > len(self._blocks):
-            raise ValueError(f"gpu_blocks={k} but there are only {len(self._blocks)} blocks")
-        if k and not self._cuda:
-            raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
-
     def set_gpu_blocks(self, k: int, *, wait: bool = True) -> None:
         """Makes the first ``k`` blocks (forward order) GPU-updated, moving their fp32 master weights
         and Adam states to the device, and the others CPU-updated (states back in pinned memory).
         Call between steps. ``wait=True`` returns with the move complete; ``wait=False`` only starts
         it, as the scheduler does (see ``_migrate``). The results do not depend on k (both AdamW
-        kernels agree bit for bit). With ``gpu_blocks="auto"`` the scheduler may change k again."""
+        kernels agree bit for bit). With ``gpu_blocks="auto"`` the scheduler may change k again.
+        Before the first step this only records k (the state does not exist yet)."""
         k = _checks.integer("gpu_blocks", k, lo=0)
-        self._check_k(k)
+        if k > len(self._blocks):
+            raise ValueError(f"gpu_blocks={k} but there are only {len(self._blocks)} blocks")
         if any(self._submitted) or any(self._arrivals):
             raise RuntimeError("set_gpu_blocks must be called between steps, not between backward and step()")
+        if not self.bound:
+            self.gpu_blocks = k
+            return
+        if k and not self._cuda:
+            raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
         if wait:
             self.synchronize()
         if self._cuda:
@@ -469,8 +559,7 @@ class HybridAdamW(torch.optim.Optimizer):
                         if d[key] is not p:
                             d[key].record_stream(self._mig_stream)  # freed only after the copy
                 d["grad"].record_stream(self._mig_stream)
-        ids = {id(p) for p in self._blocks[b]}
-        self._gpu_groups = {key: g for key, g in self._gpu_groups.items() if not ids.intersection(key)}
+        self._drop_gpu_groups({id(p) for p in self._blocks[b]})
         done = torch.cuda.Event()
         done.record(self._mig_stream)
         self._mig_events[b] = done
@@ -613,14 +702,17 @@ class HybridAdamW(torch.optim.Optimizer):
     # ---- the pipeline -----------------------------------------------------------------------------
 
     def _deferred(self) -> bool:
+        """Whether updates wait for step(): the multiplier (clipping, loss scaling) or the gradients
+        themselves (kept for the caller, who may clip or rescale them) are known only then."""
         return (not self.overlap or self._steps_taken == 0 or self.max_grad_norm is not None
-                or self._loss_scaling)
+                or self._loss_scaling or not self.release_grads)
 
     def _early_handoff(self) -> bool:
-        """Clipping without loss scaling (CUDA): each block's gradients leave the GPU during
-        backward, with the block's share of the squared norm; the updates wait for step()."""
-        return (self._cuda and self.overlap and self._steps_taken > 0 and self.max_grad_norm is not None
-                and not self._loss_scaling)
+        """Deferred without loss scaling (CUDA): each block's gradients leave the GPU during backward
+        (with the block's share of the squared norm when the optimizer clips); the updates wait for
+        step(), or run speculatively and are checked there."""
+        return (self._cuda and self.overlap and self._steps_taken > 0 and not self._loss_scaling
+                and (self.max_grad_norm is not None or not self.release_grads))
 
     def _sq_norm(self, grads):
         """The squared 2-norm of some gradients as a 0-d float64 device tensor (no fp32 copies)."""
@@ -628,33 +720,45 @@ class HybridAdamW(torch.optim.Optimizer):
         return torch.stack(norms).double().square().sum()
 
     def _hand_off(self, b):
-        """Early hand-off of block b (see _early_handoff): offloaded blocks are staged on hold,
-        GPU-resident blocks copy their gradients into their update buffers; ``.grad`` is released."""
+        """Early hand-off of block b (see _early_handoff): offloaded blocks are staged on hold (or
+        speculate), GPU-resident blocks copy their gradients into their update buffers. ``.grad`` is
+        released (``release_grads``), or kept for the caller with its version noted, so that step()
+        can tell whether the caller changed it (clip_grad_norm_, unscaling) and redo the block."""
         pairs = self._grads(b)
-        if pairs:
-            self._sq_parts.append(self._sq_norm([g for _, g in pairs]))
+        if self.release_grads:
+            if pairs:
+                self._sq_parts.append(self._sq_norm([g for _, g in pairs]))
+        else:
+            for p in self._blocks[b]:
+                if p.grad is not None:
+                    self._handed[id(p)] = (p.grad, p.grad._version)
         if self._on_gpu[b]:
             for p, g in pairs:
                 self._dev_state[id(p)]["grad"].copy_(g)
             self._held[b] = [p for p, _ in pairs]
-            for p, _ in pairs:
-                p.grad = None
+            if self.release_grads:
+                for p, _ in pairs:
+                    p.grad = None
             self._submitted[b] = True
         else:
             spec = (self._spec_from is not None and b >= self._spec_from and not self._last_clipped
                     and self._has_shadows(b))
-            self._launch(b, 1.0, release=True, hold=not spec, speculative=spec)
+            self._launch(b, 1.0, release=self.release_grads, hold=not spec, speculative=spec)
             if pairs:
                 (self._speculated if spec else self._held)[b] = [p for p, _ in pairs]
 
     def _on_grad(self, p):
         b = self._block_of[id(p)]
+        if self._submitted[b] and not self.release_grads:
+            return  # another backward into kept gradients: step() sees them changed and redoes the block
         if self._submitted[b]:
             raise RuntimeError(
                 f"gradients arrived for block {b} after it was already updated in this step: call "
                 f"optimizer.step() after every {self.accumulation_steps} backward pass(es) "
                 "(accumulation_steps)")
         self._arrivals[b] += 1
+        if self._bound is None:
+            return  # the first step is deferred: its state is created, and its updates run, in step()
         if self._arrivals[b] >= self._expected[b] * self.accumulation_steps:
             if self.timeline is not None:
                 self.timeline.mark("backward", b)
@@ -675,6 +779,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 continue
             if g.is_sparse or g.layout != torch.strided:
                 raise RuntimeError(f"HybridAdamW does not support sparse gradients (shape {tuple(p.shape)})")
+            self._check_bound(p)
             if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
                 raise RuntimeError(f"gradient of a parameter of shape {tuple(p.shape)} has dtype {g.dtype}, "
                                    f"shape {tuple(g.shape)}, device {g.device}: it must match the parameter "
@@ -741,7 +846,9 @@ class HybridAdamW(torch.optim.Optimizer):
             for p, _ in pairs:
                 self.state[p]["step"] += 1
             self._landing.append((self._pipeline.d2h_issued, [g for _, g in pairs]))
-            self._inflight[b] = True
+            # The H2D copies write these weights: their storage stays alive until the pass is waited
+            # for, even if the caller replaces the parameters' data meanwhile.
+            self._inflight[b] = [p.detach() for p, _ in pairs]
         self._submitted[b] = True
         if release and self._cuda:
             for p, _ in pairs:
@@ -765,10 +872,13 @@ class HybridAdamW(torch.optim.Optimizer):
             start = torch.cuda.Event(enable_timing=True)
             start.record(torch.cuda.current_stream(self.device))
         for (gi, dtype, step), ps in groups.items():
-            key = tuple(id(p) for p in ps)
+            # The fused kernel's tables hold the weights' addresses: a parameter whose storage was
+            # replaced gets a new group.
+            key = tuple((id(p), p.data_ptr()) for p in ps)
             fused = self._gpu_groups.get(key)
             if fused is None:
                 first = True  # building the group's tables is not the update's cost: not measured
+                self._drop_gpu_groups({id(p) for p in ps})
                 ds = [self._dev_state[id(p)] for p in ps]
                 half = dtype != torch.float32
                 amsgrad = bool(self.param_groups[gi]["amsgrad"])
@@ -787,6 +897,10 @@ class HybridAdamW(torch.optim.Optimizer):
                 self.timeline.gpu_update(b, start, end)
             if self._meter is not None and not first:
                 self._meter.gpu_update(b, start, end)
+
+    def _drop_gpu_groups(self, ids):
+        self._gpu_groups = {key: g for key, g in self._gpu_groups.items()
+                            if not any(i in ids for i, _ in key)}
 
     def _drop_held(self):
         """A step that cannot be taken: held updates are cancelled, speculative ones dropped (their
@@ -914,11 +1028,14 @@ class HybridAdamW(torch.optim.Optimizer):
         if allocated and self._meter is not None:
             self._meter.pending = None  # the allocation stalled this iteration: not a measurement
 
-    def _adopt(self):
+    def _adopt(self, keep=()):
         """The multiplier is 1: the speculative states are the step's result; the old ones become
-        the shadows (the passes still writing them are waited for before anything reads them)."""
-        self.speculation_counts["adopted"] += len(self._speculated)
-        for b, ps in self._speculated.items():
+        the shadows (the passes still writing them are waited for before anything reads them).
+        Blocks in ``keep`` (their gradients changed after the hand-off) stay speculated for _restage."""
+        adopted = [b for b in self._speculated if b not in keep]
+        self.speculation_counts["adopted"] += len(adopted)
+        for b in adopted:
+            ps = self._speculated.pop(b)
             donor = self._lent.get(b)
             twin = {} if donor is None else {id(p): q for p, q in zip(self._blocks[b], self._blocks[donor])}
             for p in ps:
@@ -928,7 +1045,6 @@ class HybridAdamW(torch.optim.Optimizer):
                         st[key], sh[key] = sh[key], st[key]
                         if donor is not None:  # the donor's state entries follow the spare set
                             self.state[twin[id(p)]][key] = sh[key]
-        self._speculated.clear()
 
     def _redo(self, b, mult):
         """Clipping fired: block b is updated again from its untouched state with the multiplier;
@@ -943,9 +1059,52 @@ class HybridAdamW(torch.optim.Optimizer):
         if self._meter is not None:
             self._meter_owner[b] = self._meter.current
         self._pipeline.stage(b, [], rows, h2d, torch.cuda.current_stream(self.device).cuda_stream, False)
-        self._inflight[b] = True
+        self._inflight[b] = [p.detach() for p in self._speculated[b]]
         del self._speculated[b]  # (until here a failure leaves it to _drop_held)
         self.speculation_counts["redone"] += 1
+
+    def _changed_blocks(self) -> set:
+        """Blocks handed off during backward that cannot be released as they are: the caller changed
+        their gradients since (``clip_grad_norm_``, unscaling, replacing or dropping ``.grad``; seen by
+        the gradients' identity and version counters), or replaced their parameters' storage (which the
+        staged weight copies would write). Parameters moved to another device or dtype are refused."""
+        out = set()
+        for b, ps in (*self._held.items(), *self._speculated.items()):
+            for p in self._blocks[b]:
+                self._check_bound(p)
+            staged = self._inflight.get(b) if not self._on_gpu[b] else None
+            if staged and any(w.data_ptr() != p.data_ptr() for w, p in zip(staged, ps)):
+                if self.release_grads:
+                    raise RuntimeError(f"the parameters of block {b} were given new storage between backward "
+                                       "and step(): their update was staged for the old storage, and their "
+                                       "gradients are released (release_grads=True)")
+                out.add(b)
+                continue
+            if self.release_grads:
+                continue
+            for p in self._blocks[b]:
+                seen, g = self._handed.get(id(p)), p.grad
+                if (seen is None) != (g is None) or (g is not None and (g is not seen[0] or g._version != seen[1])):
+                    out.add(b)
+                    break
+        return out
+
+    def _restage(self, b, mult):
+        """Block b's gradients changed after its hand-off: its held pass is cancelled, or its
+        speculative one dropped (it wrote only the shadows), and the block is updated from the
+        gradients there now (the new copies wait for the old pass on the device)."""
+        if self._on_gpu[b]:
+            self._held.pop(b)
+            self._gpu_update(b, self._grads(b), mult)
+            return
+        if b in self._held:
+            self._pipeline.cancel(b)
+            ps = self._held.pop(b)
+        else:
+            ps = self._speculated.pop(b)
+        for p in ps:
+            self.state[p]["step"] -= 1
+        self._launch(b, mult, release=False)
 
     def _release_landed(self):
         if not self._landing:
@@ -981,14 +1140,18 @@ class HybridAdamW(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Waits for every queued update and state move (the parameters are then current for the
         current stream)."""
+        if not self.bound:
+            return
         self._wait_blocks(list(self._inflight))
         if self._cuda:
             self._settle_migrations()
 
     def export_trace(self, path) -> str:
         """Writes the recorded iterations (``trace=True``) as Chrome-trace JSON; returns the path."""
-        if self.timeline is None:
+        if not self._settings["trace"]:
             raise RuntimeError("tracing is off: create HybridAdamW(..., trace=True)")
+        if self.timeline is None:
+            raise RuntimeError("nothing traced yet: the timeline starts at the first step")
         self.synchronize()
         return self.timeline.export(path)
 
@@ -1002,22 +1165,51 @@ class HybridAdamW(torch.optim.Optimizer):
             except (TypeError, ValueError) as e:
                 raise type(e)(f"param_groups[{i}]: {e}") from None
 
+    def _global_norm(self) -> float | None:
+        """This step's global gradient 2-norm before any multiplier (None without gradients), computed
+        once: the parts of blocks whose gradients were released, and the gradients still there."""
+        if self._grad_norm is None:
+            grads = [p.grad for b in range(len(self._blocks)) if not (self.release_grads and self._submitted[b])
+                     for p in self._blocks[b] if p.grad is not None]
+            parts = list(self._sq_parts)
+            if grads:
+                parts.append(self._sq_norm(grads))
+            if parts:
+                self._grad_norm = math.sqrt(float(torch.stack(parts).sum()))
+        return self._grad_norm
+
     def _multiplier(self, grad_scale):
         inv = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
-        if self.max_grad_norm is None:
+        max_norm = self._clip_request if self._clip_request is not None else self.max_grad_norm
+        if max_norm is None or self._global_norm() is None:
             return inv
-        grads = [p.grad for b in range(len(self._blocks)) if not self._submitted[b]
-                 for p in self._blocks[b] if p.grad is not None]
-        parts = list(self._sq_parts)
-        if grads:
-            parts.append(self._sq_norm(grads))
-        if not parts:
-            return inv
-        total = math.sqrt(float(torch.stack(parts).sum())) * inv
+        total = self._global_norm() * inv
         self.last_grad_norm = total
         if not math.isfinite(total):
             return total  # refused by step(): clipping by a non-finite norm would poison every weight
-        return inv * min(1.0, self.max_grad_norm / (total + 1e-6))
+        return inv * min(1.0, max_norm / (total + 1e-6))
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        """Clips this step's gradients to a global 2-norm of ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` called between backward and step(),
+        and returns the norm before clipping (a 0-d tensor). The clip factor is applied inside the
+        coming update instead of rescaling ``.grad``, so the updates handed off during backward keep
+        their overlap (speculative results are adopted when the factor is 1). The integrations in
+        :mod:`hytrain.integrations` route the training loops' clipping here. ``foreach`` is accepted
+        for signature compatibility and ignored."""
+        max_norm = _checks.real("max_norm", max_norm, lo=0.0, lo_open=True)
+        if float(norm_type) != 2.0:
+            raise ValueError(f"HybridAdamW.clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
+        if self.bound and not self._deferred() and any(self._submitted):
+            raise RuntimeError("clip_grad_norm_ was called after the updates had started during backward "
+                               "(release_grads=True without max_grad_norm): create HybridAdamW with "
+                               "max_grad_norm=... to clip, or with release_grads=False")
+        total = self._global_norm()
+        total = 0.0 if total is None else total
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"the total norm of the gradients is {total}: non-finite, so it cannot be clipped")
+        self._clip_request = max_norm
+        return torch.tensor(total)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -1025,33 +1217,38 @@ class HybridAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        if grad_scale is not None or found_inf is not None:
-            if not self._loss_scaling and any(self._submitted):
-                self._drop_held()
-                raise RuntimeError("a GradScaler started driving HybridAdamW after updates had begun "
-                                   "overlapping backward; create the optimizer with loss scaling in use "
-                                   "from the first step")
-            self._loss_scaling = True
         self._validate_group_values()
         try:
+            if not self.bound:
+                self._bind()
+            grad_scale = getattr(self, "grad_scale", None)
+            found_inf = getattr(self, "found_inf", None)
+            if grad_scale is not None or found_inf is not None:
+                if not self._loss_scaling and any(self._submitted):
+                    self._drop_held()
+                    raise RuntimeError("a GradScaler started driving HybridAdamW after updates had begun "
+                                       "overlapping backward; create the optimizer with loss scaling in use "
+                                       "from the first step")
+                self._loss_scaling = True
             if found_inf is not None and float(found_inf) != 0.0:
                 return loss  # overflow: skip the step entirely, state untouched (torch's behaviour)
             mult = self._multiplier(grad_scale)
             if not math.isfinite(mult):
                 self._drop_held()
                 raise RuntimeError(f"the gradient multiplier is {mult} (non-finite gradient norm)")
+            changed = self._changed_blocks()
             # Forward order (the next forward needs block 0 first), offloaded blocks first so that
             # their copies start before the GPU updates queue up on the compute stream.
             n = len(self._blocks)
             if self._meter is not None:
                 self._meter.launched()
-            clipped = mult != 1.0
-            if not clipped:
-                self._adopt()
+            clipped = mult != 1.0 or bool(changed)
+            if mult == 1.0:
+                self._adopt(keep=changed)
             for b in sorted(range(n), key=lambda b: (self._on_gpu[b], b)):
-                if b in self._held:
+                if b in changed and b in self._held:
+                    self._restage(b, mult)
+                elif b in self._held:
                     held = self._held.pop(b)
                     if self._on_gpu[b]:
                         self._gpu_update(b, [(p, None) for p in held], mult)
@@ -1060,7 +1257,10 @@ class HybridAdamW(torch.optim.Optimizer):
                 elif not self._submitted[b]:
                     self._launch(b, mult, release=False)
             for b in sorted(self._speculated):  # after the GPU updates: these may wait on the host
-                self._redo(b, mult)
+                if b in changed:
+                    self._restage(b, mult)
+                else:
+                    self._redo(b, mult)
             self._steps_taken += 1
             self._last_clipped = clipped
             if self._meter is not None:
@@ -1070,7 +1270,8 @@ class HybridAdamW(torch.optim.Optimizer):
             if not self._model_hooks or not self.overlap:
                 self.synchronize()
         except BaseException:
-            self._drop_held()  # whatever was not released yet: as before the backward
+            if self.bound:
+                self._drop_held()  # whatever was not released yet: as before the backward
             if self._meter is not None:
                 self._meter.current = None  # a step not taken is not measured
             raise
@@ -1078,6 +1279,9 @@ class HybridAdamW(torch.optim.Optimizer):
             self._arrivals = [0] * len(self._blocks)
             self._submitted = [False] * len(self._blocks)
             self._sq_parts = []
+            self._handed = {}
+            self._clip_request = None
+            self._grad_norm = None
             if self.timeline is not None:
                 self.timeline.current.k = self.gpu_blocks
                 self.timeline.next_iteration()
@@ -1089,7 +1293,7 @@ class HybridAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group):
-        if hasattr(self, "_engine"):
+        if hasattr(self, "_blocks"):
             raise NotImplementedError("HybridAdamW does not support add_param_group after construction; "
                                       "pass every parameter group to the constructor")
         super().add_param_group(param_group)
@@ -1098,7 +1302,13 @@ class HybridAdamW(torch.optim.Optimizer):
         """torch's format, with CPU tensors (GPU-resident blocks are copied into their host state).
         As with torch's optimizers the tensors are the optimizer's own buffers: save or copy them
         before training goes on (a GPU-resident block's host buffers may serve as a speculating
-        block's shadows again from the step after next)."""
+        block's shadows again from the step after next). Before the first step: the settings, and the
+        state loaded by load_state_dict if any."""
+        if not self.bound:
+            out = super().state_dict()
+            if self._pending_load is not None:
+                out["state"] = self._pending_load["state"]
+            return out
         self.synchronize()
         for r in set(self._lent.values()):  # borrowers stop for a step: the donors' buffers hold state
             self._reclaim(r)
@@ -1109,10 +1319,11 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         """Loads torch-format state (``exp_avg``, ``exp_avg_sq``, ``step``, and ``master`` when saved by
-        HybridAdamW) into the existing host buffers. Everything is checked before anything changes."""
-        self.synchronize()
+        HybridAdamW) into the existing host buffers; before the first step it is kept and loaded when
+        the state is created. Everything is checked before anything changes."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("state_dict must have 'state' and 'param_groups' (from optimizer.state_dict())")
+        self.synchronize()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(groups)} param groups, the optimizer has {len(self.param_groups)}")
@@ -1127,16 +1338,27 @@ class HybridAdamW(torch.optim.Optimizer):
             if i not in index:
                 raise ValueError(f"state_dict has state for unknown parameter index {i}")
             p = index[i]
-            mine = self.state[p]
+            mine = self.state[p] if self.bound else None
             for key, val in st.items():
-                if key not in mine:
+                if mine is not None and key == "master" and key not in mine and p.dtype == torch.float32:
+                    dst = p.data  # fp32 parameters updated in place are their own master
+                elif mine is not None and key in mine:
+                    dst = mine[key]
+                elif mine is None and key in ("step", "master", *_STATE_KEYS):
+                    dst = None
+                else:
                     raise ValueError(f"parameter {i}: unexpected state {key!r}")
-                if not isinstance(val, torch.Tensor) or val.shape != mine[key].shape:
+                shape = torch.Size([]) if key == "step" else p.shape
+                if not isinstance(val, torch.Tensor) or val.shape != shape:
                     raise ValueError(f"parameter {i}: state {key!r} has shape "
-                                     f"{getattr(val, 'shape', None)}, expected {tuple(mine[key].shape)}")
+                                     f"{getattr(val, 'shape', None)}, expected {tuple(shape)}")
                 if not torch.is_floating_point(val):
                     raise TypeError(f"parameter {i}: state {key!r} must be floating point, got {val.dtype}")
-                plan.append((mine[key], val))
+                plan.append((dst, val))
+        if not self.bound:
+            self._pending_load = {"state": dict(state_dict["state"]), "param_groups": groups}
+            self._load_group_values(groups)
+            return
         for dst, src in plan:
             dst.copy_(src)
         for b in range(len(self._blocks)):  # GPU-resident blocks: refresh the device copies
@@ -1146,6 +1368,9 @@ class HybridAdamW(torch.optim.Optimizer):
                     for key in (*_STATE_KEYS, "master"):
                         if key in st:
                             d[key].copy_(st[key])
+        self._load_group_values(groups)
+
+    def _load_group_values(self, groups):
         for g_saved, g in zip(groups, self.param_groups):
             for k, v in g_saved.items():
                 if k != "params":

@@ -118,7 +118,8 @@ def test_matches_reference_bf16(with_model, max_grad_norm):
 
 def test_fp32_model_is_nearly_exact_and_overlaps_backward():
     model, ref_model = pair(torch.float32)
-    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, workers=2)
+    # release_grads=True: the loop does not touch the gradients between backward and step().
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, workers=2, release_grads=True)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, foreach=False)
     data = batches(10)
     submitted_in_backward = []
@@ -148,7 +149,7 @@ def test_accumulation_over_4_micro_batches_equals_one_big_step():
 
 def test_too_many_backward_passes_are_refused():
     model, _ = pair(torch.float32)
-    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, workers=2)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, workers=2, release_grads=True)
     x = batches(1)[0][0]
     for _ in range(2):  # step 1 is deferred; step 2 overlaps
         model(x, x).backward()
@@ -224,12 +225,17 @@ def test_bad_input():
     lin = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="non-leaf|not a leaf"):
         hytrain.HybridAdamW([lin.weight * 2])
-    with pytest.raises(TypeError, match="float64"):
-        hytrain.HybridAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
-    with pytest.raises(ValueError, match="is on meta"):
-        hytrain.HybridAdamW([lin.weight, torch.nn.Parameter(torch.zeros(3, device="meta"))])
-    with pytest.raises(ValueError, match="gpu_blocks > 0 needs CUDA"):
-        hytrain.HybridAdamW(lin.parameters(), gpu_blocks=1)
+    with pytest.raises(TypeError, match="int64"):
+        hytrain.HybridAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)])
+    # Device and dtype are those the parameters have at the first step (they may still move).
+    for params, kw, err, msg in [([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))], {}, TypeError, "float64"),
+                                 ([lin.weight, torch.nn.Parameter(torch.zeros(3, device="meta"))], {}, ValueError,
+                                  "is on meta"),
+                                 (list(lin.parameters()), {"gpu_blocks": 1}, ValueError, "gpu_blocks > 0 needs CUDA")]:
+        opt = hytrain.HybridAdamW(params, workers=1, **kw)
+        with pytest.raises(err, match=msg):
+            opt.step()
+        assert not opt.bound and len(opt.state) == 0
     with pytest.raises(ValueError, match="only 1 blocks"):
         hytrain.HybridAdamW(lin.parameters(), gpu_blocks=2)
     with pytest.raises(ValueError, match="lr must be >= 0"):
@@ -251,6 +257,7 @@ def test_bad_input():
         opt.step()
     assert torch.equal(lin.weight, before)  # a refused step changes nothing
     opt.param_groups[0]["lr"] = 1e-3
+    opt.step()
     good = opt.state_dict()
     bad = copy.deepcopy(good)
     bad["state"][0]["exp_avg"] = torch.zeros(5)
@@ -280,14 +287,24 @@ def test_trace_of_the_cpu_path(tmp_path):
         hytrain.HybridAdamW(model.parameters(), workers=1).export_trace(tmp_path / "x.json")
 
 
-def test_exhausted_pool_is_a_clear_error_before_training():
+def test_exhausted_pool_is_a_clear_error_at_the_first_step():
     model, _ = pair()
     small = hytrain.PinnedPool("1MiB", slab_bytes="1MiB", pinned=False)
-    with pytest.raises(hytrain.PoolExhaustedError, match="pinned pool exhausted"):
-        hytrain.HybridAdamW(model.parameters(), model=model, pool=small, workers=1)
-    assert all(p.grad is None for p in model.parameters())
+    opt = hytrain.HybridAdamW(model.parameters(), model=model, pool=small, workers=1)
     x = batches(1)[0][0]
-    model(x, x).backward()  # no hooks of the failed optimizer are left behind
+    model(x, x).backward()
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(hytrain.PoolExhaustedError, match="pinned pool exhausted"):
+        opt.step()
+    # Nothing half made: no state, the weights and gradients as they were, and training can go on
+    # with an optimizer whose pool is large enough.
+    assert not opt.bound and len(opt.state) == 0 and small.stats()["in_use"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    assert all(p.grad is not None for p in model.parameters())
+    del opt
+    opt = hytrain.HybridAdamW(model.parameters(), model=model, workers=1)
+    opt.step()
+    assert any(not torch.equal(a, b) for a, b in zip(weights, model.parameters()))
 
 
 def test_clipping_refuses_a_non_finite_norm_and_keeps_the_state():

@@ -71,6 +71,6 @@ def test_hybrid_adamw_gpu_blocks_argument_on_the_cpu():
     with pytest.raises(ValueError, match="'auto'"):
         hytrain.HybridAdamW(model.parameters(), model=model, gpu_blocks="most")
     with pytest.raises(ValueError, match="needs CUDA"):
-        hytrain.HybridAdamW(model.parameters(), model=model, gpu_blocks=1)
+        hytrain.HybridAdamW(model.parameters(), model=model, gpu_blocks=1).step()  # at the first step
     with pytest.raises(ValueError, match="gpu_memory_limit"):
         hytrain.HybridAdamW(model.parameters(), model=model, gpu_memory_limit=0)
