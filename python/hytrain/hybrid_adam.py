@@ -434,7 +434,9 @@ class HybridAdamW(torch.optim.Optimizer):
     def _install_forward_hooks(self, model):
         """Just-in-time waits: head blocks (and optimizer parameters outside the model) before the
         model's forward, each repeated layer's blocks before that layer, tail blocks after the last
-        layer (before anything after it can use them)."""
+        layer (before anything after it can use them). And the model's ``state_dict()`` (a checkpoint
+        save outside any forward) waits for every update in flight."""
+        self._model_hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
         layers = repeated_layers(model)
         n = len(self._blocks)
         if layers is None:
@@ -1142,7 +1144,8 @@ class HybridAdamW(torch.optim.Optimizer):
         current stream)."""
         if not self.bound:
             return
-        self._wait_blocks(list(self._inflight))
+        # Held blocks (between backward and step) have nothing to wait for until step() releases them.
+        self._wait_blocks([b for b in self._inflight if b not in self._held])
         if self._cuda:
             self._settle_migrations()
 
@@ -1195,9 +1198,10 @@ class HybridAdamW(torch.optim.Optimizer):
         and returns the norm before clipping (a 0-d tensor). The clip factor is applied inside the
         coming update instead of rescaling ``.grad``, so the updates handed off during backward keep
         their overlap (speculative results are adopted when the factor is 1). The integrations in
-        :mod:`hytrain.integrations` route the training loops' clipping here. ``foreach`` is accepted
-        for signature compatibility and ignored."""
-        max_norm = _checks.real("max_norm", max_norm, lo=0.0, lo_open=True)
+        :mod:`hytrain.integrations` route the training loops' clipping here. ``max_norm=inf`` only
+        measures the norm. ``foreach`` is accepted for signature compatibility and ignored."""
+        if not (isinstance(max_norm, (int, float)) and math.isinf(max_norm) and max_norm > 0):
+            max_norm = _checks.real("max_norm", max_norm, lo=0.0, lo_open=True)  # inf: the norm only
         if float(norm_type) != 2.0:
             raise ValueError(f"HybridAdamW.clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
         if self.bound and not self._deferred() and any(self._submitted):

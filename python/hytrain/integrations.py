@@ -1,0 +1,117 @@
+"""Glue for the training loops people already run: transformers' Trainer, accelerate, Lightning.
+
+HybridAdamW works in all of them as it is: it creates its state at the first step, for the device and
+dtype the parameters have then (so the loop may move the model after the optimizer was built), and it
+keeps the gradients until ``step()``, so a loop's own ``clip_grad_norm_`` is exact (blocks whose
+gradients were rescaled after they were handed off are updated again from the rescaled ones).
+
+What these helpers add is the fast path: the loop's clipping goes to
+:meth:`HybridAdamW.clip_grad_norm_`, which returns the true norm (for the logs) and applies the clip
+factor inside the update instead of rescaling ``.grad``, so the updates that started during backward
+are kept. Each uses the library's own extension point:
+
+* accelerate: :func:`route_clipping` (``accelerator.clip_grad_norm_`` of one Accelerator);
+* transformers: :class:`HybridTrainer` (a ``Trainer`` whose ``create_optimizer`` builds HybridAdamW
+  from the ``TrainingArguments`` and whose accelerator routes the clipping);
+* Lightning: :class:`HybridClipping` (a LightningModule mixin implementing
+  ``configure_gradient_clipping``).
+"""
+
+from __future__ import annotations
+
+from .hybrid_adam import HybridAdamW
+
+
+def _unwrap(optimizer):
+    """The HybridAdamW inside accelerate's or Lightning's optimizer wrappers (or None)."""
+    while not isinstance(optimizer, HybridAdamW) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer if isinstance(optimizer, HybridAdamW) else None
+
+
+def route_clipping(accelerator, optimizer):
+    """Routes ``accelerator.clip_grad_norm_(parameters, max_norm)`` to
+    ``HybridAdamW.clip_grad_norm_`` when every parameter with a gradient is one of the optimizer's
+    (after ``accelerator.unscale_gradients()``, as accelerate does); other calls go to accelerate's
+    own. ``optimizer``: the HybridAdamW (or a wrapper of it), or a callable returning it when called
+    (for loops that create the optimizer after the accelerator). Returns the accelerator."""
+    original = accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        params = [parameters] if hasattr(parameters, "grad") else list(parameters)
+        opt = _unwrap(optimizer() if callable(optimizer) and not hasattr(optimizer, "step") else optimizer)
+        if opt is not None and float(norm_type) == 2.0:
+            mine = {id(p) for g in opt.param_groups for p in g["params"]}
+            if all(id(p) in mine or p.grad is None for p in params):
+                accelerator.unscale_gradients()
+                return opt.clip_grad_norm_(max_norm)
+        return original(params, max_norm, norm_type=norm_type)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+    return accelerator
+
+
+def _trainer_class():
+    from transformers import Trainer
+
+    class HybridTrainer(Trainer):
+        """transformers' ``Trainer`` with HybridAdamW as its optimizer.
+
+        Without ``optimizers=``, ``create_optimizer`` builds HybridAdamW from the arguments as the
+        Trainer builds AdamW (``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay``
+        except on biases and norms), with ``model=`` the model (block detection, just-in-time waits) and
+        ``hybrid_kwargs`` passed on (``gpu_blocks``, ``workers``, ...). With ``optimizers=(HybridAdamW(...),
+        scheduler)`` that optimizer is used. Either way ``max_grad_norm`` clipping and the logged
+        ``grad_norm`` go through :meth:`HybridAdamW.clip_grad_norm_`. Checkpoints and
+        ``resume_from_checkpoint`` work as with any optimizer (``optimizer.pt`` is its state_dict)."""
+
+        def __init__(self, *args, hybrid_kwargs=None, **kwargs):
+            self.hybrid_kwargs = dict(hybrid_kwargs or {})
+            super().__init__(*args, **kwargs)
+
+        def create_accelerator_and_postprocess(self):
+            super().create_accelerator_and_postprocess()
+            route_clipping(self.accelerator, lambda: self.optimizer)
+
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                model = self.model if model is None else model
+                decay = set(self.get_decay_parameter_names(model))
+                named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+                groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                          {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+                self.optimizer = HybridAdamW(
+                    [g for g in groups if g["params"]], lr=self.args.learning_rate,
+                    betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
+                    model=model, **self.hybrid_kwargs)
+            return self.optimizer
+
+    return HybridTrainer
+
+
+class HybridClipping:
+    """LightningModule mixin: ``Trainer(gradient_clip_val=...)`` with the norm algorithm goes to
+    :meth:`HybridAdamW.clip_grad_norm_` (the pre-clip norm is logged as ``grad_norm``); other
+    optimizers and algorithms keep Lightning's own clipping. Put it first:
+    ``class MyModule(HybridClipping, L.LightningModule)``."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        opt = _unwrap(optimizer)
+        if opt is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
+            norm = opt.clip_grad_norm_(float(gradient_clip_val))
+            self.log("grad_norm", norm, on_step=True, prog_bar=False, logger=True)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val=gradient_clip_val,
+                                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+
+def __getattr__(name):
+    # transformers is imported only when HybridTrainer is asked for.
+    if name == "HybridTrainer":
+        cls = _trainer_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module 'hytrain.integrations' has no attribute {name!r}")
+
+
+__all__ = ["HybridClipping", "HybridTrainer", "route_clipping"]
