@@ -58,7 +58,8 @@ def run(mode, args):
     else:
         opt = hytrain.HybridAdamW(model.parameters(), lr=1e-4, model=model,
                                   gpu_blocks=args.k if mode == "hybrid_k" else 0,
-                                  overlap=mode != "no_overlap", trace=args.trace is not None and mode == "hybrid_k")
+                                  overlap=mode != "no_overlap", trace=args.trace is not None and mode == "hybrid_k",
+                                  release_grads=True)  # no clipping: updates start during backward
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, 32000, (args.batch, args.seq), device="cuda", generator=g)
     times = []

@@ -411,7 +411,8 @@ def run(args) -> int:
                               max_grad_norm=args.max_grad_norm or None, model=model, pool=pool,
                               gpu_blocks=k, gpu_memory_limit=limit if device.type == "cuda" else None,
                               workers=args.workers or None, trace=True,
-                              speculate=False if args.speculate == "off" else args.speculate)
+                              speculate=False if args.speculate == "off" else args.speculate,
+                              release_grads=True)  # this loop never reads the gradients after backward
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     start = 0
     if resume_dir is not None:

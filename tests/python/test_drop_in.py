@@ -234,14 +234,19 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def trainer_run(out, optimizer=None, cls=None, resume=None, max_steps=6, **trainer_kwargs):
+def trainer_run(out, optimizer=None, cls=None, resume=None, max_steps=6, cpu=True, bf16=False, cast=None,
+                **trainer_kwargs):
+    """transformers' Trainer on a tiny Llama built on the CPU; ``optimizer(model)`` is built before
+    the Trainer moves the model (and before ``cast``, a dtype applied after it)."""
     transformers = pytest.importorskip("transformers")
     model = tiny_hf_llama()
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=LR,
         max_grad_norm=0.05, logging_steps=1, save_strategy="steps", save_steps=3, report_to="none",
-        use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        use_cpu=cpu, bf16=bf16, seed=0, dataloader_num_workers=0, disable_tqdm=True)
     opt = optimizer(model) if optimizer is not None else None
+    if cast is not None:
+        model.to(cast)
     trainer = (cls or transformers.Trainer)(model=model, args=args, train_dataset=TokenDataset(),
                                             optimizers=(opt, None), **trainer_kwargs)
     trainer.train(resume_from_checkpoint=resume)
@@ -271,7 +276,9 @@ def test_trainer_with_max_grad_norm_save_and_resume(tmp_path):
 
 # ---- accelerate -----------------------------------------------------------------------------------------
 
-def test_accelerate_loop_with_clip_grad_norm(tmp_path):
+def accelerate_runs(tmp_path, cpu=True, mixed_precision="no"):
+    """The same accelerate loop (clip_grad_norm_ every step, save_state at step 3, then a resume from it)
+    with torch's AdamW, HybridAdamW, and HybridAdamW with the clipping routed."""
     accelerate = pytest.importorskip("accelerate")
     from hytrain.integrations import route_clipping
 
@@ -280,7 +287,7 @@ def test_accelerate_loop_with_clip_grad_norm(tmp_path):
     for mode in ("torch", "plain", "routed"):
         torch.manual_seed(0)
         model = LlamaModel(CFG)
-        acc = accelerate.Accelerator(cpu=True)
+        acc = accelerate.Accelerator(cpu=cpu, mixed_precision=mixed_precision)
         opt = (torch.optim.AdamW(model.parameters(), lr=LR, foreach=False) if mode == "torch"
                else hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=2))
         model, opt = acc.prepare(model, opt)  # moves the model, wraps the optimizer
@@ -288,6 +295,7 @@ def test_accelerate_loop_with_clip_grad_norm(tmp_path):
             route_clipping(acc, opt)
         losses, norms = [], []
         for i, x in enumerate(batches):
+            x = x.to(acc.device)
             loss = model(x, x)
             acc.backward(loss)
             norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
@@ -301,31 +309,38 @@ def test_accelerate_loop_with_clip_grad_norm(tmp_path):
             torch.manual_seed(1)
             model2 = LlamaModel(CFG)
             opt2 = hytrain.HybridAdamW(model2.parameters(), lr=LR, model=model2, workers=2)
-            acc2 = accelerate.Accelerator(cpu=True)
+            acc2 = accelerate.Accelerator(cpu=cpu, mixed_precision=mixed_precision)
             model2, opt2 = acc2.prepare(model2, opt2)
             if mode == "routed":
                 route_clipping(acc2, opt2)
             acc2.load_state(str(tmp_path / mode))
             again = []
             for x in batches[3:]:
+                x = x.to(acc2.device)
                 loss = model2(x, x)
                 acc2.backward(loss)
                 acc2.clip_grad_norm_(model2.parameters(), 0.5)
                 opt2.step()
                 opt2.zero_grad()
                 again.append(loss.item())
-            assert again == losses[3:], mode
+            results[mode + "_resumed"] = again
+    return results
+
+
+def test_accelerate_loop_with_clip_grad_norm(tmp_path):
+    results = accelerate_runs(tmp_path)
     ref_model, ref_losses, ref_norms = results["torch"]
     assert max(ref_norms) > 0.5
     for mode in ("plain", "routed"):
         model, losses, norms = results[mode]
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0, msg=mode)
         assert_same_training(model, ref_model, losses, ref_losses, 1e-5)
+        assert results[mode + "_resumed"] == losses[3:], mode  # bit-identical on the CPU
 
 
 # ---- Lightning ----------------------------------------------------------------------------------------
 
-def lightning_run(opt_factory, mixin, clip):
+def lightning_run(opt_factory, mixin, clip, accelerator="cpu", precision=None):
     L = pytest.importorskip("lightning")
     from hytrain.integrations import HybridClipping
 
@@ -348,8 +363,9 @@ def lightning_run(opt_factory, mixin, clip):
 
     cls = type("Routed", (HybridClipping, Module), {}) if mixin else Module
     module = cls()
-    trainer = L.Trainer(max_steps=len(batches), gradient_clip_val=clip, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(max_steps=len(batches), gradient_clip_val=clip, accelerator=accelerator, devices=1,
+                        precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
     trainer.fit(module)
     for opt in trainer.optimizers:
         if isinstance(opt, hytrain.HybridAdamW):

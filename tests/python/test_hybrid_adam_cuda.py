@@ -283,13 +283,15 @@ def run_pair(k, *, max_grad_norm=None, steps=STEPS, lr=3e-3, k_schedule=None, ch
     return opt, released
 
 
+@pytest.mark.parametrize("release_grads", [True, False])
 @pytest.mark.parametrize("k", [0, 2, 5])
-def test_cuda_matches_reference_and_releases_gradients(k):
-    opt, released = run_pair(k, check_released=True)
+def test_cuda_matches_reference_and_releases_gradients(k, release_grads):
+    opt, released = run_pair(k, check_released=True, release_grads=release_grads)
     assert opt.gpu_blocks == k == sum(opt._on_gpu)
     # Step 1 is deferred (gradients kept); afterwards every block's gradients were handed off and
-    # released during backward.
-    assert released[0] is False and all(released[1:])
+    # released during backward, or (the default without max_grad_norm) handed off and kept for the
+    # caller until step().
+    assert released[0] is False and all(r is release_grads for r in released[1:])
 
 
 def test_cuda_k_changed_every_few_steps():
@@ -446,8 +448,8 @@ def test_cuda_trace_has_every_track(tmp_path):
 
 def test_cuda_bad_input():
     lin = torch.nn.Linear(4, 4).to(DEV)
-    with pytest.raises(ValueError, match="mixed devices"):
-        hytrain.HybridAdamW([lin.weight, torch.nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match="mixed devices"):  # as they are at the first step
+        hytrain.HybridAdamW([lin.weight, torch.nn.Parameter(torch.zeros(3))], workers=1).step()
     model, _ = pair()
     with pytest.raises(ValueError, match="only 5 blocks"):
         hytrain.HybridAdamW(model.parameters(), model=model, gpu_blocks=6)
