@@ -5,6 +5,7 @@
 #   tests  the whole Python test suite, GPU tests included
 #   l3b    bench/train_bench.py on L3B, hytrain capped at DeepSpeed's GPU memory, plus auto uncapped
 #   l7b    bench/train_bench.py on L7B (torch_gpu and hytrain auto capped at 75 GB), with a trace
+#   trainer bench/trainer_bench.py: transformers' Trainer with torch's AdamW and each HybridAdamW path
 # Logs and results go to $OUT (or ./device-out). ITERS timed iterations per mode (default 10: the median
 # then stands on steady-state iterations even when a k change or the first speculation falls in them).
 set -uo pipefail
@@ -37,6 +38,8 @@ for stage in "$@"; do
         | tee "$out/train_bench_l3b_extra.txt" ;;
     l7b)
       python3 bench/train_bench.py --workloads l7b --iters "$iters" --trace "$out/l7b_trace.json" 2>&1 | tee "$out/train_bench_l7b.txt" ;;
+    trainer)
+      python3 bench/trainer_bench.py ${TRAINER_ARGS:-} 2>&1 | tee "$out/trainer_bench.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
