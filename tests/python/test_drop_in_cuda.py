@@ -57,7 +57,11 @@ def test_plain_loop_model_moved_to_cuda_after_construction(weights, clip, k):
     ref_clip = "torch" if clip == "routed" else clip
     ref_losses = loop(ref_model, ref, ref_clip, autocast)
     assert opt.device.type == "cuda"
-    assert_same_training(model, ref_model, losses, ref_losses, 2e-2 if weights == "bf16" else 2e-3)
+    # Losses closely; weights within bf16 tolerance (a last-bit difference between the CPU and the GPU
+    # AdamW can flip a bf16 rounding under autocast, which Adam then turns into a full step on rarely
+    # used rows).
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-3, atol=0)
+    assert_same_training(model, ref_model, losses, ref_losses, 2e-2)
     if clip != "none":
         assert opt.last_grad_norm is None or opt.last_grad_norm > 0
 
