@@ -14,7 +14,9 @@ are kept. Each uses the library's own extension point:
 * transformers: :class:`HybridTrainer` (a ``Trainer`` whose ``create_optimizer`` builds HybridAdamW
   from the ``TrainingArguments`` and whose accelerator routes the clipping);
 * Lightning: :class:`HybridClipping` (a LightningModule mixin implementing
-  ``configure_gradient_clipping``).
+  ``configure_gradient_clipping``). With ``precision="16-mixed"`` or ``"bf16-mixed"`` it is needed for
+  ``gradient_clip_val``: Lightning refuses its own clipping for optimizers that take the loss scale
+  themselves, as HybridAdamW does for GradScaler (a clear error at the first step).
 """
 
 from __future__ import annotations
@@ -52,7 +54,18 @@ def route_clipping(accelerator, optimizer):
 
 
 def _trainer_class():
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
+
+    class _Synchronize(TrainerCallback):
+        """At the end of training, waits for the last step's updates (they overlap what comes next)."""
+
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def on_train_end(self, *_, **__):
+            opt = _unwrap(self.optimizer())
+            if opt is not None:
+                opt.synchronize()
 
     class HybridTrainer(Trainer):
         """transformers' ``Trainer`` with HybridAdamW as its optimizer.
@@ -68,6 +81,7 @@ def _trainer_class():
         def __init__(self, *args, hybrid_kwargs=None, **kwargs):
             self.hybrid_kwargs = dict(hybrid_kwargs or {})
             super().__init__(*args, **kwargs)
+            self.add_callback(_Synchronize(lambda: self.optimizer))
 
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
@@ -99,10 +113,23 @@ class HybridClipping:
         opt = _unwrap(optimizer)
         if opt is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
             norm = opt.clip_grad_norm_(float(gradient_clip_val))
+            # Under fp16 loss scaling the gradients are still scaled here (HybridAdamW unscales inside
+            # its step, where the clip takes the scale into account): log the unscaled norm.
+            scaler = getattr(getattr(self.trainer, "precision_plugin", None), "scaler", None)
+            if scaler is not None and scaler.is_enabled():
+                norm = norm / scaler.get_scale()
             self.log("grad_norm", norm, on_step=True, prog_bar=False, logger=True)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val=gradient_clip_val,
                                             gradient_clip_algorithm=gradient_clip_algorithm)
+
+    def on_train_end(self):
+        # The last step's updates overlap what would come next; fit's teardown then moves the module.
+        for opt in self.trainer.optimizers:
+            opt = _unwrap(opt)
+            if opt is not None:
+                opt.synchronize()
+        super().on_train_end()
 
 
 def __getattr__(name):

@@ -75,7 +75,7 @@ def test_trainer_on_the_gpu(tmp_path):
         for name, kw in (("plain", dict(optimizer=plain)),
                          ("routed", dict(cls=HybridTrainer, hybrid_kwargs=dict(workers=2)))):
             model, trainer, losses, norms = trainer_run(tmp_path / f"{name}{cast}", cpu=False, bf16=True, cast=cast, **kw)
-            assert next(model.parameters()).is_cuda
+            assert trainer.optimizer.optimizer.device.type == "cuda"
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=tol, atol=0,
                                        msg=f"{name} {cast}")
             torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=5 * tol, atol=0,
@@ -92,7 +92,8 @@ def test_accelerate_on_the_gpu(tmp_path):
         model, losses, norms = results[mode]
         assert next(model.parameters()).is_cuda
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-2, atol=0, msg=mode)
-        assert_same_training(model, ref_model, losses, ref_losses, 2e-3)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-3, atol=0, msg=mode)
+        assert_same_training(model, ref_model, losses, ref_losses, 2e-2)
         torch.testing.assert_close(torch.tensor(results[mode + "_resumed"]), torch.tensor(losses[3:]),
                                    rtol=1e-3, atol=0, msg=mode)
 
@@ -101,8 +102,13 @@ def test_lightning_on_the_gpu():
     ref, _ = lightning_run(lambda net: torch.optim.AdamW(net.parameters(), lr=LR, foreach=False), False, 0.5,
                            accelerator="gpu", precision="bf16-mixed")
     hybrid = lambda net: hytrain.HybridAdamW(net.parameters(), lr=LR, model=net, workers=2)  # noqa: E731
-    for mixin in (False, True):
-        net, trainer = lightning_run(hybrid, mixin, 0.5, accelerator="gpu", precision="bf16-mixed")
-        assert next(net.parameters()).is_cuda
-        for (n, a), b in zip(net.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-4, msg=f"mixin={mixin} {n}")
+    # Lightning's mixed-precision plugins refuse their own clipping for optimizers that take the loss
+    # scale themselves (HybridAdamW does, for GradScaler): a clear error at the first step, which the
+    # HybridClipping mixin avoids by clipping inside HybridAdamW.
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        lightning_run(hybrid, False, 0.5, accelerator="gpu", precision="bf16-mixed")
+    net, trainer = lightning_run(hybrid, True, 0.5, accelerator="gpu", precision="bf16-mixed")
+    assert trainer.strategy.root_device.type == "cuda"  # (fit's teardown moves the module back to the CPU)
+    assert trainer.callback_metrics["grad_norm"] > 0.5
+    for (n, a), b in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=n)
