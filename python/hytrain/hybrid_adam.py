@@ -30,9 +30,19 @@ would have written; if it does, the speculative result is dropped and the block 
 its untouched state with the clip multiplier. After a step that clipped, the next one does not
 speculate (clipping comes in runs, early in training).
 
-Outside the deferred modes, the ``.grad`` of CUDA parameters is released as soon as it has been handed
-off (that is the point: gradient memory returns during backward). Use ``max_grad_norm`` rather than
-``clip_grad_norm_`` on the gradients after backward.
+The loop's own clipping (``torch.nn.utils.clip_grad_norm_`` between backward and step, as transformers'
+Trainer, accelerate and Lightning do it) is exact: unless the optimizer clips itself (``max_grad_norm``)
+or is told that nothing reads the gradients after backward (``release_grads=True``), ``.grad`` is kept
+until ``step()``, and blocks whose gradients were changed after their hand-off are updated again from
+the changed ones. Then, and with ``max_grad_norm``, the updates are deferred as above. The fast path
+is ``max_grad_norm`` or :meth:`HybridAdamW.clip_grad_norm_` (what :mod:`hytrain.integrations` route the
+loops' clipping to): the clip factor is applied inside the update, so the overlap is kept. With
+``release_grads=True`` and no clipping, the ``.grad`` of CUDA parameters is released as soon as it has
+been handed off (gradient memory returns during backward) and blocks are updated during backward.
+
+The optimizer binds lazily, as torch's do: the state is created at the first ``step()`` for the
+device and dtype the parameters have then, so the model may be moved or cast after the optimizer is
+built. A move after the first step is refused with a RuntimeError (see ``docs/architecture.md``).
 """
 
 from __future__ import annotations
@@ -163,6 +173,11 @@ class HybridAdamW(torch.optim.Optimizer):
         overlap: False updates everything inside ``step()`` and waits for it there (what overlap
             buys, for benchmarks).
         trace: record a timeline of recent iterations (:meth:`export_trace`).
+        release_grads: whether ``.grad`` may be released once a block's gradients are handed off
+            during backward. Default: True with ``max_grad_norm`` (the optimizer clips), else False
+            (the loop may clip or rescale them before ``step()``; see the module notes). True
+            without ``max_grad_norm`` promises that nothing reads or changes the gradients after
+            backward, and updates blocks while backward goes on.
     """
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf instead of unscaling
