@@ -13,7 +13,7 @@ from .cuda_adam import CudaAdamW
 from .grad_norm import CudaGradNorm, clip_multiplier
 from .hybrid_adam import HybridAdamW
 from .pool import PinnedPool
-from . import integrations  # noqa: E402  (imports transformers/Lightning only when used)
+from . import integrations  # imports transformers or Lightning only when they are used
 
 __version__ = "0.1.0"
 
