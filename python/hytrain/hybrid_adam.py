@@ -345,6 +345,7 @@ class HybridAdamW(torch.optim.Optimizer):
             self._install_forward_hooks(model)
         if self._cuda and self._model_hooks:
             self._meter = Meter(self.device, self._pipeline, len(self._blocks))
+            self._meter.started = 1  # iterations are numbered from the first, which ran before the state existed
         if self._cuda and self._model_hooks and self.accumulation_steps == 1:
             # Fixed k too: its predictions are what a run is checked against.
             self._start_scheduler(self._gpu_memory_request)
