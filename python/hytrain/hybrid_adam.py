@@ -288,7 +288,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 h.remove()
             self._model_hooks = []
             self.state.clear()
-            self._engine = self._pipeline = self._scheduler = self._meter = self.timeline = None
+            self._engine = self._pipeline = self._scheduler = self._meter = self.timeline = self._pool = None
             raise
         self._bound = {id(p): (p.device, p.dtype, p.shape) for p in self._params}
         if self._pending_load is not None:
@@ -848,7 +848,8 @@ class HybridAdamW(torch.optim.Optimizer):
                 rows.append(self._row(p, g.data_ptr(), grad_scale, int(self.state[p]["step"].item()),
                                       p.data_ptr()))
             self._engine.submit(b, rows)
-            self._inflight[b] = [g for _, g in pairs]
+            # The workers read the gradients and write the weights: both stay alive until waited for.
+            self._inflight[b] = [t for p, g in pairs for t in (g, p.detach())]
         elif self._on_gpu[b]:
             self._gpu_update(b, pairs, grad_scale)
         elif pairs:

@@ -135,6 +135,24 @@ def test_a_move_after_the_first_step_is_refused_and_keeps_the_state():
             assert torch.equal(t, after["state"][i][key]), (i, key)
 
 
+def test_a_cast_right_after_a_step_with_updates_in_flight_is_refused_in_backward():
+    """release_grads=True: the next backward launches updates from its hooks, and the first one refuses.
+    The cast happened while the last step's updates were running on the old storage, which they keep
+    alive, so nothing writes freed memory."""
+    torch.manual_seed(0)
+    model = LlamaModel(CFG)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=1, release_grads=True)
+    batches = data(3)
+    for x in batches[:2]:
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    model.to(torch.bfloat16)
+    x = batches[2]
+    with pytest.raises(RuntimeError, match="Moving or casting parameters after the first step is not supported"):
+        model(x, x).backward()
+
+
 def test_new_storage_of_the_same_kind_is_followed():
     """``p.data = ...`` with the same device, dtype and shape (what some wrappers do) is not a move:
     the next step updates the new storage."""

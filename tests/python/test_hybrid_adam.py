@@ -304,6 +304,7 @@ def test_exhausted_pool_is_a_clear_error_at_the_first_step():
     del opt
     opt = hytrain.HybridAdamW(model.parameters(), model=model, workers=1)
     opt.step()
+    opt.synchronize()
     assert any(not torch.equal(a, b) for a, b in zip(weights, model.parameters()))
 
 
