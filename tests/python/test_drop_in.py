@@ -13,6 +13,7 @@ import torch
 import hytrain
 from hytrain.hybrid_adam import detect_blocks
 from hytrain.models import LlamaConfig, LlamaModel
+from test_hybrid_adam import Reference  # torch's AdamW on fp32 copies of the model's parameters
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
                   num_kv_heads=2, max_seq_len=64)
@@ -24,26 +25,18 @@ def data(n, seed=0, vocab=CFG.vocab_size, batch=2, seq=16):
     return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
 
 
-class MasterAdamW:
-    """torch.optim.AdamW on fp32 copies of the model's parameters, the model keeping its dtype: what
-    HybridAdamW computes. ``step`` reads the model's (possibly clipped) gradients."""
+def model_and_optimizer(**kw):
+    """A fresh model (seed 0) on the CPU in fp32, and HybridAdamW over it built before anything moves."""
+    torch.manual_seed(0)
+    model = LlamaModel(CFG)
+    return model, hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=2, **kw)
 
-    def __init__(self, model, **kw):
-        self.params = list(model.parameters())
-        self.master = [p.detach().float().clone() for p in self.params]
-        self.opt = torch.optim.AdamW(self.master, foreach=False, **kw)
 
-    def step(self):
-        for m, p in zip(self.master, self.params):
-            m.grad = None if p.grad is None else p.grad.float()
-        self.opt.step()
-        with torch.no_grad():
-            for m, p in zip(self.master, self.params):
-                p.copy_(m)
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
+def with_torch_twin(**kw):
+    """model_and_optimizer(), and a copy of the model with torch's AdamW (same settings)."""
+    model, opt = model_and_optimizer(**kw)
+    ref_model = copy.deepcopy(model)
+    return model, opt, ref_model, torch.optim.AdamW(ref_model.parameters(), lr=LR, foreach=False)
 
 
 def run(model, opt, batches, clip=None):
@@ -73,14 +66,12 @@ def assert_same_training(model, ref_model, losses, ref_losses, tol):
 @pytest.mark.parametrize("moves", [(torch.bfloat16,), (torch.float16,), (torch.float16, torch.bfloat16)],
                          ids=["bf16", "fp16", "fp16-then-bf16"])
 def test_cast_after_construction_trains_as_torch_adamw(moves):
-    torch.manual_seed(0)
-    model = LlamaModel(CFG)
-    opt = hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=2)
+    model, opt = model_and_optimizer()
     assert not opt.bound and len(opt.state) == 0  # nothing is made before the first step
     for dtype in moves:
         model.to(dtype)
     ref_model = copy.deepcopy(model)
-    ref = MasterAdamW(ref_model, lr=LR, weight_decay=1e-2)
+    ref = Reference(ref_model, lr=LR, weight_decay=1e-2)
     batches = data(8)
     losses, _ = run(model, opt, batches[:1])
     ref_losses, _ = run(ref_model, ref, batches[:1])
@@ -95,9 +86,7 @@ def test_cast_after_construction_trains_as_torch_adamw(moves):
 
 
 def test_state_dict_loaded_before_the_first_step_is_applied_at_it():
-    torch.manual_seed(0)
-    model = LlamaModel(CFG)
-    first = hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=2)
+    model, first = model_and_optimizer()
     batches = data(6)
     run(model, first, batches[:3])
     saved = copy.deepcopy(first.state_dict())
@@ -117,9 +106,7 @@ def test_state_dict_loaded_before_the_first_step_is_applied_at_it():
 
 
 def test_a_move_after_the_first_step_is_refused_and_keeps_the_state():
-    torch.manual_seed(0)
-    model = LlamaModel(CFG)
-    opt = hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=2)
+    model, opt = model_and_optimizer()
     batches = data(3)
     run(model, opt, batches[:2])
     saved = copy.deepcopy(opt.state_dict())
@@ -139,9 +126,7 @@ def test_a_cast_right_after_a_step_with_updates_in_flight_is_refused_in_backward
     """release_grads=True: the next backward launches updates from its hooks, and the first one refuses.
     The cast happened while the last step's updates were running on the old storage, which they keep
     alive, so nothing writes freed memory."""
-    torch.manual_seed(0)
-    model = LlamaModel(CFG)
-    opt = hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=1, release_grads=True)
+    model, opt = model_and_optimizer(release_grads=True)
     batches = data(3)
     for x in batches[:2]:
         model(x, x).backward()
@@ -156,11 +141,7 @@ def test_a_cast_right_after_a_step_with_updates_in_flight_is_refused_in_backward
 def test_new_storage_of_the_same_kind_is_followed():
     """``p.data = ...`` with the same device, dtype and shape (what some wrappers do) is not a move:
     the next step updates the new storage."""
-    torch.manual_seed(0)
-    model = LlamaModel(CFG)
-    ref_model = copy.deepcopy(model)
-    opt = hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=2)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, foreach=False)
+    model, opt, ref_model, ref = with_torch_twin()
     batches = data(4)
     losses, _ = run(model, opt, batches[:2])
     ref_losses, _ = run(ref_model, ref, batches[:2])
@@ -179,7 +160,7 @@ def test_clip_grad_norm_between_backward_and_step_is_exact(dtype):
     model = LlamaModel(CFG).to(dtype)
     ref_model = copy.deepcopy(model)
     opt = hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=2)
-    ref = MasterAdamW(ref_model, lr=LR, weight_decay=1e-2)
+    ref = Reference(ref_model, lr=LR, weight_decay=1e-2)
     batches = data(8)
     losses, norms = run(model, opt, batches, clip=lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
     ref_losses, ref_norms = run(ref_model, ref, batches,
@@ -190,17 +171,13 @@ def test_clip_grad_norm_between_backward_and_step_is_exact(dtype):
 
 
 def test_routed_clip_returns_the_true_norm_and_clips_inside_the_update():
-    torch.manual_seed(0)
-    model = LlamaModel(CFG)
-    ref_model = copy.deepcopy(model)
-    opt = hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=2)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, foreach=False)
+    model, opt, ref_model, ref = with_torch_twin()
     batches = data(8)
-    grads_seen = []
 
     def routed():
+        grads = [p.grad.clone() for p in model.parameters()]
         norm = opt.clip_grad_norm_(0.5)
-        grads_seen.append(next(model.parameters()).grad.clone())
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))  # .grad untouched
         return norm
 
     losses, norms = run(model, opt, batches, clip=routed)
@@ -215,11 +192,7 @@ def test_routed_clip_returns_the_true_norm_and_clips_inside_the_update():
 
 def test_gradient_accumulation_the_optimizer_was_not_told_of():
     """Kept gradients may gather several backward passes before step() (a loop's own accumulation)."""
-    torch.manual_seed(0)
-    model = LlamaModel(CFG)
-    ref_model = copy.deepcopy(model)
-    opt = hytrain.HybridAdamW(model.parameters(), lr=LR, model=model, workers=2)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, foreach=False)
+    model, opt, ref_model, ref = with_torch_twin()
     batches = data(8)
     for m, o in ((model, opt), (ref_model, ref)):
         for i in range(0, 8, 2):

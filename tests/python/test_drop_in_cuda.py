@@ -11,8 +11,8 @@ import torch
 
 import hytrain
 from hytrain.models import LlamaModel
-from test_drop_in import (CFG, LR, MasterAdamW, accelerate_runs, assert_same_training, data, lightning_run,
-                          trainer_run)
+from test_drop_in import CFG, LR, accelerate_runs, assert_same_training, data, lightning_run, trainer_run
+from test_hybrid_adam import Reference
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +51,7 @@ def test_plain_loop_model_moved_to_cuda_after_construction(weights, clip, k):
     if weights == "bf16":
         model.to(torch.bfloat16)
     ref_model = copy.deepcopy(model)
-    ref = MasterAdamW(ref_model, lr=LR, weight_decay=1e-2)
+    ref = Reference(ref_model, lr=LR, weight_decay=1e-2)
     autocast = weights == "fp32-autocast"
     losses = loop(model, opt, clip, autocast)
     ref_clip = "torch" if clip == "routed" else clip
