@@ -331,11 +331,13 @@ def test_accelerate_loop_with_clip_grad_norm(tmp_path):
 
 # ---- Lightning ----------------------------------------------------------------------------------------
 
-def lightning_run(opt_factory, mixin, clip, accelerator="cpu", precision=None):
+def lightning_run(opt_factory, mixin, clip, accelerator="cpu", precision=None, steps=6, save_to=None, resume=None):
+    """Lightning's Trainer for ``steps`` steps, epochs of 3 batches (so a checkpoint at step 3 resumes
+    at an epoch boundary); ``save_to``: save a checkpoint at the end; ``resume``: fit from one."""
     L = pytest.importorskip("lightning")
     from hytrain.integrations import HybridClipping
 
-    batches = data(6)
+    batches = data(3)
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -354,13 +356,15 @@ def lightning_run(opt_factory, mixin, clip, accelerator="cpu", precision=None):
 
     cls = type("Routed", (HybridClipping, Module), {}) if mixin else Module
     module = cls()
-    trainer = L.Trainer(max_steps=len(batches), gradient_clip_val=clip, accelerator=accelerator, devices=1,
+    trainer = L.Trainer(max_steps=steps, gradient_clip_val=clip, accelerator=accelerator, devices=1,
                         precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=resume)
     for opt in trainer.optimizers:
         if isinstance(opt, hytrain.HybridAdamW):
             opt.synchronize()  # the last update overlaps what would come next
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     return module.net, trainer
 
 
@@ -373,6 +377,20 @@ def test_lightning_trainer_with_gradient_clip_val():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"mixin={mixin} {n}")
         if mixin:
             assert trainer.callback_metrics["grad_norm"] > 0.5
+
+
+def test_lightning_checkpoint_resume(tmp_path):
+    """Fit 3 steps, save Lightning's checkpoint, fit on from it to 6: HybridAdamW ends where torch's
+    AdamW ends through the same save and resume."""
+    hybrid = lambda net: hytrain.HybridAdamW(net.parameters(), lr=LR, model=net, workers=2)  # noqa: E731
+    plain = lambda net: torch.optim.AdamW(net.parameters(), lr=LR, foreach=False)  # noqa: E731
+    ends = {}
+    for name, factory in (("torch", plain), ("hybrid", hybrid)):
+        lightning_run(factory, name == "hybrid", 0.5, steps=3, save_to=tmp_path / f"{name}.ckpt")
+        ends[name], trainer = lightning_run(factory, name == "hybrid", 0.5, resume=tmp_path / f"{name}.ckpt")
+        assert trainer.global_step == 6
+    for (n, a), b in zip(ends["hybrid"].named_parameters(), ends["torch"].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
 
 
 # ---- block detection on transformers' decoders ----------------------------------------------------------
