@@ -71,13 +71,12 @@ def build_model(workload, dtype, use_transformers):
         model.config.use_cache = False
         return model, (lambda x: model(input_ids=x, labels=x).loss)
     from hytrain.models import LlamaConfig, LlamaModel
-    from hytrain.train import CheckpointedLlama
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=w["hidden_size"], intermediate_size=w["intermediate_size"],
                       num_layers=w["num_layers"], num_heads=w["num_heads"], num_kv_heads=w["num_heads"],
                       max_seq_len=SEQ)
     with torch.device("cuda"):
-        model = (CheckpointedLlama if w["checkpointing"] else LlamaModel)(cfg).to(dtype)
+        model = LlamaModel(cfg, checkpointing=w["checkpointing"]).to(dtype)
     return model, (lambda x: model(x, x))
 
 

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                    "sources); see hytrain train --help", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["train"]:
-        from .train import main as train_main
+        from .job import main as train_main
 
         return train_main(argv[1:])
     args = ap.parse_args(argv)

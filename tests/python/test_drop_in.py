@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hytrain
-from hytrain.hybrid_adam import detect_blocks
+from hytrain.blocks import detect_blocks
 from hytrain.models import LlamaConfig, LlamaModel
 from test_hybrid_adam import Reference  # torch's AdamW on fp32 copies of the model's parameters
 

@@ -11,9 +11,10 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from hytrain import checkpoint as ckpt
-from hytrain.train import main
+from hytrain.job import main
 
 FAST = ["--batch-size", "4", "--seq-len", "64", "--no-progress", "--device", "cpu", "--workers", "1"]
 
@@ -189,3 +190,27 @@ def test_a_transformers_model_by_config_directory(tmp_path):
     from safetensors.torch import load_file
 
     fresh.load_state_dict(load_file(str(ckpt.resolve(out, "latest") / "model.safetensors")))  # no hytrain
+
+
+def test_activation_checkpointing_is_the_same_forward():
+    """One forward for both: the same loss and gradients with and without recomputation, and the
+    same sequence-length check."""
+    from hytrain.models import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_seq_len=16)
+    torch.manual_seed(0)
+    plain = LlamaModel(cfg)
+    recomputed = LlamaModel(cfg, checkpointing=True)
+    recomputed.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 64, (2, 16))
+    losses = []
+    for m in (plain, recomputed):
+        loss = m(x, x)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[0] == losses[1]
+    for a, b in zip(plain.parameters(), recomputed.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    with pytest.raises(ValueError, match="exceeds max_seq_len 16"):
+        recomputed(torch.zeros(1, 17, dtype=torch.long))

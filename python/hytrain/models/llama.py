@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -90,9 +91,12 @@ class Block(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig):
+    """``checkpointing=True``: each layer is recomputed in backward (activation checkpointing)."""
+
+    def __init__(self, config: LlamaConfig, *, checkpointing: bool = False):
         super().__init__()
         self.config = config
+        self.checkpointing = checkpointing
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -116,8 +120,9 @@ class LlamaModel(nn.Module):
         x = self.embed(tokens)
         cos = self.rope_cos[:t].to(x.dtype)
         sin = self.rope_sin[:t].to(x.dtype)
+        recompute = self.checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = checkpoint(layer, x, cos, sin, use_reentrant=False) if recompute else layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits

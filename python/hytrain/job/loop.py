@@ -1,0 +1,201 @@
+"""``hytrain train``: train a causal LM with HybridAdamW, with checkpoints, metrics and pictures.
+
+With no arguments it trains the ``tiny`` Llama-style model on an embedded corpus (the Python standard
+library's own source files, read as bytes: present on every machine, nothing to download), holding
+out about 5% of the files for validation. The same command runs on a CPU-only machine (the CPU
+update path) and on a GPU (the full offload pipeline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .. import checkpoint as ckpt
+from .. import plots
+from .. import cuda_available
+from .._native import native
+from ..blocks import detect_blocks
+from ..hybrid_adam import HybridAdamW
+from ..pool import PinnedPool, parse_bytes
+from .data import batch_at, load_corpus
+from .metrics import Metrics, Power, evaluate
+from .models import build_model
+from .options import DTYPES, ConfigError, add_arguments, resolve_options
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() and cuda_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if not (torch.cuda.is_available() and cuda_available()):
+            raise ConfigError("--device cuda: no usable GPU (or hytrain was built without CUDA)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {spec!r}")
+    return dev
+
+
+def lr_lambda(args):
+    def f(step):
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    return f
+
+
+def run(args) -> int:
+
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"cannot write to the output directory {out}: {e}") from None
+    device = pick_device(args.device)
+    dtype = DTYPES[args.precision or ("bf16" if device.type == "cuda" else "fp32")]
+    resume_dir = None
+    if args.resume:
+        resume_dir = ckpt.resolve(out, args.resume)
+        ckpt.verify(resume_dir)  # a corrupted checkpoint is refused before anything is built
+    train_data, val_data, desc = load_corpus(args.data, args.max_data_bytes)
+    model, n_params, model_cfg = build_model(args, device, dtype)
+    vocab = model_cfg.get("vocab_size", 256)
+    if vocab < 256:
+        raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the byte alphabet (256)")
+    state_bytes = n_params * (16 if device.type == "cuda" else 12) + (256 << 20)
+    pool = None
+    if args.pin_limit is not None:
+        limit = parse_bytes("pin_limit", args.pin_limit)
+        if state_bytes > limit:
+            raise ConfigError(f"the optimizer state of {n_params / 1e6:.1f} M parameters needs about "
+                              f"{state_bytes / 2**30:.2f} GiB of pinned memory, over --pin-limit {args.pin_limit}")
+        pool = PinnedPool(limit)
+    k = args.gpu_blocks if device.type == "cuda" else 0
+    if k != "auto":
+        k = min(k, len(detect_blocks(model, list(model.parameters()))))
+    limit = parse_bytes("gpu_memory_limit", args.gpu_memory_limit) if args.gpu_memory_limit else None
+    opt = HybridAdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                              max_grad_norm=args.max_grad_norm or None, model=model, pool=pool,
+                              gpu_blocks=k, gpu_memory_limit=limit if device.type == "cuda" else None,
+                              workers=args.workers or None, trace=True,
+                              speculate=False if args.speculate == "off" else args.speculate,
+                              release_grads=True)  # this loop never reads the gradients after backward
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
+    start = 0
+    if resume_dir is not None:
+        start = ckpt.load(resume_dir, model, opt, sched)
+        print(f"resumed from {resume_dir} at step {start}", flush=True)
+    (out / "config.json").write_text(json.dumps({"options": vars(args), "model": model_cfg}, indent=1, default=str))
+    print(f"hytrain train: {args.model} ({n_params / 1e6:.2f} M parameters, {dtype}) on {device}, "
+          f"k={opt.gpu_blocks}, data {desc}", flush=True)
+
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum  # finish the step, save, exit
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    metrics = Metrics(out)
+    power = Power(device)
+    bar = None if args.no_progress else tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
+    tokens_per_step = args.batch_size * args.seq_len
+    history, energy, t_start = [], 0.0, time.perf_counter()
+    step = start
+    try:
+        while step < args.steps:
+            t0 = time.perf_counter()
+            b = batch_at(train_data, step, args.batch_size, args.seq_len, args.seed).to(device, non_blocking=True)
+            loss = model(b[:, :-1], b[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            loss_v = float(loss.detach())  # the one host synchronisation per step
+            step += 1
+            dt = time.perf_counter() - t0
+            rec = {"step": step, "loss": loss_v, "lr": sched.get_last_lr()[0], "step_s": dt,
+                   "tokens_per_s": tokens_per_step / dt, **power.sample()}
+            if opt.last_grad_norm is not None:
+                rec["grad_norm"] = opt.last_grad_norm
+            sched_stats = opt.schedule_stats()
+            rec.update({key: sched_stats[key] for key in ("k", "gpu_wait_frac", "predicted_iter_s")
+                        if key in sched_stats})
+            energy += rec.get("energy_j", 0.0)
+            if not math.isfinite(loss_v):
+                raise RuntimeError(f"the loss became {loss_v} at step {step}; lower --lr")
+            if step % args.eval_every == 0 if args.eval_every else False:
+                rec["val_loss"] = evaluate(model, val_data, args, device)
+            if step == args.steps and "val_loss" not in rec:
+                rec["val_loss"] = evaluate(model, val_data, args, device)
+            metrics.write(rec)
+            history.append(rec)
+            if bar is not None:
+                bar.update(1)
+                post = dict(loss=f"{loss_v:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", k=rec["k"])
+                if "gpu_wait_frac" in rec:
+                    post["gpu_idle"] = f"{rec['gpu_wait_frac']:.0%}"
+                bar.set_postfix(**post)
+            elif "val_loss" in rec:
+                print(f"step {step}: loss {loss_v:.4f} val {rec['val_loss']:.4f} "
+                      f"{rec['tokens_per_s']:.0f} tokens/s", flush=True)
+            if (args.save_every and step % args.save_every == 0) or step == args.steps or stop["signal"]:
+                ckpt.save(out, step, model, opt, sched, {"options": vars(args), "model": model_cfg}, keep=args.keep)
+            if stop["signal"]:
+                print(f"\nstopped by signal {stop['signal']} after step {step}; checkpoint saved "
+                      f"(resume with --resume latest --out {out})", flush=True)
+                break
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if bar is not None:
+            bar.close()
+        metrics.close()
+    summary = finish(out, opt, history, n_params, tokens_per_step, time.perf_counter() - t_start, energy, device)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device) -> dict:
+    trace = opt.export_trace(out / "trace.json")
+    pictures = plots.write_all(out, history, trace)
+    vals = [r["val_loss"] for r in history if "val_loss" in r]
+    tokens = tokens_per_step * len(history)
+    summary = {"steps": history[-1]["step"] if history else 0, "params": n_params, "device": str(device),
+               "first_loss": history[0]["loss"] if history else None,
+               "final_loss": history[-1]["loss"] if history else None,
+               "final_val_loss": vals[-1] if vals else None, "tokens": tokens,
+               "tokens_per_s": tokens / elapsed if elapsed > 0 else None, "trace": str(trace), **pictures}
+    if energy > 0:
+        summary["energy_j"] = energy
+        summary["energy_per_token_j"] = energy / tokens
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="hytrain train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    try:
+        args = resolve_options(p, argv)
+        return run(args)
+    except (ConfigError, ckpt.CheckpointError) as e:
+        print(f"hytrain train: error: {e}", file=sys.stderr)
+        return 2
+    except native().PoolExhaustedError as e:
+        print(f"hytrain train: error: {e} (lower the model size or raise --pin-limit)", file=sys.stderr)
+        return 2

@@ -1,0 +1,135 @@
+"""The job's options: flags, a TOML/YAML config file under them, and the checks run before anything
+is built (a bad option exits 2 with a message, never a traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import torch
+
+from ..models.presets import PRESETS
+from ..pool import parse_bytes
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class ConfigError(ValueError):
+    """A bad option or config file; reported before any training starts."""
+
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--config", help="TOML (or YAML, with PyYAML installed) file of the options below; flags win")
+    a("--model", default="tiny", help=f"preset ({', '.join(PRESETS)}) or a transformers model name/path")
+    a("--data", default="stdlib", help="'stdlib' (the embedded corpus) or a text file or directory")
+    a("--batch-size", type=int, default=16, help="sequences per step")
+    a("--seq-len", type=int, default=128, help="tokens per sequence")
+    a("--steps", type=int, default=400, help="optimizer steps in total (a resumed run continues to it)")
+    a("--lr", type=float, default=3e-3, help="peak learning rate (linear warm-up, cosine decay to 10%%)")
+    a("--warmup", type=int, default=30, help="warm-up steps")
+    a("--weight-decay", type=float, default=0.1)
+    a("--max-grad-norm", type=float, default=1.0, help="global-norm clipping (0: off)")
+    a("--gpu-blocks", type=_k_option, default="auto",
+      help="k: leading blocks updated on the GPU (CUDA only), or 'auto': the scheduler picks k each step")
+    a("--speculate", type=_speculate_option, default="auto",
+      help="CPU updates during backward under clipping (CUDA): 'auto' (the scheduler picks from which "
+           "block), 'off', or N (blocks >= N); redone exactly when clipping fires")
+    a("--gpu-memory-limit", default=None,
+      help="GPU memory hytrain may plan with, e.g. 40GiB (default: the device's); resident states fit in it")
+    a("--precision", choices=list(DTYPES), default=None, help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
+    a("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False,
+      help="recompute each layer in backward")
+    a("--device", default="auto", help="auto, cpu or cuda[:N]")
+    a("--workers", type=int, default=0, help="CPU update threads (0: the usable cores)")
+    a("--eval-every", type=int, default=100, help="validation every N steps (and at the end)")
+    a("--eval-batches", type=int, default=8)
+    a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on signals)")
+    a("--keep", type=int, default=2, help="checkpoints kept")
+    a("--resume", default=None, help="a checkpoint directory, or 'latest' in --out")
+    a("--out", default="runs/default", help="output directory")
+    a("--seed", type=int, default=0)
+    a("--max-data-bytes", type=int, default=24 << 20, help="cap on the corpus read into memory")
+    a("--pin-limit", default=None, help="pinned-memory limit for optimizer state, e.g. 64GiB")
+    a("--no-progress", action="store_true", help="no progress bar (one line per eval instead)")
+
+
+def resolve_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """Defaults, then the config file, then explicit flags; unknown config keys are refused."""
+    args = p.parse_args(argv)
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        if path.suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise ConfigError("YAML config files need PyYAML (pip install pyyaml); or use TOML") from None
+            data = yaml.safe_load(path.read_text()) or {}
+        else:
+            import tomllib
+            try:
+                data = tomllib.loads(path.read_text())
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{path}: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a table of options")
+        known = {a.dest: a for a in p._actions if a.dest not in ("help", "config")}
+        unknown = sorted(k for k in data if k.replace("-", "_") not in known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown option(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(k.replace('_', '-') for k in known))}")
+        defaults = {k.replace("-", "_"): v for k, v in data.items()}
+        p.set_defaults(**defaults)
+        args = p.parse_args(argv)
+    check_options(args)
+    return args
+
+
+def _k_option(text):
+    return text if text == "auto" else int(text)
+
+
+def _speculate_option(text):
+    return text if text in ("auto", "off") else int(text)
+
+
+def check_options(args) -> None:
+    def positive(name, lo=1):
+        v = getattr(args, name)
+        if not isinstance(v, int) or v < lo:
+            raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
+
+    for name in ("batch_size", "seq_len", "steps", "eval_batches", "keep"):
+        positive(name)
+    for name in ("warmup", "workers", "eval_every", "save_every", "seed"):
+        positive(name, 0)
+    if args.gpu_blocks != "auto":
+        positive("gpu_blocks", 0)
+    if args.speculate is False:  # a TOML boolean
+        args.speculate = "off"
+    if args.speculate not in ("auto", "off"):
+        positive("speculate", 0)
+    if args.gpu_memory_limit is not None:
+        try:
+            parse_bytes("--gpu-memory-limit", args.gpu_memory_limit)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ConfigError(f"--lr must be a positive number, got {args.lr}")
+    if args.max_grad_norm < 0 or args.weight_decay < 0:
+        raise ConfigError("--max-grad-norm and --weight-decay must be >= 0")
+    if args.model not in PRESETS and not _transformers_available():
+        raise ConfigError(f"unknown model {args.model!r}: presets are {', '.join(PRESETS)} "
+                          "(other names need the transformers package)")
+
+
+def _transformers_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
