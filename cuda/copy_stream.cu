@@ -1,10 +1,10 @@
-// Copy streams with host completion notification; see hytrain/cuda_copy.h.
+// Copy streams with host completion notification; see hytrain/copy_stream.h.
 #include <chrono>
 #include <string>
 #include <thread>
 
 #include "cuda_check.h"
-#include "hytrain/cuda_copy.h"
+#include "hytrain/copy_stream.h"
 #include "hytrain/error.h"
 
 namespace hytrain {

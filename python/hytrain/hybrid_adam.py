@@ -62,7 +62,7 @@ from ._native import native
 from .cpu_adam import simd_paths
 from .cuda_adam import CudaAdamW
 from .pool import PinnedPool, physical_memory_bytes
-from .schedule import Meter
+from .meter import Meter
 from .trace import Timeline
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -23,7 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "hytrain/cuda_copy.h"
+#include "hytrain/copy_stream.h"
 #include "hytrain/update_engine.h"
 
 namespace hytrain {

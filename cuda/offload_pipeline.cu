@@ -1,4 +1,4 @@
-// The offload pipeline; see hytrain/cuda_pipeline.h.
+// The offload pipeline; see hytrain/offload_pipeline.h.
 #include <algorithm>
 #include <chrono>
 #include <limits>
@@ -6,7 +6,7 @@
 #include <string>
 
 #include "cuda_check.h"
-#include "hytrain/cuda_pipeline.h"
+#include "hytrain/offload_pipeline.h"
 #include "hytrain/error.h"
 
 namespace hytrain {
