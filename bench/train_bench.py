@@ -242,7 +242,7 @@ def run_mode(args):
                    state_budget_gb=stats.get("state_budget_bytes", 0) / 1e9)
         if rec["predicted_iter_s"]:
             rec["measured_vs_predicted"] = iter_s / rec["predicted_iter_s"]
-        costs = opt._scheduler.costs() if opt._scheduler is not None else []
+        costs = opt.scheduler.costs() if opt.scheduler is not None else []
         if costs:
             rec["block_costs_ms"] = {name: round(sum(c[i] for c in costs) * 1e3, 2)
                                      for i, name in enumerate(("fwd", "bwd", "d2h", "cpu", "h2d", "gpu"))}

@@ -663,6 +663,26 @@ class HybridAdamW(torch.optim.Optimizer):
         if self.speculate == "auto":
             self._speculate_from(self._prediction["speculative_from"])
 
+    @property
+    def blocks(self) -> list[list[nn.Parameter]]:
+        """The blocks, in forward order: the parameters updated together (a copy of the lists)."""
+        return [list(b) for b in self._blocks]
+
+    @property
+    def scheduler(self):
+        """The native ``KSplitScheduler`` (for inspection: ``costs()``, ``predict(k)``), or None: it
+        exists on CUDA with a model and ``accumulation_steps=1``, from the first step on."""
+        return self._scheduler
+
+    def residency(self) -> dict:
+        """Where the blocks' states are: ``gpu`` (resident blocks), ``moving`` (blocks whose states are
+        still in an asynchronous move), ``lent`` (speculating block -> the GPU-resident block whose idle
+        host state it borrows as shadows). Empty before the first step."""
+        if not self.bound:
+            return {"gpu": [], "moving": [], "lent": {}}
+        return {"gpu": [b for b, on in enumerate(self._on_gpu) if on], "moving": sorted(self._mig_events),
+                "lent": dict(self._lent)}
+
     def schedule_stats(self) -> dict:
         """What the scheduler saw and predicts: k, the predicted iteration (``predicted_iter_s``,
         ``predicted_gpu_idle_s``), the measured compute-stream iteration and the share of it spent

@@ -4,7 +4,6 @@ LR schedules, GradScaler with a forced overflow, state_dict round trips, and bad
 
 import copy
 import json
-import traceback
 
 import pytest
 import torch
@@ -122,21 +121,22 @@ def test_fp32_model_is_nearly_exact_and_overlaps_backward():
     opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, workers=2, release_grads=True)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, foreach=False)
     data = batches(10)
-    submitted_in_backward = []
-    orig = opt._launch
-
-    def spy(b, scale, *, release):
-        submitted_in_backward.append(any(f.name == "_on_grad" for f in traceback.extract_stack()))
-        return orig(b, scale, release=release)
-
-    opt._launch = spy
-    losses = train(model, opt, data)
+    losses, updated_in_backward = [], []
+    for (x,) in data:
+        before = [p.detach().clone() for p in model.parameters()]
+        loss = model(x, x)
+        loss.backward()
+        opt.synchronize()  # waits for the updates launched from the backward hooks (if any)
+        updated_in_backward.append([not torch.equal(a, p) for a, p in zip(before, model.parameters())])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    opt.synchronize()
     ref_losses = train(ref_model, ref, data)
     assert_close_models(model, ref_model, losses, ref_losses, torch.float32)
-    # After the first (deferred) step, blocks are queued from the backward hooks, not from step().
-    n_blocks = len(opt._blocks)
-    assert not any(submitted_in_backward[:n_blocks])
-    assert all(submitted_in_backward[n_blocks:])
+    # The first step is deferred; afterwards every parameter is updated before step() is called.
+    assert not any(updated_in_backward[0])
+    assert all(all(u) for u in updated_in_backward[1:])
 
 
 def test_accumulation_over_4_micro_batches_equals_one_big_step():
@@ -274,7 +274,7 @@ def test_trace_of_the_cpu_path(tmp_path):
     events = json.load(open(opt.export_trace(tmp_path / "t.json")))["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]
     names = {e["name"] for e in spans}
-    n = len(opt._blocks)
+    n = len(opt.blocks)
     assert {f"forward block {b}" for b in range(n - 1)} <= names
     assert {f"backward block {b}" for b in range(n)} <= names
     assert {f"AdamW block {b}" for b in range(n)} <= names
