@@ -11,8 +11,8 @@
 #include "hytrain/cuda_adamw.h"
 #include "hytrain/cuda_env.h"
 #include "hytrain/cuda_grad_norm.h"
-#include "hytrain/offload_pipeline.h"
 #endif
+#include "hytrain/offload_pipeline.h"
 
 namespace hytrain {
 namespace bindings {
@@ -27,6 +27,9 @@ void add_cuda_build_info(py::dict& d) {
   d["cuda_driver"] = cuda::driver_version();
   d["cuda_devices"] = cuda::device_names();
 }
+
+// The copy queues of a pipeline built here are CUDA copy streams.
+cuda::CopyStream& cuda_stream(CopyQueue& q) { return static_cast<cuda::CopyStream&>(q); }
 
 void bind_cuda(py::module_& m) {
   m.def("cuda_available", &cuda::available, "True when CUDA is compiled in and a GPU is usable.");
@@ -114,7 +117,7 @@ void bind_cuda(py::module_& m) {
   // Copy rows: (dst, src, bytes).
   using CopyRow = std::tuple<std::uintptr_t, std::uintptr_t, std::size_t>;
   const auto to_copies = [](const std::vector<CopyRow>& rows) {
-    std::vector<cuda::HostCopy> out;
+    std::vector<HostCopy> out;
     out.reserve(rows.size());
     for (const CopyRow& r : rows) {
       out.push_back({as_ptr<void>(std::get<0>(r)), as_ptr<const void>(std::get<1>(r)),
@@ -122,14 +125,16 @@ void bind_cuda(py::module_& m) {
     }
     return out;
   };
-  py::class_<cuda::OffloadPipeline>(m, "OffloadPipeline")
+  py::class_<OffloadPipeline>(m, "OffloadPipeline")
       .def(py::init([](UpdateEngine& engine, int device, int d2h_priority, int h2d_priority) {
-             return std::make_unique<cuda::OffloadPipeline>(engine, device, d2h_priority,
-                                                            h2d_priority);
+             return std::make_unique<OffloadPipeline>(
+                 engine,
+                 std::make_unique<cuda::CopyStream>(device, cuda::CopyDirection::device_to_host, d2h_priority),
+                 std::make_unique<cuda::CopyStream>(device, cuda::CopyDirection::host_to_device, h2d_priority));
            }),
            py::arg("engine"), py::arg("device"), py::arg("d2h_priority") = 0,
            py::arg("h2d_priority") = 0, py::keep_alive<1, 2>())
-      .def("stage", [to_copies](cuda::OffloadPipeline& p, int64_t block,
+      .def("stage", [to_copies](OffloadPipeline& p, int64_t block,
                                 const std::vector<CopyRow>& d2h, const std::vector<JobRow>& rows,
                                 const std::vector<CopyRow>& h2d, std::uintptr_t stream, bool hold) {
         const auto jobs = to_jobs(rows);
@@ -139,13 +144,13 @@ void bind_cuda(py::module_& m) {
         p.stage(block, out, jobs, in, stream, hold);
       }, py::arg("block"), py::arg("d2h"), py::arg("jobs"), py::arg("h2d"), py::arg("stream"),
          py::arg("hold") = false)
-      .def("release", &cuda::OffloadPipeline::release, py::arg("block"), py::arg("grad_scale"))
-      .def("cancel", &cuda::OffloadPipeline::cancel, py::arg("block"))
-      .def("wait_ready", &cuda::OffloadPipeline::wait_ready, py::arg("block"), py::arg("stream"),
+      .def("release", &OffloadPipeline::release, py::arg("block"), py::arg("grad_scale"))
+      .def("cancel", &OffloadPipeline::cancel, py::arg("block"))
+      .def("wait_ready", &OffloadPipeline::wait_ready, py::arg("block"), py::arg("stream"),
            py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
-      .def("in_flight", &cuda::OffloadPipeline::in_flight)
-      .def("last_pass", [](cuda::OffloadPipeline& p, int64_t block) {
-        const cuda::BlockPass b = p.last_pass(block);
+      .def("in_flight", &OffloadPipeline::in_flight)
+      .def("last_pass", [](OffloadPipeline& p, int64_t block) {
+        const BlockPass b = p.last_pass(block);
         py::dict d;
         d["d2h"] = std::make_tuple(b.d2h_first, b.d2h_last);
         d["h2d"] = std::make_tuple(b.h2d_first, b.h2d_last);
@@ -155,16 +160,16 @@ void bind_cuda(py::module_& m) {
         d["elements"] = b.update.elements;
         return d;
       })
-      .def("copy_times_ms", [](cuda::OffloadPipeline& p, const std::string& direction,
+      .def("copy_times_ms", [](OffloadPipeline& p, const std::string& direction,
                                std::uintptr_t ref_event, uint64_t ticket) {
         HYTRAIN_CHECK(direction == "d2h" || direction == "h2d", "direction must be d2h or h2d");
-        return (direction == "d2h" ? p.d2h() : p.h2d()).times_since_ms(ref_event, ticket);
+        return cuda_stream(direction == "d2h" ? p.d2h() : p.h2d()).times_since_ms(ref_event, ticket);
       })
-      .def_property_readonly("d2h_issued", [](cuda::OffloadPipeline& p) { return p.d2h().issued(); })
+      .def_property_readonly("d2h_issued", [](OffloadPipeline& p) { return p.d2h().issued(); })
       .def_property_readonly("d2h_completed",
-                             [](cuda::OffloadPipeline& p) { return p.d2h().completed(); })
-      .def_property_readonly("d2h_handle", [](cuda::OffloadPipeline& p) { return p.d2h().handle(); })
-      .def_property_readonly("h2d_handle", [](cuda::OffloadPipeline& p) { return p.h2d().handle(); });
+                             [](OffloadPipeline& p) { return p.d2h().completed(); })
+      .def_property_readonly("d2h_handle", [](OffloadPipeline& p) { return cuda_stream(p.d2h()).handle(); })
+      .def_property_readonly("h2d_handle", [](OffloadPipeline& p) { return cuda_stream(p.h2d()).handle(); });
 }
 
 #else

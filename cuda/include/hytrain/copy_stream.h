@@ -25,12 +25,14 @@
 #include <utility>
 #include <vector>
 
+#include "hytrain/copy_queue.h"
+
 namespace hytrain {
 namespace cuda {
 
 enum class CopyDirection { device_to_host, host_to_device };
 
-class CopyStream {
+class CopyStream final : public CopyQueue {
  public:
   // priority: 0 = default, negative = higher (CUDA's convention, clamped to the device's range).
   CopyStream(int device, CopyDirection direction, int priority = 0, std::size_t ring = 1024);
@@ -43,18 +45,18 @@ class CopyStream {
   // stream that produced the data). Returns the copy's ticket. Blocks only when `ring` copies are
   // still in flight.
   uint64_t copy(void* dst, const void* src, std::size_t bytes,
-                std::optional<std::uintptr_t> after_stream);
+                std::optional<std::uintptr_t> after_stream) override;
 
   // Makes `stream` wait on the device until `ticket` has landed (no host synchronisation).
-  void make_wait(std::uintptr_t stream, uint64_t ticket);
+  void make_wait(std::uintptr_t stream, uint64_t ticket) override;
 
   bool query(uint64_t ticket) const { return completed() >= ticket; }
   // Blocks the host until `ticket` has landed. timeout_s < 0 waits forever. Throws hytrain::Error on a
   // CUDA error in the stream, hytrain::Timeout when the timeout passes.
   void wait(uint64_t ticket, double timeout_s = -1.0);
 
-  uint64_t issued() const { return issued_.load(std::memory_order_acquire); }
-  uint64_t completed() const { return completed_.load(std::memory_order_acquire); }
+  uint64_t issued() const override { return issued_.load(std::memory_order_acquire); }
+  uint64_t completed() const override { return completed_.load(std::memory_order_acquire); }
 
   // (start_ms, end_ms) of a landed ticket, relative to the stream's creation; the ticket must be one
   // of the last `ring` issued.
@@ -64,13 +66,13 @@ class CopyStream {
   std::pair<double, double> times_since_ms(std::uintptr_t ref_event, uint64_t ticket);
 
   // The first CUDA error the stream hit, or "" (the stream is then unusable).
-  std::string failure();
+  std::string failure() override;
 
   // Called on the poller thread with each landed ticket, in order. It must be quick; it must not
   // call this stream's methods. Set it before the first copy.
-  void set_listener(std::function<void(uint64_t)> listener);
+  void set_listener(std::function<void(uint64_t)> listener) override;
 
-  std::uintptr_t handle() const { return reinterpret_cast<std::uintptr_t>(stream_); }
+  std::uintptr_t handle() const override { return reinterpret_cast<std::uintptr_t>(stream_); }
   int device() const { return device_; }
   CopyDirection direction() const { return direction_; }
 

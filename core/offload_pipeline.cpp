@@ -5,12 +5,10 @@
 #include <optional>
 #include <string>
 
-#include "cuda_check.h"
 #include "hytrain/offload_pipeline.h"
 #include "hytrain/error.h"
 
 namespace hytrain {
-namespace cuda {
 
 namespace {
 
@@ -18,11 +16,10 @@ constexpr uint64_t kUnknownTicket = std::numeric_limits<uint64_t>::max();
 
 }  // namespace
 
-OffloadPipeline::OffloadPipeline(UpdateEngine& engine, int device, int d2h_priority,
-                                 int h2d_priority)
-    : engine_(engine), device_(device) {
-  d2h_ = std::make_unique<CopyStream>(device, CopyDirection::device_to_host, d2h_priority);
-  h2d_ = std::make_unique<CopyStream>(device, CopyDirection::host_to_device, h2d_priority);
+OffloadPipeline::OffloadPipeline(UpdateEngine& engine, std::unique_ptr<CopyQueue> d2h,
+                                 std::unique_ptr<CopyQueue> h2d)
+    : engine_(engine), d2h_(std::move(d2h)), h2d_(std::move(h2d)) {
+  HYTRAIN_CHECK(d2h_ && h2d_, "the offload pipeline needs two copy queues");
   d2h_->set_listener([this](uint64_t ticket) { on_gradients_landed(ticket); });
   gate_ = std::make_shared<Gate>();
   gate_->owner = this;
@@ -271,5 +268,4 @@ BlockPass OffloadPipeline::last_pass(int64_t block) {
   return it->second;
 }
 
-}  // namespace cuda
 }  // namespace hytrain

@@ -1,4 +1,6 @@
 // The offload pipeline: one GPU's blocks, from gradients on the device to updated weights back on it.
+// It is host logic over two copy queues (copy_queue.h): cuda/ gives it CUDA copy streams, the C++
+// tests give it host queues.
 //
 //   stage(block)   D2H of the block's gradients into pinned staging, ordered after the compute
 //                  stream's queued work (the backward that produced them)
@@ -23,11 +25,10 @@
 #include <unordered_map>
 #include <vector>
 
-#include "hytrain/copy_stream.h"
+#include "hytrain/copy_queue.h"
 #include "hytrain/update_engine.h"
 
 namespace hytrain {
-namespace cuda {
 
 struct HostCopy {
   void* dst = nullptr;
@@ -45,9 +46,10 @@ struct BlockPass {
 
 class OffloadPipeline {
  public:
-  // The engine must outlive the pipeline; the pipeline installs the engine's on-complete hook.
-  OffloadPipeline(UpdateEngine& engine, int device, int d2h_priority = 0, int h2d_priority = 0);
-  ~OffloadPipeline();  // drains in-flight blocks (errors are dropped), then stops the copy streams
+  // The engine must outlive the pipeline; the pipeline installs the engine's on-complete hook and
+  // owns the two copy queues (gradients device to host, weights host to device).
+  OffloadPipeline(UpdateEngine& engine, std::unique_ptr<CopyQueue> d2h, std::unique_ptr<CopyQueue> h2d);
+  ~OffloadPipeline();  // drains in-flight blocks (errors are dropped), then stops the copy queues
   OffloadPipeline(const OffloadPipeline&) = delete;
   OffloadPipeline& operator=(const OffloadPipeline&) = delete;
 
@@ -75,8 +77,8 @@ class OffloadPipeline {
   // The last pass of `block` that wait_ready consumed.
   BlockPass last_pass(int64_t block);
 
-  CopyStream& d2h() { return *d2h_; }
-  CopyStream& h2d() { return *h2d_; }
+  CopyQueue& d2h() { return *d2h_; }
+  CopyQueue& h2d() { return *h2d_; }
 
  private:
   enum class State { copying_out, landed, updating, ready, failed };  // landed: held on the host
@@ -107,9 +109,8 @@ class OffloadPipeline {
   std::string stream_failure();
 
   UpdateEngine& engine_;
-  int device_;
-  std::unique_ptr<CopyStream> d2h_;
-  std::unique_ptr<CopyStream> h2d_;
+  std::unique_ptr<CopyQueue> d2h_;
+  std::unique_ptr<CopyQueue> h2d_;
   std::shared_ptr<Gate> gate_;
   std::mutex stage_mutex_;           // one stage() at a time
   std::mutex mutex_;                // guards everything below
@@ -119,5 +120,4 @@ class OffloadPipeline {
   std::unordered_map<int64_t, BlockPass> last_;
 };
 
-}  // namespace cuda
 }  // namespace hytrain
