@@ -311,8 +311,8 @@ class HybridAdamW(torch.optim.Optimizer):
         if model is not None:
             self._install_forward_hooks(model)
         if self._cuda and self._model_hooks:
-            self._meter = Meter(self.device, self._pipeline, len(self._blocks))
-            self._meter.started = 1  # iterations are numbered from the first, which ran before the state existed
+            # Iterations are numbered from the first, which ran before the state existed.
+            self._meter = Meter(self.device, self._pipeline, len(self._blocks), first_index=1)
         if self._cuda and self._model_hooks and self.accumulation_steps == 1:
             # Fixed k too: its predictions are what a run is checked against.
             self._start_scheduler(self._gpu_memory_request)

@@ -41,7 +41,7 @@ def route_clipping(accelerator, optimizer):
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2):
         params = [parameters] if hasattr(parameters, "grad") else list(parameters)
-        opt = _unwrap(optimizer() if callable(optimizer) and not hasattr(optimizer, "step") else optimizer)
+        opt = _unwrap(optimizer() if callable(optimizer) else optimizer)  # optimizers are not callable
         if opt is not None and float(norm_type) == 2.0:
             mine = {id(p) for g in opt.param_groups for p in g["params"]}
             if all(id(p) in mine or p.grad is None for p in params):

@@ -64,12 +64,12 @@ class _Discard:
 class Meter:
     WARMUP = 2  # iterations not measured: allocator growth, kernel selection, first copies
 
-    def __init__(self, device: torch.device, pipeline, n_blocks: int):
+    def __init__(self, device: torch.device, pipeline, n_blocks: int, first_index: int = 0):
         self.device = device
         self.pipeline = pipeline
         self.n_blocks = n_blocks
         self.current = None
-        self.started = 0
+        self.started = first_index  # the index the next recorded iteration gets
         self.pending = None   # the finished iteration, read at the next step
         self.last = {}        # what the last harvest measured (seconds and shares)
 
