@@ -114,17 +114,6 @@ void bind_cuda(py::module_& m) {
       .def_property_readonly("completed", &cuda::CopyStream::completed)
       .def_property_readonly("handle", &cuda::CopyStream::handle)
       .def_property_readonly("device", &cuda::CopyStream::device);
-  // Copy rows: (dst, src, bytes).
-  using CopyRow = std::tuple<std::uintptr_t, std::uintptr_t, std::size_t>;
-  const auto to_copies = [](const std::vector<CopyRow>& rows) {
-    std::vector<HostCopy> out;
-    out.reserve(rows.size());
-    for (const CopyRow& r : rows) {
-      out.push_back({as_ptr<void>(std::get<0>(r)), as_ptr<const void>(std::get<1>(r)),
-                     std::get<2>(r)});
-    }
-    return out;
-  };
   py::class_<OffloadPipeline>(m, "OffloadPipeline")
       .def(py::init([](UpdateEngine& engine, int device, int d2h_priority, int h2d_priority) {
              return std::make_unique<OffloadPipeline>(
@@ -134,16 +123,20 @@ void bind_cuda(py::module_& m) {
            }),
            py::arg("engine"), py::arg("device"), py::arg("d2h_priority") = 0,
            py::arg("h2d_priority") = 0, py::keep_alive<1, 2>())
-      .def("stage", [to_copies](OffloadPipeline& p, int64_t block,
-                                const std::vector<CopyRow>& d2h, const std::vector<JobRow>& rows,
-                                const std::vector<CopyRow>& h2d, std::uintptr_t stream, bool hold) {
-        const auto jobs = to_jobs(rows);
-        const auto out = to_copies(d2h);
-        const auto in = to_copies(h2d);
+      .def("stage", [](OffloadPipeline& p, int64_t block, ParamTable& table, const std::vector<int64_t>& handles,
+                       const std::vector<std::uintptr_t>& grads, const std::vector<std::uintptr_t>& weights,
+                       double grad_scale, std::uintptr_t stream, bool hold, bool speculative, bool redo) {
+        // A redo reads the gradients still in staging and recomputes the step the counters hold.
+        const PassPlan plan = table.offload_pass(handles, live_addresses(grads, weights), grad_scale,
+                                                 speculative, !redo, !redo);
         py::gil_scoped_release release;
-        p.stage(block, out, jobs, in, stream, hold);
-      }, py::arg("block"), py::arg("d2h"), py::arg("jobs"), py::arg("h2d"), py::arg("stream"),
-         py::arg("hold") = false)
+        p.stage(block, plan.d2h, plan.jobs, plan.h2d, stream, hold);
+      }, py::arg("block"), py::arg("table"), py::arg("handles"), py::arg("grads"), py::arg("weights"),
+         py::arg("grad_scale"), py::arg("stream"), py::arg("hold") = false, py::arg("speculative") = false,
+         py::arg("redo") = false,
+         "Starts a pass of the table's `handles`: gradients (device addresses) to staging, the update, "
+         "the new weights to `weights` (device addresses). hold: the update waits for release(); "
+         "speculative: the new state goes to the shadows; redo: the gradients are already staged.")
       .def("release", &OffloadPipeline::release, py::arg("block"), py::arg("grad_scale"))
       .def("cancel", &OffloadPipeline::cancel, py::arg("block"))
       .def("wait_ready", &OffloadPipeline::wait_ready, py::arg("block"), py::arg("stream"),

@@ -35,6 +35,38 @@ void bind_scheduler(py::module_& m) {
     d["ready"] = p.ready;
     return d;
   };
+  py::class_<IterationTimes::Wait>(m, "ForwardWait", "A forward hook's wait: its blocks, start and end (ms).")
+      .def(py::init([](std::vector<int64_t> blocks, double before_ms, double after_ms) {
+             return IterationTimes::Wait{std::move(blocks), before_ms, after_ms};
+           }),
+           py::arg("blocks"), py::arg("before_ms"), py::arg("after_ms"));
+  py::class_<IterationTimes::Span>(m, "BlockSpan", "A block's copy or CPU update: start and end (s).")
+      .def(py::init([](int64_t block, double start_s, double end_s) {
+             return IterationTimes::Span{block, start_s, end_s};
+           }),
+           py::arg("block"), py::arg("start_s"), py::arg("end_s"));
+  py::class_<IterationTimes>(m, "IterationTimes", "One measured iteration's raw times (see ksplit.h).")
+      .def(py::init<>())
+      .def_readwrite("waits", &IterationTimes::waits)
+      .def_readwrite("backward_ms", &IterationTimes::backward_ms)
+      .def_readwrite("gpu_update_s", &IterationTimes::gpu_update_s)
+      .def_readwrite("d2h", &IterationTimes::d2h)
+      .def_readwrite("h2d", &IterationTimes::h2d)
+      .def_readwrite("cpu", &IterationTimes::cpu)
+      .def_readwrite("launch_ms", &IterationTimes::launch_ms)
+      .def_readwrite("next_start_ms", &IterationTimes::next_start_ms)
+      .def_readwrite("deferred", &IterationTimes::deferred);
+  m.def("attribute_iteration", [](const IterationTimes& t, KSplitScheduler* sink) {
+    const IterationSummary s = attribute_iteration(t, sink);
+    py::dict d;
+    d["iter_gpu_s"] = s.iter_gpu_s;
+    d["gpu_wait_s"] = s.gpu_wait_s;
+    d["gpu_wait_frac"] = s.gpu_wait_frac;
+    return d;
+  }, py::arg("times"), py::arg("scheduler") = nullptr,
+     "Charges an iteration's times to per-block phases and feeds them to `scheduler` (None: only the "
+     "summary: iter_gpu_s, gpu_wait_s, gpu_wait_frac).");
+
   py::class_<KSplitScheduler>(m, "KSplitScheduler")
       .def(py::init([](std::vector<int64_t> numel, std::vector<int64_t> weight_bytes,
                        std::vector<int64_t> state_bytes, double smoothing, double hysteresis, int horizon,

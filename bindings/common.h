@@ -1,4 +1,4 @@
-// Shared by the binder files of hytrain_native: address conversion, the AdamW settings and job rows
+// Shared by the binder files of hytrain_native: address conversion, the AdamW settings and live addresses
 // that several areas take, and the binder of each area (module.cpp calls them in order).
 #pragma once
 
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "hytrain/adamw.h"
+#include "hytrain/param_table.h"
 #include "hytrain/pinned_pool.h"
 #include "hytrain/update_engine.h"
 
@@ -27,15 +28,9 @@ T* as_ptr(std::uintptr_t address) {
 AdamWConfig make_config(int64_t step, double lr, double beta1, double beta2, double eps,
                         double weight_decay, bool decoupled, bool amsgrad, double grad_scale);
 
-// Job rows: (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, grad_dtype, param_copy,
-// param_copy_dtype, numel, lr, beta1, beta2, eps, weight_decay, step, decoupled, amsgrad,
-// grad_scale, param_out, exp_avg_out, exp_avg_sq_out, max_exp_avg_sq_out), addresses as ints
-// (outputs 0: in place), validated by python/hytrain.
-using JobRow = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t,
-                          std::uintptr_t, int, std::uintptr_t, int, int64_t, double, double,
-                          double, double, double, int64_t, bool, bool, double, std::uintptr_t,
-                          std::uintptr_t, std::uintptr_t, std::uintptr_t>;
-std::vector<UpdateJob> to_jobs(const std::vector<JobRow>& rows);
+// The live gradient and weight addresses of a pass, one pair per ParamTable handle.
+std::vector<LiveAddresses> live_addresses(const std::vector<std::uintptr_t>& grads,
+                                          const std::vector<std::uintptr_t>& weights);
 
 // What only a CUDA build has (defined in bind_cuda.cpp either way): page-locked host memory for the
 // pool (null where no GPU is usable, so the pool falls back to page-aligned memory; a build without
@@ -45,6 +40,7 @@ void add_cuda_build_info(py::dict& d);
 
 void bind_core(py::module_& m);       // build info, SIMD paths, the raw AdamW step, bandwidth probe
 void bind_pool(py::module_& m);       // PinnedPool and its allocations
+void bind_runtime(py::module_& m);    // ParamTable, BlockRuntime
 void bind_engine(py::module_& m);     // UpdateEngine
 void bind_scheduler(py::module_& m);  // KSplitScheduler
 void bind_cuda(py::module_& m);       // GPU availability; AdamW, grad norm, copy streams, pipeline

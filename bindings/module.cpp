@@ -35,6 +35,7 @@ PYBIND11_MODULE(hytrain_native, m) {
   py::register_exception<Timeout>(m, "DeviceTimeoutError", PyExc_TimeoutError);
   bindings::bind_core(m);
   bindings::bind_pool(m);
+  bindings::bind_runtime(m);
   bindings::bind_engine(m);
   bindings::bind_scheduler(m);
   bindings::bind_cuda(m);

@@ -253,4 +253,89 @@ double KSplitScheduler::closed_form_k(double L, double t_bwd, double c, double a
   return std::clamp((L - t_bwd / c) / (1 + alpha), 0.0, L);
 }
 
+namespace {
+
+// (block, start, end) -> block: end - max(start, the previous end), in the order the blocks ended.
+std::vector<std::pair<std::int64_t, double>> service_times(std::vector<IterationTimes::Span> spans) {
+  std::stable_sort(spans.begin(), spans.end(),
+                   [](const IterationTimes::Span& a, const IterationTimes::Span& b) { return a.end_s < b.end_s; });
+  std::vector<std::pair<std::int64_t, double>> out;
+  double free = kNaN;
+  for (const auto& s : spans) {
+    const double begin = std::isnan(free) ? s.start_s : std::max(s.start_s, free);
+    out.emplace_back(s.block, std::max(0.0, s.end_s - begin));
+    free = s.end_s;
+  }
+  return out;
+}
+
+}  // namespace
+
+IterationSummary attribute_iteration(const IterationTimes& t, KSplitScheduler* sink) {
+  if (t.waits.empty() || t.backward_ms.empty()) {
+    HYTRAIN_THROW("attribute_iteration: an iteration needs its forward waits and backward times");
+  }
+  const auto observe = [sink](std::int64_t block, Phase phase, double seconds) {
+    if (sink) sink->observe(static_cast<std::size_t>(block), phase, seconds);
+  };
+  double gpu_total = 0;
+  std::vector<std::pair<std::int64_t, double>> gpu = t.gpu_update_s;
+  for (const auto& [b, s] : gpu) {
+    observe(b, Phase::Gpu, s);
+    gpu_total += s;
+  }
+  const auto gpu_of = [&gpu](std::int64_t b) {
+    for (const auto& [block, s] : gpu) {
+      if (block == b) return s;
+    }
+    return 0.0;
+  };
+  // Forward: hook i's blocks run from the end of its wait to the next hook's wait.
+  double wait_s = 0;
+  for (std::size_t i = 0; i < t.waits.size(); ++i) {
+    const auto& w = t.waits[i];
+    wait_s += (w.after_ms - w.before_ms) / 1e3;
+    if (i + 1 < t.waits.size() && !w.blocks.empty()) {
+      observe(w.blocks[0], Phase::Forward, std::max(0.0, t.waits[i + 1].before_ms - w.after_ms) / 1e3);
+      for (std::size_t j = 1; j < w.blocks.size(); ++j) observe(w.blocks[j], Phase::Forward, 0.0);
+    }
+  }
+  // Backward, last block first.
+  std::vector<std::pair<std::int64_t, double>> bwd = t.backward_ms;
+  std::sort(bwd.begin(), bwd.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  const auto& last = t.waits.back();
+  for (std::size_t i = 0; i < bwd.size(); ++i) {
+    const auto [b, at] = bwd[i];
+    if (i == 0) {  // the last block: its forward, the loss and its backward together
+      double both = std::max(0.0, at - last.after_ms) / 1e3;
+      if (std::find(last.blocks.begin(), last.blocks.end(), b) != last.blocks.end()) {
+        observe(b, Phase::Forward, both / 3);
+        both *= 2.0 / 3.0;
+      }
+      observe(b, Phase::Backward, both);
+      continue;
+    }
+    const auto [prev, prev_at] = bwd[i - 1];
+    double s = (at - prev_at) / 1e3;
+    if (!t.deferred) s -= gpu_of(prev);
+    observe(b, Phase::Backward, std::max(0.0, s));
+  }
+  for (const auto& [phase, spans] : {std::make_pair(Phase::D2H, &t.d2h), std::make_pair(Phase::H2D, &t.h2d),
+                                     std::make_pair(Phase::Cpu, &t.cpu)}) {
+    for (const auto& [b, s] : service_times(*spans)) observe(b, phase, s);
+  }
+  const double end_bwd = bwd.back().second;  // block 0's (the lowest index's) gradients
+  const double launch = std::isnan(t.launch_ms) ? end_bwd : t.launch_ms;
+  const double deferred_gpu = t.deferred ? gpu_total : 0.0;
+  if (sink) {
+    sink->observe_overhead(std::max(0.0, launch - end_bwd) / 1e3,
+                           std::max(0.0, (t.next_start_ms - launch) / 1e3 - deferred_gpu));
+  }
+  IterationSummary out;
+  out.iter_gpu_s = t.next_start_ms / 1e3;
+  out.gpu_wait_s = wait_s;
+  out.gpu_wait_frac = out.iter_gpu_s > 0 ? wait_s / out.iter_gpu_s : 0.0;
+  return out;
+}
+
 }  // namespace hytrain

@@ -388,4 +388,42 @@ TEST(bad_input_throws) {
   CHECK_THROWS(KSplitScheduler::simulate(std::vector<BlockCosts>(2), 3, StepShape{}));
 }
 
+// The measuring half of the cost model on a hand-built iteration whose costs are known: forward
+// between waits, the last block's forward+loss+backward split 1:2, backward less an in-between GPU
+// update, copies and CPU updates as service times (a block queued behind another is charged from
+// when the resource freed), and the step overheads.
+TEST(attribution_recovers_known_costs) {
+  KSplitConfig cfg;
+  cfg.smoothing = 1.0;  // each estimate is the last measurement
+  KSplitScheduler s({1000, 1000, 1000}, {2000, 2000, 2000}, {16000, 16000, 16000}, cfg);
+  IterationTimes t;
+  t.waits = {{{0}, 0.0, 0.5}, {{1}, 2.5, 3.0}, {{2}, 6.0, 6.0}};
+  t.backward_ms = {{2, 18.0}, {1, 24.0}, {0, 30.0}};  // block 2: 4 ms forward + 8 ms backward
+  t.gpu_update_s = {{1, 1e-3}};                       // block 1's GPU update before block 0's backward
+  t.d2h = {{2, 0.0181, 0.0191}, {0, 0.0302, 0.0312}};
+  t.cpu = {{0, 0.025, 0.035}, {2, 0.0191, 0.0291}};  // block 0 queued behind block 2
+  t.launch_ms = 30.5;
+  t.next_start_ms = 40.0;
+  const IterationSummary sum = attribute_iteration(t, &s);
+  const auto near = [](double a, double b) { return std::fabs(a - b) < 1e-12; };
+  const std::vector<BlockCosts> c = s.costs();
+  CHECK(near(c[0].fwd, 2e-3) && near(c[1].fwd, 3e-3) && near(c[2].fwd, 4e-3));
+  CHECK(near(c[0].bwd, 5e-3) && near(c[1].bwd, 6e-3) && near(c[2].bwd, 8e-3));
+  CHECK(near(c[1].gpu, 1e-3));
+  CHECK(near(c[0].d2h, 1e-3) && near(c[2].d2h, 1e-3));
+  CHECK(near(c[2].cpu, 10e-3) && near(c[0].cpu, 5.9e-3));
+  const StepShape shape = s.shape();
+  CHECK(near(shape.before_launch_s, 0.5e-3) && near(shape.after_launch_s, 9.5e-3));
+  CHECK(near(sum.iter_gpu_s, 0.040) && near(sum.gpu_wait_s, 1e-3) && near(sum.gpu_wait_frac, 0.025));
+  // Deferred: the GPU updates ran after the launch, not inside backward.
+  t.deferred = true;
+  attribute_iteration(t, &s);
+  CHECK(near(s.costs()[0].bwd, 6e-3));
+  CHECK(near(s.shape().after_launch_s, 8.5e-3));
+  // Without a scheduler: the summary alone. An iteration without waits is refused.
+  CHECK(near(attribute_iteration(t, nullptr).iter_gpu_s, 0.040));
+  IterationTimes empty;
+  CHECK_THROWS(attribute_iteration(empty, nullptr));
+}
+
 HYTEST_MAIN()

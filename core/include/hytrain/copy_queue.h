@@ -13,6 +13,13 @@
 
 namespace hytrain {
 
+// One copy of `bytes` from src to dst.
+struct HostCopy {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  std::size_t bytes = 0;
+};
+
 class CopyQueue {
  public:
   virtual ~CopyQueue() = default;  // implementations wait for the copies already issued

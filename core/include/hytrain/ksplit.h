@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace hytrain {
@@ -76,6 +77,47 @@ struct Prediction {
   double cpu_busy_s = 0;    // sum of the CPU updates
   std::vector<double> ready;  // when each block's new weights are usable
 };
+
+// One measured iteration as raw times, before any is charged to a phase. Compute-stream times are in
+// ms from the first forward wait's start; copy and CPU spans are in seconds on their own clocks.
+struct IterationTimes {
+  struct Wait {                  // a forward hook: the blocks it waited for, the wait's start and end
+    std::vector<std::int64_t> blocks;
+    double before_ms = 0, after_ms = 0;
+  };
+  struct Span {                  // a block's copy or CPU update: when it started and ended
+    std::int64_t block = 0;
+    double start_s = 0, end_s = 0;
+  };
+  std::vector<Wait> waits;                                     // in forward order
+  std::vector<std::pair<std::int64_t, double>> backward_ms;    // block -> its gradients complete
+  std::vector<std::pair<std::int64_t, double>> gpu_update_s;   // block -> its GPU AdamW's duration
+  std::vector<Span> d2h, h2d, cpu;
+  double launch_ms = std::numeric_limits<double>::quiet_NaN();  // the step's launch (NaN: none)
+  double next_start_ms = 0;      // the next iteration's first wait: the end of this one
+  bool deferred = false;         // the updates started at the step's launch
+};
+
+// What an iteration showed the user.
+struct IterationSummary {
+  double iter_gpu_s = 0;      // its length on the compute stream
+  double gpu_wait_s = 0;      // time the compute stream stood waiting for updated weights
+  double gpu_wait_frac = 0;
+};
+
+class KSplitScheduler;
+
+// The cost model's measuring half: charges an iteration's times to per-block phases, as simulate()
+// replays them, and feeds them to `sink` (null: only the summary).
+//  * forward of a hook's blocks: from the end of its wait to the start of the next hook's wait (its
+//    first block carries it, the others 0);
+//  * backward of block j: from block j+1's gradients to block j's, less a GPU update run in between
+//    (not deferred); the last block's forward + loss + backward is split 1:2 between the two;
+//  * D2H, CPU update and H2D: service times in the order the blocks were served (a block queued
+//    behind another is charged from the moment the resource freed up), so waiting is not a cost;
+//  * step overhead: end of backward -> the launch, and the launch -> the next forward less the GPU
+//    updates run in it (deferred).
+IterationSummary attribute_iteration(const IterationTimes& t, KSplitScheduler* sink);
 
 class KSplitScheduler {
  public:

@@ -30,12 +30,6 @@
 
 namespace hytrain {
 
-struct HostCopy {
-  void* dst = nullptr;
-  const void* src = nullptr;
-  std::size_t bytes = 0;
-};
-
 // The copy tickets and CPU update times of a block's last completed pass through the pipeline.
 struct BlockPass {
   uint64_t d2h_first = 0, d2h_last = 0;  // tickets on the D2H stream (0 when none)

@@ -1,0 +1,147 @@
+// The block runtime: ParamTable (parameters registered once, stepped by handle) and BlockRuntime (each
+// block's phase and placement, and the plans that follow from them).
+#include "common.h"
+
+#include "hytrain/block_runtime.h"
+#include "hytrain/param_table.h"
+
+namespace hytrain {
+namespace bindings {
+
+std::vector<LiveAddresses> live_addresses(const std::vector<std::uintptr_t>& grads,
+                                          const std::vector<std::uintptr_t>& weights) {
+  HYTRAIN_CHECK(grads.size() == weights.size(), "one gradient and one weight address per handle");
+  std::vector<LiveAddresses> out(grads.size());
+  for (std::size_t i = 0; i < grads.size(); ++i) {
+    out[i].grad = as_ptr<const void>(grads[i]);
+    out[i].weight = as_ptr<void>(weights[i]);
+  }
+  return out;
+}
+
+namespace {
+
+StateSlots slots(std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+                 std::uintptr_t max_exp_avg_sq) {
+  return StateSlots{as_ptr<float>(master), as_ptr<float>(exp_avg), as_ptr<float>(exp_avg_sq),
+                    as_ptr<float>(max_exp_avg_sq)};
+}
+
+}  // namespace
+
+void bind_runtime(py::module_& m) {
+  py::class_<GroupHyper>(m, "GroupHyper", "One param group's AdamW hyperparameters for a step.")
+      .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay) {
+             return GroupHyper{lr, beta1, beta2, eps, weight_decay};
+           }),
+           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"))
+      .def_readonly("lr", &GroupHyper::lr)
+      .def_readonly("beta1", &GroupHyper::beta1)
+      .def_readonly("beta2", &GroupHyper::beta2)
+      .def_readonly("eps", &GroupHyper::eps)
+      .def_readonly("weight_decay", &GroupHyper::weight_decay);
+
+  py::class_<ParamTable>(m, "ParamTable",
+                         "Parameters' host buffers registered once (addresses validated by python/hytrain).")
+      .def(py::init<>())
+      .def("add",
+           [](ParamTable& t, std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+              std::uintptr_t max_exp_avg_sq, std::uintptr_t step, std::uintptr_t grad, int dtype,
+              std::uintptr_t copy, int64_t numel, int group, bool amsgrad) {
+             ParamEntry e;
+             e.state = slots(master, exp_avg, exp_avg_sq, max_exp_avg_sq);
+             e.step = as_ptr<float>(step);
+             e.grad = as_ptr<const void>(grad);
+             e.grad_dtype = static_cast<DType>(dtype);
+             e.copy = as_ptr<void>(copy);
+             e.numel = numel;
+             e.group = group;
+             e.amsgrad = amsgrad;
+             return t.add(e);
+           },
+           py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("max_exp_avg_sq"),
+           py::arg("step"), py::arg("grad"), py::arg("dtype"), py::arg("copy"), py::arg("numel"),
+           py::arg("group"), py::arg("amsgrad"))
+      .def("__len__", &ParamTable::size)
+      .def("set_state",
+           [](ParamTable& t, int64_t h, std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+              std::uintptr_t max_exp_avg_sq) { t.set_state(h, slots(master, exp_avg, exp_avg_sq, max_exp_avg_sq)); },
+           py::arg("handle"), py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+           py::arg("max_exp_avg_sq"))
+      .def("set_shadow",
+           [](ParamTable& t, int64_t h, std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+              std::uintptr_t max_exp_avg_sq, std::uintptr_t copy) {
+             t.set_shadow(h, slots(master, exp_avg, exp_avg_sq, max_exp_avg_sq), as_ptr<void>(copy));
+           },
+           py::arg("handle"), py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+           py::arg("max_exp_avg_sq"), py::arg("copy"))
+      .def("clear_shadow", &ParamTable::clear_shadow, py::arg("handle"))
+      .def("has_shadow", &ParamTable::has_shadow, py::arg("handle"))
+      .def("adopt", &ParamTable::adopt, py::arg("handle"))
+      .def("set_groups", &ParamTable::set_groups, py::arg("groups"))
+      .def("state_addresses", [](const ParamTable& t, int64_t h) {
+        const StateSlots& s = t.entry(h).state;
+        return std::make_tuple(reinterpret_cast<std::uintptr_t>(s.master), reinterpret_cast<std::uintptr_t>(s.exp_avg),
+                               reinterpret_cast<std::uintptr_t>(s.exp_avg_sq),
+                               reinterpret_cast<std::uintptr_t>(s.max_exp_avg_sq));
+      }, py::arg("handle"), "(master, exp_avg, exp_avg_sq, max_exp_avg_sq) addresses the next update reads.");
+
+  py::enum_<BlockPhase>(m, "BlockPhase")
+      .value("idle", BlockPhase::idle)
+      .value("arriving", BlockPhase::arriving)
+      .value("complete", BlockPhase::complete)
+      .value("held", BlockPhase::held)
+      .value("speculated", BlockPhase::speculated)
+      .value("launched", BlockPhase::launched);
+  py::enum_<Arrival>(m, "Arrival")
+      .value("counted", Arrival::counted)
+      .value("complete", Arrival::complete)
+      .value("late", Arrival::late);
+
+  py::class_<BlockRuntime>(m, "BlockRuntime", "Each block's phase and placement (see block_runtime.h).")
+      .def(py::init<std::vector<int64_t>, int64_t>(), py::arg("params"), py::arg("accumulation_steps"))
+      .def_property_readonly("blocks", &BlockRuntime::blocks)
+      .def("phase", &BlockRuntime::phase, py::arg("block"))
+      .def("arrivals", &BlockRuntime::arrivals, py::arg("block"))
+      .def("any_arrived", &BlockRuntime::any_arrived)
+      .def("any_submitted", &BlockRuntime::any_submitted)
+      .def("submitted", &BlockRuntime::submitted, py::arg("block"))
+      .def("in_phase", &BlockRuntime::in_phase, py::arg("phase"))
+      .def("arrive", &BlockRuntime::arrive, py::arg("block"))
+      .def("hold", &BlockRuntime::hold, py::arg("block"), py::arg("handed"))
+      .def("speculate", &BlockRuntime::speculate, py::arg("block"), py::arg("handed"))
+      .def("handed", &BlockRuntime::handed, py::arg("block"))
+      .def("launch", &BlockRuntime::launch, py::arg("block"))
+      .def("drop", &BlockRuntime::drop, py::arg("block"))
+      .def("launch_order", &BlockRuntime::launch_order)
+      .def("end_step", &BlockRuntime::end_step)
+      .def("abandon_step", &BlockRuntime::abandon_step)
+      .def("set_in_flight", &BlockRuntime::set_in_flight, py::arg("block"))
+      .def("landed", &BlockRuntime::landed, py::arg("block"))
+      .def("in_flight", &BlockRuntime::in_flight, py::arg("block"))
+      .def("in_flight_blocks", &BlockRuntime::in_flight_blocks)
+      .def("on_gpu", &BlockRuntime::on_gpu, py::arg("block"))
+      .def("any_on_gpu", &BlockRuntime::any_on_gpu)
+      .def("moving_up_later", &BlockRuntime::moving_up_later, py::arg("block"))
+      .def("resident", &BlockRuntime::resident)
+      .def("migrate", [](BlockRuntime& r, int64_t k) {
+        const MigrationPlan p = r.migrate(k);
+        return std::make_pair(p.up, p.down);
+      }, py::arg("k"), "(blocks to move up now, blocks to move down now)")
+      .def("moved_up", &BlockRuntime::moved_up, py::arg("block"))
+      .def("moved_down", &BlockRuntime::moved_down, py::arg("block"))
+      .def("take_up", &BlockRuntime::take_up)
+      .def("plan_shadows", [](const BlockRuntime& r, int64_t lowest, const std::vector<bool>& has_shadow,
+                              const std::vector<int64_t>& signature, const std::vector<bool>& donor_ready,
+                              const std::vector<int64_t>& shadow_bytes, int64_t room) {
+        std::vector<std::pair<int64_t, int64_t>> out;
+        for (const ShadowChoice& c : r.plan_shadows(lowest, has_shadow, signature, donor_ready, shadow_bytes, room)) {
+          out.emplace_back(c.block, c.donor);
+        }
+        return out;
+      }, py::arg("lowest_start"), py::arg("has_shadow"), py::arg("signature"), py::arg("donor_ready"),
+         py::arg("shadow_bytes"), py::arg("room"), "[(block, donor or -1)] from the last block down");
+}
+
+}  // namespace bindings
+}  // namespace hytrain

@@ -1,0 +1,119 @@
+// ParamTable: every offloaded parameter's host-side buffers, registered once and stepped by handle.
+//
+// Python registers a parameter when its state is created: the fp32 master, m, v (and v_max with
+// amsgrad), the step counter, the gradient staging buffer and where the new bf16/fp16 weight is
+// written, the element count and dtypes, and its param-group index. A step then passes only what
+// changes -- the groups' hyperparameters, the gradient multiplier, and for the CPU path the
+// gradient and weight addresses of the moment -- and the table builds the UpdateEngine jobs.
+//
+// Each entry has two slot sets: the state (what the next update reads) and, while the parameter
+// speculates, a shadow set the speculative update writes beside it (with its own weight staging).
+// adopt() swaps them: the shadow becomes the state and the old state the next shadow.
+//
+// Step counters are the caller's (torch's per-parameter `step` tensors, fp32 as torch keeps them): a
+// new step reads the counter, uses counter + 1 and writes it back. Everything runs on the
+// caller's thread; the workers get plain jobs, never the table.
+//
+// What a step passes: the groups' hyperparameters when they changed (set_groups), the multiplier,
+// and the live addresses of the gradients and weights (torch may give them new storage any step).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "hytrain/copy_queue.h"
+#include "hytrain/dtype.h"
+#include "hytrain/update_engine.h"
+
+namespace hytrain {
+
+// A set of fp32 state buffers of one parameter (max_exp_avg_sq null without amsgrad).
+struct StateSlots {
+  float* master = nullptr;
+  float* exp_avg = nullptr;
+  float* exp_avg_sq = nullptr;
+  float* max_exp_avg_sq = nullptr;
+};
+
+// What is registered once per parameter.
+struct ParamEntry {
+  StateSlots state;
+  float* step = nullptr;            // the parameter's step counter (fp32, as torch keeps it)
+  const void* grad = nullptr;       // gradient staging (offloaded CUDA parameters); may be null
+  DType grad_dtype = DType::f32;    // the gradient's (and the training weights') dtype
+  void* copy = nullptr;             // where the new bf16/fp16 weight goes (null: fp32, none)
+  int64_t numel = 0;
+  int group = 0;                    // index into the step's hyperparameter list
+  bool amsgrad = false;
+};
+
+// One param group's hyperparameters for a step.
+struct GroupHyper {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
+};
+
+// Per-step addresses in the caller's tensors: the gradient, and the training weight (on the CPU
+// path the fp32 weight is its own master and a bf16/fp16 weight is the copy written in place).
+struct LiveAddresses {
+  const void* grad = nullptr;
+  void* weight = nullptr;
+};
+
+// An offloaded pass of some parameters: gradients to their staging, the updates, the new weights back.
+struct PassPlan {
+  std::vector<HostCopy> d2h;
+  std::vector<UpdateJob> jobs;
+  std::vector<HostCopy> h2d;
+};
+
+class ParamTable {
+ public:
+  // Registers a parameter; returns its handle. Throws hytrain::Error on an incomplete entry.
+  int64_t add(const ParamEntry& e);
+  std::size_t size() const { return entries_.size(); }
+  const ParamEntry& entry(int64_t handle) const;
+
+  // The parameter's state buffers moved (e.g. they were swapped with a donor's).
+  void set_state(int64_t handle, const StateSlots& s);
+  // Shadows for speculation: a second set of state buffers and their own weight staging.
+  void set_shadow(int64_t handle, const StateSlots& s, void* copy);
+  void clear_shadow(int64_t handle);
+  bool has_shadow(int64_t handle) const;
+  const StateSlots& shadow(int64_t handle) const;
+  // The speculative result is the step's: shadow and state change places (staging stays put).
+  void adopt(int64_t handle);
+
+  // The param groups' hyperparameters, for the passes built from now on (set when they change).
+  void set_groups(const std::vector<GroupHyper>& groups);
+  const std::vector<GroupHyper>& groups() const { return groups_; }
+
+  // CPU path: the jobs updating `handles` in place, reading the gradients and writing the weights at
+  // `live` (one per handle), with the groups' hyperparameters and the gradient multiplier. The step
+  // counters advance.
+  std::vector<UpdateJob> cpu_jobs(const std::vector<int64_t>& handles, const std::vector<LiveAddresses>& live,
+                                  double grad_scale);
+  // Offload path: gradients from the device (`live[i].grad`) into staging, the jobs reading them
+  // there, and each new weight from its staging (fp32: the master) to the device (`live[i].weight`);
+  // with `stage_gradients` false the gradients are already in staging (a redo) and d2h is empty.
+  // into_shadow: the new state and weights go to the shadows (each handle must have them).
+  // advance: a new step (the jobs use counter + 1, written back); else a redo of the step the
+  // counters already hold (a speculative pass done again with the step's multiplier).
+  PassPlan offload_pass(const std::vector<int64_t>& handles, const std::vector<LiveAddresses>& live,
+                        double grad_scale, bool into_shadow, bool stage_gradients, bool advance);
+
+ private:
+  struct Row {
+    ParamEntry e;
+    StateSlots shadow;
+    void* shadow_copy = nullptr;
+    bool has_shadow = false;
+  };
+  const Row& row(int64_t handle) const;
+  Row& row(int64_t handle);
+  UpdateJob job(const Row& r, const GroupHyper& g, double grad_scale, int64_t step) const;
+  const GroupHyper& group_of(const Row& r) const;
+  std::vector<Row> entries_;
+  std::vector<GroupHyper> groups_;
+};
+
+}  // namespace hytrain

@@ -1,0 +1,211 @@
+// ParamTable: registered parameters, stepped by handle (see param_table.h).
+#include "hytrain/param_table.h"
+
+#include <cmath>
+#include <string>
+
+#include "hytrain/adamw.h"
+#include "hytrain/error.h"
+
+namespace hytrain {
+
+namespace {
+
+std::size_t element_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
+
+void check_slots(const StateSlots& s, bool amsgrad, const char* what) {
+  if (!s.master || !s.exp_avg || !s.exp_avg_sq || (amsgrad && !s.max_exp_avg_sq)) {
+    HYTRAIN_THROW(std::string("ParamTable: ") + what + " needs master, exp_avg, exp_avg_sq" +
+                  (amsgrad ? " and max_exp_avg_sq" : ""));
+  }
+}
+
+}  // namespace
+
+int64_t ParamTable::add(const ParamEntry& e) {
+  check_slots(e.state, e.amsgrad, "a parameter");
+  if (!e.step) HYTRAIN_THROW("ParamTable: a parameter needs its step counter");
+  if (e.numel <= 0) HYTRAIN_THROW("ParamTable: a parameter needs numel > 0");
+  if (e.group < 0) HYTRAIN_THROW("ParamTable: negative group index");
+  if (e.grad_dtype != DType::f32 && !e.copy && e.grad) {
+    HYTRAIN_THROW("ParamTable: a bf16/fp16 parameter with staging needs a weight staging buffer");
+  }
+  Row r;
+  r.e = e;
+  entries_.push_back(r);
+  return static_cast<int64_t>(entries_.size()) - 1;
+}
+
+const ParamTable::Row& ParamTable::row(int64_t handle) const {
+  if (handle < 0 || static_cast<std::size_t>(handle) >= entries_.size()) {
+    HYTRAIN_THROW("ParamTable: no parameter with handle " + std::to_string(handle));
+  }
+  return entries_[static_cast<std::size_t>(handle)];
+}
+
+ParamTable::Row& ParamTable::row(int64_t handle) {
+  return const_cast<Row&>(static_cast<const ParamTable*>(this)->row(handle));
+}
+
+const ParamEntry& ParamTable::entry(int64_t handle) const { return row(handle).e; }
+
+void ParamTable::set_state(int64_t handle, const StateSlots& s) {
+  Row& r = row(handle);
+  check_slots(s, r.e.amsgrad, "a state");
+  r.e.state = s;
+}
+
+void ParamTable::set_shadow(int64_t handle, const StateSlots& s, void* copy) {
+  Row& r = row(handle);
+  check_slots(s, r.e.amsgrad, "a shadow");
+  if (r.e.grad_dtype != DType::f32 && !copy) {
+    HYTRAIN_THROW("ParamTable: a bf16/fp16 parameter's shadow needs its own weight staging");
+  }
+  r.shadow = s;
+  r.shadow_copy = copy;
+  r.has_shadow = true;
+}
+
+void ParamTable::clear_shadow(int64_t handle) {
+  Row& r = row(handle);
+  r.shadow = StateSlots{};
+  r.shadow_copy = nullptr;
+  r.has_shadow = false;
+}
+
+bool ParamTable::has_shadow(int64_t handle) const { return row(handle).has_shadow; }
+
+const StateSlots& ParamTable::shadow(int64_t handle) const {
+  const Row& r = row(handle);
+  if (!r.has_shadow) HYTRAIN_THROW("ParamTable: handle " + std::to_string(handle) + " has no shadow");
+  return r.shadow;
+}
+
+void ParamTable::adopt(int64_t handle) {
+  Row& r = row(handle);
+  if (!r.has_shadow) HYTRAIN_THROW("ParamTable: adopt() of handle " + std::to_string(handle) + " without a shadow");
+  // The staging buffers stay where they are: gradients land in the parameter's own, and the next
+  // speculative update writes its weights to the shadow's again.
+  std::swap(r.e.state, r.shadow);
+}
+
+void ParamTable::set_groups(const std::vector<GroupHyper>& groups) {
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    AdamWConfig c;
+    c.lr = groups[i].lr;
+    c.beta1 = groups[i].beta1;
+    c.beta2 = groups[i].beta2;
+    c.eps = groups[i].eps;
+    c.weight_decay = groups[i].weight_decay;
+    try {
+      validate_adamw_config(c);
+    } catch (const Error& e) {
+      HYTRAIN_THROW("ParamTable: param group " + std::to_string(i) + ": " + e.what());
+    }
+  }
+  groups_ = groups;
+}
+
+const GroupHyper& ParamTable::group_of(const Row& r) const {
+  if (static_cast<std::size_t>(r.e.group) >= groups_.size()) {
+    HYTRAIN_THROW("ParamTable: a parameter of group " + std::to_string(r.e.group) + " but " +
+                  std::to_string(groups_.size()) + " group(s) are set");
+  }
+  return groups_[static_cast<std::size_t>(r.e.group)];
+}
+
+UpdateJob ParamTable::job(const Row& r, const GroupHyper& g, double grad_scale, int64_t step) const {
+  UpdateJob j;
+  j.tensor.param = r.e.state.master;
+  j.tensor.exp_avg = r.e.state.exp_avg;
+  j.tensor.exp_avg_sq = r.e.state.exp_avg_sq;
+  j.tensor.max_exp_avg_sq = r.e.state.max_exp_avg_sq;
+  j.tensor.grad = r.e.grad;
+  j.tensor.grad_dtype = r.e.grad_dtype;
+  j.tensor.param_copy = r.e.grad_dtype != DType::f32 ? r.e.copy : nullptr;
+  j.tensor.param_copy_dtype = r.e.grad_dtype != DType::f32 ? r.e.grad_dtype : DType::bf16;
+  j.tensor.numel = r.e.numel;
+  j.config.lr = g.lr;
+  j.config.beta1 = g.beta1;
+  j.config.beta2 = g.beta2;
+  j.config.eps = g.eps;
+  j.config.weight_decay = g.weight_decay;
+  j.config.step = step;
+  j.config.decoupled = true;
+  j.config.amsgrad = r.e.amsgrad;
+  j.config.grad_scale = grad_scale;
+  return j;
+}
+
+namespace {
+
+// The step a pass uses: the counter + 1 for a new step, the counter itself for a redo of the step it
+// already counts.
+int64_t pass_step(const float* counter, bool new_step) {
+  const float s = *counter;
+  if (!std::isfinite(s) || s < 0) HYTRAIN_THROW("ParamTable: step counter is " + std::to_string(s));
+  const int64_t step = static_cast<int64_t>(s) + (new_step ? 1 : 0);
+  if (step < 1) HYTRAIN_THROW("ParamTable: a redo before any step was counted");
+  return step;
+}
+
+}  // namespace
+
+std::vector<UpdateJob> ParamTable::cpu_jobs(const std::vector<int64_t>& handles,
+                                            const std::vector<LiveAddresses>& live, double grad_scale) {
+  if (live.size() != handles.size()) HYTRAIN_THROW("ParamTable::cpu_jobs: one live address pair per handle");
+  std::vector<UpdateJob> out;
+  out.reserve(handles.size());
+  for (std::size_t i = 0; i < handles.size(); ++i) {  // checked before any counter moves
+    const Row& r = row(handles[i]);
+    UpdateJob j = job(r, group_of(r), grad_scale, pass_step(r.e.step, true));
+    j.tensor.grad = live[i].grad;
+    if (r.e.grad_dtype == DType::f32) {
+      j.tensor.param = static_cast<float*>(live[i].weight);  // fp32 weights are their own master
+    } else {
+      j.tensor.param_copy = live[i].weight;
+    }
+    out.push_back(j);
+  }
+  for (int64_t h : handles) *row(h).e.step += 1.0f;
+  return out;
+}
+
+PassPlan ParamTable::offload_pass(const std::vector<int64_t>& handles, const std::vector<LiveAddresses>& live,
+                                  double grad_scale, bool into_shadow, bool stage_gradients, bool advance) {
+  if (live.size() != handles.size()) HYTRAIN_THROW("ParamTable::offload_pass: one live address pair per handle");
+  PassPlan plan;
+  plan.jobs.reserve(handles.size());
+  plan.h2d.reserve(handles.size());
+  for (std::size_t i = 0; i < handles.size(); ++i) {
+    const Row& r = row(handles[i]);
+    if (!r.e.grad) HYTRAIN_THROW("ParamTable: handle " + std::to_string(handles[i]) + " has no staging");
+    if (into_shadow && !r.has_shadow) {
+      HYTRAIN_THROW("ParamTable: handle " + std::to_string(handles[i]) + " speculates without a shadow");
+    }
+    const std::size_t bytes = static_cast<std::size_t>(r.e.numel) * element_bytes(r.e.grad_dtype);
+    if (stage_gradients) plan.d2h.push_back({const_cast<void*>(r.e.grad), live[i].grad, bytes});
+    UpdateJob j = job(r, group_of(r), grad_scale, pass_step(r.e.step, advance));
+    const float* new_master = r.e.state.master;
+    void* new_copy = j.tensor.param_copy;
+    if (into_shadow) {  // the gradient is read from staging; everything new goes beside the state
+      j.tensor.param_out = r.shadow.master;
+      j.tensor.exp_avg_out = r.shadow.exp_avg;
+      j.tensor.exp_avg_sq_out = r.shadow.exp_avg_sq;
+      j.tensor.max_exp_avg_sq_out = r.shadow.max_exp_avg_sq;
+      if (r.e.grad_dtype != DType::f32) j.tensor.param_copy = r.shadow_copy;
+      new_master = r.shadow.master;
+      new_copy = j.tensor.param_copy;
+    }
+    const void* src = r.e.grad_dtype != DType::f32 ? static_cast<const void*>(new_copy)
+                                                     : static_cast<const void*>(new_master);
+    plan.h2d.push_back({live[i].weight, src, bytes});
+    plan.jobs.push_back(j);
+  }
+  if (advance) {
+    for (int64_t h : handles) *row(h).e.step += 1.0f;
+  }
+  return plan;
+}
+
+}  // namespace hytrain

@@ -1,0 +1,291 @@
+// ParamTable: parameters registered once and stepped by handle. The jobs it builds are run through
+// the UpdateEngine (CPU path) and the OffloadPipeline over host copy queues (offload path: a plain
+// pass, a speculative pass adopted, and one redone with a clip multiplier), and every result is
+// compared bit for bit with a single-threaded adamw_step on copies of the same data. Bad
+// registrations and steps are refused with hytrain::Error.
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "check.h"
+#include "host_copy_queue.h"
+#include "hytrain/adamw.h"
+#include "hytrain/dtype.h"
+#include "hytrain/error.h"
+#include "hytrain/offload_pipeline.h"
+#include "hytrain/param_table.h"
+#include "hytrain/update_engine.h"
+
+using namespace hytrain;
+using hytest::HostCopyQueue;
+
+namespace {
+
+const GroupHyper kGroups[2] = {{1e-3, 0.9, 0.999, 1e-8, 0.01}, {3e-4, 0.8, 0.99, 1e-6, 0.0}};
+
+AdamWConfig config_of(const GroupHyper& g, int64_t step, double scale, bool amsgrad) {
+  AdamWConfig c;
+  c.lr = g.lr, c.beta1 = g.beta1, c.beta2 = g.beta2, c.eps = g.eps, c.weight_decay = g.weight_decay;
+  c.step = step, c.grad_scale = scale, c.amsgrad = amsgrad;
+  return c;
+}
+
+// A bf16 parameter: device weight and gradient, host state (two sets: state and shadow), staging for
+// the gradient and the new weight, a shadow weight staging; the reference stepped by adamw_step.
+struct Bf16Param {
+  int64_t n;
+  int group;
+  bool amsgrad;
+  std::vector<uint16_t> weight, grad, staging, shadow_copy;
+  std::vector<float> s[4], sh[4];  // master, m, v, vmax
+  float step = 0;
+  std::vector<float> ref[4];
+  std::vector<uint16_t> ref_weight;
+
+  Bf16Param(int64_t n_, int group_, bool amsgrad_, std::mt19937& rng)
+      : n(n_), group(group_), amsgrad(amsgrad_), weight(n), grad(n), staging(n), shadow_copy(n) {
+    std::normal_distribution<float> normal;
+    for (auto& v : s) v.assign(n, 0.0f);
+    for (auto& v : sh) v.assign(n, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      weight[i] = f32_to_bf16(normal(rng) * 0.02f);
+      s[0][i] = bf16_to_f32(weight[i]);
+    }
+    for (int k = 0; k < 4; ++k) ref[k] = s[k];
+    ref_weight = weight;
+  }
+  ParamEntry entry() {
+    ParamEntry e;
+    e.state = {s[0].data(), s[1].data(), s[2].data(), amsgrad ? s[3].data() : nullptr};
+    e.step = &step;
+    e.grad = staging.data();
+    e.grad_dtype = DType::bf16;
+    e.copy = staging.data();
+    e.numel = n;
+    e.group = group;
+    e.amsgrad = amsgrad;
+    return e;
+  }
+  StateSlots shadow() { return {sh[0].data(), sh[1].data(), sh[2].data(), amsgrad ? sh[3].data() : nullptr}; }
+  void new_gradient(std::mt19937& rng) {
+    std::normal_distribution<float> normal;
+    for (auto& g : grad) g = f32_to_bf16(normal(rng) * 1e-2f);
+  }
+  // The reference step: a fresh state set from `from`, the new weight, and what it writes.
+  void reference(int64_t t, double scale) {
+    std::vector<uint16_t> g = grad;
+    AdamWTensor x{ref[0].data(), ref[1].data(), ref[2].data(), amsgrad ? ref[3].data() : nullptr, g.data(),
+                  DType::bf16, g.data(), DType::bf16, n};
+    adamw_step(x, config_of(kGroups[group], t, scale, amsgrad), 1, SimdPath::scalar);
+    ref_weight = g;
+  }
+  bool state_matches(const std::vector<float>* set) const {
+    bool ok = set[0] == ref[0] && set[1] == ref[1] && set[2] == ref[2];
+    return ok && (!amsgrad || set[3] == ref[3]);
+  }
+};
+
+TEST(registration_is_checked) {
+  ParamTable t;
+  float step = 0;
+  std::vector<float> a(8), b(8), c(8);
+  ParamEntry e;
+  e.state = {a.data(), b.data(), c.data(), nullptr};
+  e.step = &step;
+  e.numel = 8;
+  bool threw = false;
+  try {
+    ParamEntry bad = e;
+    bad.state.exp_avg_sq = nullptr;
+    t.add(bad);
+  } catch (const Error&) { threw = true; }
+  CHECK(threw);
+  threw = false;
+  try {
+    ParamEntry bad = e;
+    bad.amsgrad = true;  // without max_exp_avg_sq
+    t.add(bad);
+  } catch (const Error&) { threw = true; }
+  CHECK(threw);
+  threw = false;
+  try {
+    ParamEntry bad = e;
+    bad.numel = 0;
+    t.add(bad);
+  } catch (const Error&) { threw = true; }
+  CHECK(threw);
+  CHECK(t.size() == 0);
+  const int64_t h = t.add(e);
+  CHECK(h == 0 && t.size() == 1);
+  threw = false;
+  try {
+    t.entry(1);
+  } catch (const Error&) { threw = true; }
+  CHECK(threw);
+  // No groups set yet: a step is refused before any counter moves.
+  threw = false;
+  std::vector<float> g(8, 1e-3f);
+  try {
+    t.cpu_jobs({h}, {{g.data(), a.data()}}, 1.0);
+  } catch (const Error&) { threw = true; }
+  CHECK(threw);
+  CHECK(step == 0);
+  threw = false;
+  try {
+    t.set_groups({{-1.0, 0.9, 0.999, 1e-8, 0.0}});
+  } catch (const Error&) { threw = true; }
+  CHECK(threw);
+  threw = false;
+  try {
+    t.adopt(h);  // no shadow
+  } catch (const Error&) { threw = true; }
+  CHECK(threw);
+}
+
+TEST(cpu_path_matches_adamw_step) {
+  // fp32 parameters updated in place at their live addresses (which may change between steps), two
+  // groups with different hyperparameters, amsgrad on one.
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  struct P {
+    std::vector<float> w, m, v, vmax, grad;
+    std::vector<float> rw, rm, rv, rvmax;
+    float step = 0;
+    int group;
+    bool amsgrad;
+  };
+  std::vector<P> ps(3);
+  const int64_t n = 1000;
+  ParamTable table;
+  table.set_groups({kGroups[0], kGroups[1]});
+  std::vector<int64_t> handles;
+  for (int i = 0; i < 3; ++i) {
+    P& p = ps[i];
+    p.group = i % 2;
+    p.amsgrad = i == 2;
+    p.w.resize(n), p.m.assign(n, 0), p.v.assign(n, 0), p.vmax.assign(n, 0), p.grad.resize(n);
+    for (auto& x : p.w) x = normal(rng);
+    p.rw = p.w, p.rm = p.m, p.rv = p.v, p.rvmax = p.vmax;
+    ParamEntry e;
+    e.state = {p.w.data(), p.m.data(), p.v.data(), p.amsgrad ? p.vmax.data() : nullptr};
+    e.step = &p.step;
+    e.numel = n;
+    e.group = p.group;
+    e.amsgrad = p.amsgrad;
+    handles.push_back(table.add(e));
+  }
+  UpdateEngine engine(2, 1024, SimdPath::scalar);
+  for (int t = 1; t <= 3; ++t) {
+    std::vector<LiveAddresses> live;
+    for (P& p : ps) {
+      for (auto& g : p.grad) g = normal(rng) * 1e-2f;
+      if (t == 3) {  // the weights get new storage: the live address is what is updated
+        std::vector<float> moved = p.w;
+        p.w.swap(moved);
+      }
+      live.push_back({p.grad.data(), p.w.data()});
+    }
+    engine.submit(t, table.cpu_jobs(handles, live, 0.5));
+    engine.wait(t);
+    for (P& p : ps) {
+      AdamWTensor x{p.rw.data(), p.rm.data(), p.rv.data(), p.amsgrad ? p.rvmax.data() : nullptr, p.grad.data(),
+                    DType::f32, nullptr, DType::bf16, n};
+      adamw_step(x, config_of(kGroups[p.group], t, 0.5, p.amsgrad), 1, SimdPath::scalar);
+      CHECK(p.step == static_cast<float>(t));
+    }
+  }
+  for (P& p : ps) {
+    // m, v were registered once; the weights were updated where they lived at each step.
+    CHECK(p.m == p.rm);
+    CHECK(p.v == p.rv);
+    CHECK(p.w == p.rw);
+    if (p.amsgrad) CHECK(p.vmax == p.rvmax);
+  }
+}
+
+TEST(offload_passes_speculate_adopt_and_redo) {
+  std::mt19937 rng(11);
+  UpdateEngine engine(2, 1024, SimdPath::scalar);
+  OffloadPipeline pipe(engine, std::make_unique<HostCopyQueue>(), std::make_unique<HostCopyQueue>());
+  ParamTable table;
+  table.set_groups({kGroups[0], kGroups[1]});
+  std::vector<std::unique_ptr<Bf16Param>> ps;
+  std::vector<int64_t> handles;
+  for (int i = 0; i < 3; ++i) {
+    ps.push_back(std::make_unique<Bf16Param>(3000 + 17 * i, i % 2, i == 1, rng));
+    handles.push_back(table.add(ps.back()->entry()));
+  }
+  auto live = [&] {
+    std::vector<LiveAddresses> out;
+    for (auto& p : ps) out.push_back({p->grad.data(), p->weight.data()});
+    return out;
+  };
+  auto run = [&](const PassPlan& plan, bool hold = false) {
+    pipe.stage(0, plan.d2h, plan.jobs, plan.h2d, 0, hold);
+  };
+  // Step 1: a plain pass, in place.
+  for (auto& p : ps) p->new_gradient(rng);
+  run(table.offload_pass(handles, live(), 1.0, false, true, true));
+  pipe.wait_ready(0, 0);
+  for (auto& p : ps) {
+    p->reference(1, 1.0);
+    CHECK(p->state_matches(p->s));
+    CHECK(p->weight == p->ref_weight);
+    CHECK(p->step == 1.0f);
+  }
+  // Step 2: speculative (shadows), adopted: the shadows become the state.
+  for (size_t i = 0; i < ps.size(); ++i) table.set_shadow(handles[i], ps[i]->shadow(), ps[i]->shadow_copy.data());
+  for (auto& p : ps) p->new_gradient(rng);
+  const std::vector<std::vector<float>> before = {ps[0]->s[0], ps[0]->s[1], ps[0]->s[2]};
+  run(table.offload_pass(handles, live(), 1.0, true, true, true));
+  pipe.wait_ready(0, 0);
+  CHECK(ps[0]->s[0] == before[0] && ps[0]->s[1] == before[1] && ps[0]->s[2] == before[2]);  // untouched
+  for (size_t i = 0; i < ps.size(); ++i) {
+    Bf16Param& p = *ps[i];
+    p.reference(2, 1.0);
+    CHECK(p.state_matches(p.sh));
+    CHECK(p.weight == p.ref_weight);
+    table.adopt(handles[i]);
+    CHECK(table.entry(handles[i]).state.master == p.sh[0].data());
+    CHECK(table.shadow(handles[i]).master == p.s[0].data());
+  }
+  // Step 3: speculative into the old state set, then clipping fires: redone from the (adopted)
+  // state with the multiplier, the gradients still in staging, the counters not advanced again.
+  for (auto& p : ps) p->new_gradient(rng);
+  run(table.offload_pass(handles, live(), 1.0, true, true, true));
+  pipe.wait_ready(0, 0);
+  for (auto& p : ps) CHECK(p->step == 3.0f);
+  // A redo must not read the weight staging the speculative pass wrote: bf16 staging was the
+  // gradient, and a speculative pass writes its weights to the shadow staging, so it is intact.
+  run(table.offload_pass(handles, live(), 0.25, false, false, false));
+  pipe.wait_ready(0, 0);
+  for (auto& p : ps) {
+    p->reference(3, 0.25);
+    CHECK(p->state_matches(p->sh));  // the adopted set is the state, updated in place
+    CHECK(p->weight == p->ref_weight);
+    CHECK(p->step == 3.0f);
+  }
+  // A held pass released with a multiplier.
+  for (auto& p : ps) p->new_gradient(rng);
+  run(table.offload_pass(handles, live(), 1.0, false, true, true), true);
+  pipe.release(0, 0.5);
+  pipe.wait_ready(0, 0);
+  for (auto& p : ps) {
+    p->reference(4, 0.5);
+    CHECK(p->state_matches(p->sh));
+    CHECK(p->weight == p->ref_weight);
+  }
+  // Speculating without shadows is refused before anything is staged or counted.
+  table.clear_shadow(handles[2]);
+  bool threw = false;
+  try {
+    table.offload_pass(handles, live(), 1.0, true, true, true);
+  } catch (const Error&) { threw = true; }
+  CHECK(threw);
+  for (auto& p : ps) CHECK(p->step == 4.0f);
+}
+
+}  // namespace
+
+int main() { return hytest::run_all(); }
