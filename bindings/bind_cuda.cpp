@@ -129,8 +129,11 @@ void bind_cuda(py::module_& m) {
         // A redo reads the gradients still in staging and recomputes the step the counters hold.
         const PassPlan plan = table.offload_pass(handles, live_addresses(grads, weights), grad_scale,
                                                  speculative, !redo, !redo);
-        py::gil_scoped_release release;
-        p.stage(block, plan.d2h, plan.jobs, plan.h2d, stream, hold);
+        {
+          py::gil_scoped_release release;
+          p.stage(block, plan.d2h, plan.jobs, plan.h2d, stream, hold);
+        }
+        if (!redo) table.advance(handles);  // a new step, counted once staged
       }, py::arg("block"), py::arg("table"), py::arg("handles"), py::arg("grads"), py::arg("weights"),
          py::arg("grad_scale"), py::arg("stream"), py::arg("hold") = false, py::arg("speculative") = false,
          py::arg("redo") = false,

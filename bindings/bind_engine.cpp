@@ -14,8 +14,11 @@ void bind_engine(py::module_& m) {
                         const std::vector<std::uintptr_t>& grads, const std::vector<std::uintptr_t>& weights,
                         double grad_scale) {
         const std::vector<UpdateJob> jobs = table.cpu_jobs(handles, live_addresses(grads, weights), grad_scale);
-        py::gil_scoped_release release;
-        e.submit(block, jobs);
+        {
+          py::gil_scoped_release release;
+          e.submit(block, jobs);
+        }
+        table.advance(handles);  // counted once queued
       }, py::arg("block"), py::arg("table"), py::arg("handles"), py::arg("grads"), py::arg("weights"),
          py::arg("grad_scale"),
          "Updates the table's `handles` in place on the CPU (gradients and weights at the given "

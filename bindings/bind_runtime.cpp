@@ -79,6 +79,8 @@ void bind_runtime(py::module_& m) {
       .def("has_shadow", &ParamTable::has_shadow, py::arg("handle"))
       .def("adopt", &ParamTable::adopt, py::arg("handle"))
       .def("set_groups", &ParamTable::set_groups, py::arg("groups"))
+      .def("advance", &ParamTable::advance, py::arg("handles"))
+      .def("retreat", &ParamTable::retreat, py::arg("handles"))
       .def("state_addresses", [](const ParamTable& t, int64_t h) {
         const StateSlots& s = t.entry(h).state;
         return std::make_tuple(reinterpret_cast<std::uintptr_t>(s.master), reinterpret_cast<std::uintptr_t>(s.exp_avg),

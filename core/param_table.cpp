@@ -152,7 +152,7 @@ int64_t pass_step(const float* counter, bool new_step) {
 }  // namespace
 
 std::vector<UpdateJob> ParamTable::cpu_jobs(const std::vector<int64_t>& handles,
-                                            const std::vector<LiveAddresses>& live, double grad_scale) {
+                                            const std::vector<LiveAddresses>& live, double grad_scale) const {
   if (live.size() != handles.size()) HYTRAIN_THROW("ParamTable::cpu_jobs: one live address pair per handle");
   std::vector<UpdateJob> out;
   out.reserve(handles.size());
@@ -167,12 +167,24 @@ std::vector<UpdateJob> ParamTable::cpu_jobs(const std::vector<int64_t>& handles,
     }
     out.push_back(j);
   }
-  for (int64_t h : handles) *row(h).e.step += 1.0f;
   return out;
 }
 
+void ParamTable::advance(const std::vector<int64_t>& handles) {
+  for (int64_t h : handles) row(h);  // every handle valid before any counter moves
+  for (int64_t h : handles) *row(h).e.step += 1.0f;
+}
+
+void ParamTable::retreat(const std::vector<int64_t>& handles) {
+  for (int64_t h : handles) {
+    if (!(*row(h).e.step >= 1.0f)) HYTRAIN_THROW("ParamTable: retreat() below step 0");
+  }
+  for (int64_t h : handles) *row(h).e.step -= 1.0f;
+}
+
 PassPlan ParamTable::offload_pass(const std::vector<int64_t>& handles, const std::vector<LiveAddresses>& live,
-                                  double grad_scale, bool into_shadow, bool stage_gradients, bool advance) {
+                                  double grad_scale, bool into_shadow, bool stage_gradients,
+                                  bool new_step) const {
   if (live.size() != handles.size()) HYTRAIN_THROW("ParamTable::offload_pass: one live address pair per handle");
   PassPlan plan;
   plan.jobs.reserve(handles.size());
@@ -185,7 +197,7 @@ PassPlan ParamTable::offload_pass(const std::vector<int64_t>& handles, const std
     }
     const std::size_t bytes = static_cast<std::size_t>(r.e.numel) * element_bytes(r.e.grad_dtype);
     if (stage_gradients) plan.d2h.push_back({const_cast<void*>(r.e.grad), live[i].grad, bytes});
-    UpdateJob j = job(r, group_of(r), grad_scale, pass_step(r.e.step, advance));
+    UpdateJob j = job(r, group_of(r), grad_scale, pass_step(r.e.step, new_step));
     const float* new_master = r.e.state.master;
     void* new_copy = j.tensor.param_copy;
     if (into_shadow) {  // the gradient is read from staging; everything new goes beside the state
@@ -201,9 +213,6 @@ PassPlan ParamTable::offload_pass(const std::vector<int64_t>& handles, const std
                                                      : static_cast<const void*>(new_master);
     plan.h2d.push_back({live[i].weight, src, bytes});
     plan.jobs.push_back(j);
-  }
-  if (advance) {
-    for (int64_t h : handles) *row(h).e.step += 1.0f;
   }
   return plan;
 }

@@ -11,7 +11,7 @@ from .copies import CopyStream
 from .cpu_adam import adamw_step, set_simd_path, simd_paths
 from .cuda_adam import CudaAdamW
 from .grad_norm import CudaGradNorm, clip_multiplier
-from .hybrid_adam import HybridAdamW
+from .hybrid import HybridAdamW
 from .pool import PinnedPool
 from . import integrations  # imports transformers or Lightning only when they are used
 

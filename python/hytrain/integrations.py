@@ -21,7 +21,7 @@ are kept. Each uses the library's own extension point:
 
 from __future__ import annotations
 
-from .hybrid_adam import HybridAdamW
+from .hybrid import HybridAdamW
 
 
 def _unwrap(optimizer):

@@ -4,16 +4,10 @@ Each iteration :class:`Meter` records CUDA events on the compute stream: before 
 forward hook's wait for updated weights (the difference is the time the stream stood waiting), when
 each block's gradients are complete, around each GPU AdamW update, and at the step's launch. The
 offload pipeline adds each block's D2H/H2D copy tickets and CPU update times. An iteration's events
-are read one iteration later, when they have long completed, and turned into per-block costs for the
-native ``KSplitScheduler``:
-
-* forward of a hook's blocks: from the end of its wait to the start of the next hook's wait;
-* backward of block j: from block j+1's gradients to block j's, less a GPU update run in between;
-  the last block's forward + loss + backward is split 1:2 between forward and backward;
-* D2H, CPU update and H2D: service times in the order the blocks were served (a block queued behind
-  another is charged from the moment the resource freed up), so waiting is not counted as cost;
-* step overhead: compute-stream time from the end of backward to the next forward, less the GPU
-  updates run in it (clipping norm, launches, the training loop's own work).
+are read one iteration later, when they have long completed, turned into plain times
+(``IterationTimes``), and charged to per-block phases by the native ``attribute_iteration``, which
+lives beside the simulation that replays those phases (``core/ksplit.cpp``): the cost model is
+measured and simulated on one side of the seam.
 
 It also yields what the user sees: the iteration's length on the compute stream and the share of it
 the stream spent waiting for weights (``gpu_wait_frac``).
@@ -41,24 +35,6 @@ class _Record:
         self.next_start = None  # the next iteration's first pre-wait event
         self.mem_peak = 0       # the most GPU memory allocated when a block's gradients were complete
         self.resident = None    # bytes of resident optimizer states during backward
-
-
-def _service_times(spans):
-    """(block, start, end) in arbitrary units -> {block: end - max(start, previous end)}, FIFO order."""
-    out, free = {}, None
-    for b, s, e in sorted(spans, key=lambda x: x[2]):
-        begin = s if free is None else max(s, free)
-        out[b] = max(0.0, e - begin)
-        free = e
-    return out
-
-
-class _Discard:
-    def observe(self, *args):
-        pass
-
-    def observe_overhead(self, *args):
-        pass
 
 
 class Meter:
@@ -124,68 +100,32 @@ class Meter:
             return None
         rec.next_start.synchronize()  # recorded an iteration ago: complete, this returns at once
         ref = rec.hooks[0][1]
-
-        def ms(e):
-            return ref.elapsed_time(e)
-
-        P = native().Phase
-        if scheduler is None:
-            scheduler = _Discard()
-        gpu_s = {b: s.elapsed_time(e) / 1e3 for b, (s, e) in rec.gpu.items()}
-        for b, t in gpu_s.items():
-            scheduler.observe(b, P.gpu, t)
-        # Forward: hook i's blocks run from the end of its wait to the next hook's wait.
-        wait_s = 0.0
-        starts = [(blocks, ms(before), ms(after)) for blocks, before, after in rec.hooks]
-        for i, (blocks, before, after) in enumerate(starts):
-            wait_s += (after - before) / 1e3
-            if i + 1 < len(starts) and blocks:
-                scheduler.observe(blocks[0], P.forward, max(0.0, starts[i + 1][1] - after) / 1e3)
-                for b in blocks[1:]:
-                    scheduler.observe(b, P.forward, 0.0)
-        bwd_ms = {b: ms(e) for b, e in rec.bwd.items()}
-        last_hook_blocks, _, last_after = starts[-1]
-        order = sorted(bwd_ms, key=lambda b: -b)  # backward order: last block first
-        for i, b in enumerate(order):
-            if i == 0:  # the last block: its forward, the loss and its backward together
-                both = max(0.0, bwd_ms[b] - last_after) / 1e3
-                if b in last_hook_blocks:
-                    scheduler.observe(b, P.forward, both / 3)
-                    both *= 2 / 3
-                scheduler.observe(b, P.backward, both)
-                continue
-            prev = order[i - 1]
-            t = (bwd_ms[b] - bwd_ms[prev]) / 1e3
-            if not rec.deferred:
-                t -= gpu_s.get(prev, 0.0)
-            scheduler.observe(b, P.backward, max(0.0, t))
-        # The pipeline's copies and CPU updates, as service times.
-        d2h, h2d, cpu = [], [], []
+        n = native()
+        t = n.IterationTimes()
+        t.waits = [n.ForwardWait(list(blocks), ref.elapsed_time(before), ref.elapsed_time(after))
+                   for blocks, before, after in rec.hooks]
+        t.backward_ms = [(b, ref.elapsed_time(e)) for b, e in rec.bwd.items()]
+        t.gpu_update_s = [(b, s.elapsed_time(e) / 1e3) for b, (s, e) in rec.gpu.items()]
+        spans = {"d2h": [], "h2d": [], "cpu": []}
         for b, info in rec.passes.items():
-            for name, spans in (("d2h", d2h), ("h2d", h2d)):
+            for name in ("d2h", "h2d"):
                 first, last = info[name]
                 if first == 0:
                     continue
                 try:
-                    s, _ = self.pipeline.copy_times_ms(name, ref.cuda_event, first)
-                    _, e = self.pipeline.copy_times_ms(name, ref.cuda_event, last)
+                    start, _ = self.pipeline.copy_times_ms(name, ref.cuda_event, first)
+                    _, end = self.pipeline.copy_times_ms(name, ref.cuda_event, last)
                 except RuntimeError:  # older than the copy stream's event ring
                     continue
-                spans.append((b, s / 1e3, e / 1e3))
+                spans[name].append(n.BlockSpan(b, start / 1e3, end / 1e3))
             _, start, end = info["update_ns"]
             if end > start:
-                cpu.append((b, start / 1e9, end / 1e9))
-        for phase, spans in ((P.d2h, d2h), (P.h2d, h2d), (P.cpu, cpu)):
-            for b, t in _service_times(spans).items():
-                scheduler.observe(b, phase, t)
-        end_bwd = bwd_ms[min(bwd_ms)]
-        next_ms = ms(rec.next_start)
-        launch_ms = ms(rec.launch) if rec.launch is not None else end_bwd
-        deferred_gpu = sum(gpu_s.values()) if rec.deferred else 0.0
-        scheduler.observe_overhead(max(0.0, launch_ms - end_bwd) / 1e3,
-                                   max(0.0, (next_ms - launch_ms) / 1e3 - deferred_gpu))
-        span_s = next_ms / 1e3
-        self.last = {"iter_gpu_s": span_s, "gpu_wait_s": wait_s,
-                     "gpu_wait_frac": wait_s / span_s if span_s > 0 else 0.0,
-                     "nonstate_peak_bytes": rec.mem_peak - (rec.resident or 0)}
+                spans["cpu"].append(n.BlockSpan(b, start / 1e9, end / 1e9))
+        t.d2h, t.h2d, t.cpu = spans["d2h"], spans["h2d"], spans["cpu"]
+        if rec.launch is not None:
+            t.launch_ms = ref.elapsed_time(rec.launch)
+        t.next_start_ms = ref.elapsed_time(rec.next_start)
+        t.deferred = rec.deferred
+        self.last = dict(n.attribute_iteration(t, scheduler))
+        self.last["nonstate_peak_bytes"] = rec.mem_peak - (rec.resident or 0)
         return self.last

@@ -128,6 +128,7 @@ TEST(registration_is_checked) {
   std::vector<float> g(8, 1e-3f);
   try {
     t.cpu_jobs({h}, {{g.data(), a.data()}}, 1.0);
+    t.advance({h});
   } catch (const Error&) { threw = true; }
   CHECK(threw);
   CHECK(step == 0);
@@ -187,6 +188,7 @@ TEST(cpu_path_matches_adamw_step) {
       live.push_back({p.grad.data(), p.w.data()});
     }
     engine.submit(t, table.cpu_jobs(handles, live, 0.5));
+    table.advance(handles);
     engine.wait(t);
     for (P& p : ps) {
       AdamWTensor x{p.rw.data(), p.rm.data(), p.rv.data(), p.amsgrad ? p.rvmax.data() : nullptr, p.grad.data(),
@@ -221,8 +223,9 @@ TEST(offload_passes_speculate_adopt_and_redo) {
     for (auto& p : ps) out.push_back({p->grad.data(), p->weight.data()});
     return out;
   };
-  auto run = [&](const PassPlan& plan, bool hold = false) {
+  auto run = [&](const PassPlan& plan, bool hold = false, bool new_step = true) {
     pipe.stage(0, plan.d2h, plan.jobs, plan.h2d, 0, hold);
+    if (new_step) table.advance(handles);
   };
   // Step 1: a plain pass, in place.
   for (auto& p : ps) p->new_gradient(rng);
@@ -258,7 +261,7 @@ TEST(offload_passes_speculate_adopt_and_redo) {
   for (auto& p : ps) CHECK(p->step == 3.0f);
   // A redo must not read the weight staging the speculative pass wrote: bf16 staging was the
   // gradient, and a speculative pass writes its weights to the shadow staging, so it is intact.
-  run(table.offload_pass(handles, live(), 0.25, false, false, false));
+  run(table.offload_pass(handles, live(), 0.25, false, false, false), false, false);
   pipe.wait_ready(0, 0);
   for (auto& p : ps) {
     p->reference(3, 0.25);
@@ -275,6 +278,16 @@ TEST(offload_passes_speculate_adopt_and_redo) {
     p->reference(4, 0.5);
     CHECK(p->state_matches(p->sh));
     CHECK(p->weight == p->ref_weight);
+  }
+  // A held pass cancelled: the counters go back.
+  for (auto& p : ps) p->new_gradient(rng);
+  run(table.offload_pass(handles, live(), 1.0, false, true, true), true);
+  pipe.cancel(0);
+  table.retreat(handles);
+  pipe.wait_ready(0, 0);
+  for (auto& p : ps) {
+    CHECK(p->state_matches(p->sh));  // nothing written
+    CHECK(p->step == 4.0f);
   }
   // Speculating without shadows is refused before anything is staged or counted.
   table.clear_shadow(handles[2]);

@@ -33,11 +33,19 @@ def cuda_batches(n, micro=1, seed=0):
 
 # ---- the native pipeline -----------------------------------------------------------------------------
 
-def _job(master, m, v, grad_host, weight_host, step, lr=1e-2):
-    codes = hytrain._checks.DTYPE_CODES
-    return (master.data_ptr(), m.data_ptr(), v.data_ptr(), 0, grad_host.data_ptr(), codes[grad_host.dtype],
-            weight_host.data_ptr(), codes[weight_host.dtype], master.numel(), lr, 0.9, 0.999, 1e-8, 0.01,
-            step, True, False, 1.0, 0, 0, 0, 0)
+def _table(lr=1e-2):
+    table = hytrain.native().ParamTable()
+    table.set_groups([hytrain.native().GroupHyper(lr, 0.9, 0.999, 1e-8, 0.01)])
+    return table
+
+
+def _register(table, master, m, v, grad_host, weight_host):
+    """Registers one bf16 parameter's host buffers; returns (handle, its step counter)."""
+    step = torch.zeros((), dtype=torch.float32)
+    h = table.add(master=master.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(), max_exp_avg_sq=0,
+                  step=step.data_ptr(), grad=grad_host.data_ptr(), dtype=hytrain._checks.DTYPE_CODES[torch.bfloat16],
+                  copy=weight_host.data_ptr(), numel=master.numel(), group=0, amsgrad=False)
+    return h, step
 
 
 def test_pipeline_matches_cpu_adamw_element_by_element():
@@ -54,6 +62,8 @@ def test_pipeline_matches_cpu_adamw_element_by_element():
         grad_host, weight_host = pool.empty(n, torch.bfloat16), pool.empty(n, torch.bfloat16)
         ref = [master.clone(), torch.zeros(n), torch.zeros(n)]
         blocks.append((w, master, m, v, grad_host, weight_host, ref))
+    table = _table()
+    handles = [_register(table, *blk[1:6]) for blk in blocks]
     stream = torch.cuda.current_stream()
     for step in (1, 2, 3):
         grads = []
@@ -61,9 +71,8 @@ def test_pipeline_matches_cpu_adamw_element_by_element():
             torch.cuda._sleep(5_000_000)  # the gradient is still being produced when the copy is queued
             g = torch.randn(w.numel(), device=DEV).bfloat16()
             grads.append(g)
-            nb = w.numel() * 2
-            pipe.stage(b, [(gh.data_ptr(), g.data_ptr(), nb)], [_job(master, m, v, gh, wh, step)],
-                       [(w.data_ptr(), wh.data_ptr(), nb)], stream.cuda_stream)
+            pipe.stage(b, table, [handles[b][0]], [g.data_ptr()], [w.data_ptr()], 1.0, stream.cuda_stream)
+            assert float(handles[b][1]) == step  # counted once staged
         for b, (w, master, m, v, gh, wh, ref) in enumerate(blocks):
             pipe.wait_ready(b, stream.cuda_stream, 30.0)
             out = torch.empty_like(ref[0]).bfloat16()
@@ -92,12 +101,12 @@ def test_pipeline_held_passes_release_with_a_multiplier_or_cancel():
     m, v = pool.zeros(n), pool.zeros(n)
     staging = pool.empty(n, torch.bfloat16)
     ref = [master.clone(), torch.zeros(n), torch.zeros(n)]
+    table = _table()
+    h, counter = _register(table, master, m, v, staging, staging)
     for step, scale in ((1, 0.25), (2, 1.0)):
         g = torch.randn(n, device=DEV).bfloat16()
         torch.cuda._sleep(5_000_000)
-        job = list(_job(master, m, v, staging, staging, step))
-        pipe.stage(0, [(staging.data_ptr(), g.data_ptr(), 2 * n)], [tuple(job)],
-                   [(w.data_ptr(), staging.data_ptr(), 2 * n)], s, hold=True)
+        pipe.stage(0, table, [h], [g.data_ptr()], [w.data_ptr()], 1.0, s, hold=True)
         with pytest.raises(RuntimeError, match="never released"):
             pipe.wait_ready(0, s, 30.0)
         if step == 1:
@@ -112,10 +121,11 @@ def test_pipeline_held_passes_release_with_a_multiplier_or_cancel():
         torch.testing.assert_close(w.cpu(), out, rtol=0, atol=0)
     before = (master.clone(), m.clone(), w.cpu())
     g = torch.randn(n, device=DEV).bfloat16()
-    pipe.stage(0, [(staging.data_ptr(), g.data_ptr(), 2 * n)], [_job(master, m, v, staging, staging, 3)],
-               [(w.data_ptr(), staging.data_ptr(), 2 * n)], s, hold=True)
+    pipe.stage(0, table, [h], [g.data_ptr()], [w.data_ptr()], 1.0, s, hold=True)
     pipe.cancel(0)
+    table.retreat([h])
     pipe.wait_ready(0, s, 30.0)
+    assert float(counter) == 2
     assert torch.equal(master, before[0]) and torch.equal(m, before[1]) and torch.equal(w.cpu(), before[2])
     with pytest.raises(RuntimeError, match="no held pass"):
         pipe.release(0, 1.0)
@@ -214,15 +224,18 @@ def test_pipeline_errors_surface_in_the_training_thread():
     master, m, v = pool.zeros(n), pool.zeros(n), pool.zeros(n)
     gh, wh = pool.empty(n, torch.bfloat16), pool.empty(n, torch.bfloat16)
     s = torch.cuda.current_stream().cuda_stream
-    bad = list(_job(master, m, v, gh, wh, 1))
-    bad[9] = -1.0  # lr < 0: refused when the poller thread queues the update
-    pipe.stage(0, [(gh.data_ptr(), g.data_ptr(), 2 * n)], [tuple(bad)], [(w.data_ptr(), wh.data_ptr(), 2 * n)], s)
-    with pytest.raises(RuntimeError, match="block 0: queuing the update: .*lr"):
+    table = _table()
+    h, _ = _register(table, master, m, v, gh, wh)
+    with pytest.raises(RuntimeError, match="lr must be finite"):  # refused before anything crosses
+        table.set_groups([hytrain.native().GroupHyper(-1.0, 0.9, 0.999, 1e-8, 0.0)])
+    torch.cuda._sleep(20_000_000)  # the gradient copy lands after the release
+    pipe.stage(0, table, [h], [g.data_ptr()], [w.data_ptr()], 1.0, s, hold=True)
+    pipe.release(0, float("inf"))  # refused when the poller thread queues the update
+    with pytest.raises(RuntimeError, match="block 0: queuing the update: .*grad_scale"):
         pipe.wait_ready(0, s, 30.0)
     assert not pipe.in_flight(0)
     # The same block goes through cleanly afterwards.
-    pipe.stage(0, [(gh.data_ptr(), g.data_ptr(), 2 * n)], [_job(master, m, v, gh, wh, 1)],
-               [(w.data_ptr(), wh.data_ptr(), 2 * n)], s)
+    pipe.stage(0, table, [h], [g.data_ptr()], [w.data_ptr()], 1.0, s)
     pipe.wait_ready(0, s, 30.0)
     assert torch.all(w < 0)
 
@@ -239,10 +252,14 @@ def test_cuda_error_in_a_pipeline_worker_is_raised_not_crashed():
         g = torch.ones(n, device="cuda", dtype=torch.bfloat16)
         master, m, v = pool.zeros(n), pool.zeros(n), pool.zeros(n)
         gh, wh = pool.empty(n, torch.bfloat16), pool.empty(n, torch.bfloat16)
-        job = (master.data_ptr(), m.data_ptr(), v.data_ptr(), 0, gh.data_ptr(), 2, wh.data_ptr(), 2, n,
-               1e-3, 0.9, 0.999, 1e-8, 0.0, 1, True, False, 1.0, 0, 0, 0, 0)
+        table = hytrain.native().ParamTable()
+        table.set_groups([hytrain.native().GroupHyper(1e-3, 0.9, 0.999, 1e-8, 0.0)])
+        step = torch.zeros(())
+        h = table.add(master=master.data_ptr(), exp_avg=m.data_ptr(), exp_avg_sq=v.data_ptr(), max_exp_avg_sq=0,
+                      step=step.data_ptr(), grad=gh.data_ptr(), dtype=1, copy=wh.data_ptr(), numel=n, group=0,
+                      amsgrad=False)
         s = torch.cuda.current_stream().cuda_stream
-        pipe.stage(0, [(gh.data_ptr(), g.data_ptr(), 2 * n)], [job], [(0x10, wh.data_ptr(), 2 * n)], s)
+        pipe.stage(0, table, [h], [g.data_ptr()], [0x10], 1.0, s)  # the weights at a bad device address
         try:
             pipe.wait_ready(0, s, 30.0)
             print("NO ERROR")

@@ -87,19 +87,23 @@ class ParamTable {
   void set_groups(const std::vector<GroupHyper>& groups);
   const std::vector<GroupHyper>& groups() const { return groups_; }
 
-  // CPU path: the jobs updating `handles` in place, reading the gradients and writing the weights at
-  // `live` (one per handle), with the groups' hyperparameters and the gradient multiplier. The step
-  // counters advance.
+  // CPU path: the jobs of a new step updating `handles` in place (step: counter + 1), reading the
+  // gradients and writing the weights at `live` (one per handle), with the groups' hyperparameters
+  // and the gradient multiplier. The counters move only by advance(), once the jobs are queued.
   std::vector<UpdateJob> cpu_jobs(const std::vector<int64_t>& handles, const std::vector<LiveAddresses>& live,
-                                  double grad_scale);
+                                  double grad_scale) const;
   // Offload path: gradients from the device (`live[i].grad`) into staging, the jobs reading them
   // there, and each new weight from its staging (fp32: the master) to the device (`live[i].weight`);
   // with `stage_gradients` false the gradients are already in staging (a redo) and d2h is empty.
   // into_shadow: the new state and weights go to the shadows (each handle must have them).
-  // advance: a new step (the jobs use counter + 1, written back); else a redo of the step the
+  // new_step: the jobs use counter + 1 (advance() once they are staged); else they redo the step the
   // counters already hold (a speculative pass done again with the step's multiplier).
   PassPlan offload_pass(const std::vector<int64_t>& handles, const std::vector<LiveAddresses>& live,
-                        double grad_scale, bool into_shadow, bool stage_gradients, bool advance);
+                        double grad_scale, bool into_shadow, bool stage_gradients, bool new_step) const;
+  // The step counters of `handles` move to counter + 1 (a new step's jobs were queued); retreat()
+  // takes it back (a held pass cancelled, a speculative one dropped).
+  void advance(const std::vector<int64_t>& handles);
+  void retreat(const std::vector<int64_t>& handles);
 
  private:
   struct Row {

@@ -24,7 +24,7 @@ from .. import plots
 from .. import cuda_available
 from .._native import native
 from ..blocks import detect_blocks
-from ..hybrid_adam import HybridAdamW
+from ..hybrid import HybridAdamW
 from ..pool import PinnedPool, parse_bytes
 from .data import batch_at, load_corpus
 from .metrics import Metrics, Power, evaluate

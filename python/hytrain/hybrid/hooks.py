@@ -1,0 +1,90 @@
+"""The hooks: a post-accumulate-grad hook on every parameter counts its block's gradients and hands a
+complete block off; forward pre-hooks wait for each block's update just before the block is used; the
+model's ``state_dict()`` waits for every update in flight."""
+
+from __future__ import annotations
+
+import torch
+
+from .._native import native
+from ..blocks import repeated_layers
+
+
+def grad_hook(ref, p):
+    """The parameters' hook reaches the optimizer through a weak reference: it does nothing once the
+    optimizer is gone and does not keep it alive."""
+    opt = ref()
+    if opt is not None:
+        opt._on_grad(p)
+
+
+class Hooks:
+    """The hooks of a HybridAdamW: gradients in, waits before use."""
+
+    def _install_forward_hooks(self, model):
+        """Just-in-time waits: head blocks (and optimizer parameters outside the model) before the
+        model's forward, each repeated layer's blocks before that layer, tail blocks after the last
+        layer (before anything after it can use them). And the model's ``state_dict()`` (a checkpoint
+        save outside any forward) waits for every update in flight."""
+        self._model_hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
+        layers = repeated_layers(model)
+        n = len(self._blocks)
+        if layers is None:
+            everything = list(range(n))
+            self._model_hooks.append(model.register_forward_pre_hook(
+                lambda *_: self._before_forward(everything, everything[:1])))
+            return
+        layer_ids = [sorted({self._block_of[id(p)] for p in child.parameters() if id(p) in self._block_of})
+                     for child in layers]
+        in_layers = {b for ids in layer_ids for b in ids}
+        first_layer = min(in_layers) if in_layers else n
+        head = [b for b in range(n) if b not in in_layers and b < first_layer]
+        tail = [b for b in range(n) if b not in in_layers and b > first_layer]
+        model_params = {id(p) for p in model.parameters()}
+        outside = [b for b in tail if not any(id(p) in model_params for p in self._blocks[b])]
+        tail = [b for b in tail if b not in outside]
+        self._model_hooks.append(model.register_forward_pre_hook(
+            lambda *_: self._before_forward(head + outside, head)))
+        for child, ids in zip(layers, layer_ids):
+            self._model_hooks.append(child.register_forward_pre_hook(
+                lambda *_, ids=ids: self._before_forward(ids, ids)))
+        if tail:
+            self._model_hooks.append(layers[len(layers) - 1].register_forward_hook(
+                lambda *_: self._before_forward(tail, tail)))
+
+    def _before_forward(self, wait_for, marks):
+        meter = self._meter if (self._meter is not None and torch.is_grad_enabled()
+                                and not self._rt.any_arrived()) else None
+        before = None
+        if meter is not None:
+            meter.start(self._deferred())
+            before = meter.before_wait()
+        self._wait_blocks(wait_for)
+        if meter is not None:
+            meter.after_wait(marks, before)
+        if self.timeline is not None and torch.is_grad_enabled():
+            for b in marks:
+                self.timeline.mark("forward", b)
+
+    def _on_grad(self, p):
+        b = self._block_of[id(p)]
+        arrival, kinds = self._rt.arrive(b), native().Arrival
+        if arrival == kinds.late:
+            if not self.release_grads:
+                return  # another backward into kept gradients: step() sees them changed and redoes the block
+            raise RuntimeError(
+                f"gradients arrived for block {b} after it was already updated in this step: call "
+                f"optimizer.step() after every {self.accumulation_steps} backward pass(es) "
+                "(accumulation_steps)")
+        if self._bound is None:
+            return  # the first step is deferred: its state is created, and its updates run, in step()
+        if arrival == kinds.complete:
+            if self.timeline is not None:
+                self.timeline.mark("backward", b)
+            if self._meter is not None:
+                self._meter.backward_done(b, self._resident_bytes if self._scheduler is not None else None)
+            if not self._deferred():
+                self._launch(b, 1.0, release=True)
+            elif self._early_handoff():
+                self._hand_off(b)
+        self._release_landed()
