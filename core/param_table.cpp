@@ -23,11 +23,13 @@ void check_slots(const StateSlots& s, bool amsgrad, const char* what) {
 }  // namespace
 
 int64_t ParamTable::add(const ParamEntry& e) {
-  check_slots(e.state, e.amsgrad, "a parameter");
+  // numel 0: a sharded parameter whose shard on this rank is empty; it is registered (handles stay
+  // the parameters' indices) but never stepped.
+  if (e.numel < 0) HYTRAIN_THROW("ParamTable: a parameter needs numel >= 0");
+  if (e.numel > 0) check_slots(e.state, e.amsgrad, "a parameter");
   if (!e.step) HYTRAIN_THROW("ParamTable: a parameter needs its step counter");
-  if (e.numel <= 0) HYTRAIN_THROW("ParamTable: a parameter needs numel > 0");
   if (e.group < 0) HYTRAIN_THROW("ParamTable: negative group index");
-  if (e.grad_dtype != DType::f32 && !e.copy && e.grad) {
+  if (e.numel > 0 && e.grad_dtype != DType::f32 && !e.copy && e.grad) {
     HYTRAIN_THROW("ParamTable: a bf16/fp16 parameter with staging needs a weight staging buffer");
   }
   Row r;

@@ -111,16 +111,19 @@ TEST(registration_is_checked) {
   threw = false;
   try {
     ParamEntry bad = e;
-    bad.numel = 0;
+    bad.numel = -1;
     t.add(bad);
   } catch (const Error&) { threw = true; }
   CHECK(threw);
   CHECK(t.size() == 0);
   const int64_t h = t.add(e);
   CHECK(h == 0 && t.size() == 1);
+  ParamEntry empty;  // an empty shard on this rank: registered, no buffers
+  empty.step = &step;
+  CHECK(t.add(empty) == 1);
   threw = false;
   try {
-    t.entry(1);
+    t.entry(2);
   } catch (const Error&) { threw = true; }
   CHECK(threw);
   // No groups set yet: a step is refused before any counter moves.

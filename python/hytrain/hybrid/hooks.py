@@ -32,7 +32,7 @@ class Hooks:
         if layers is None:
             everything = list(range(n))
             self._model_hooks.append(model.register_forward_pre_hook(
-                lambda *_: self._before_forward(everything, everything[:1])))
+                lambda *_: self._before_forward(everything, everything[:1]), prepend=True))
             return
         layer_ids = [sorted({self._block_of[id(p)] for p in child.parameters() if id(p) in self._block_of})
                      for child in layers]
@@ -43,11 +43,15 @@ class Hooks:
         model_params = {id(p) for p in model.parameters()}
         outside = [b for b in tail if not any(id(p) in model_params for p in self._blocks[b])]
         tail = [b for b in tail if b not in outside]
+        if self._shard_group is not None:
+            # FSDP2 all-gathers a unit's shards in its own pre-forward hook: the waits run before it
+            # (prepend), and the tail, which belongs to the root's unit, is waited for with the head.
+            head, tail = head + tail, []
         self._model_hooks.append(model.register_forward_pre_hook(
-            lambda *_: self._before_forward(head + outside, head)))
+            lambda *_: self._before_forward(head + outside, head), prepend=True))
         for child, ids in zip(layers, layer_ids):
             self._model_hooks.append(child.register_forward_pre_hook(
-                lambda *_, ids=ids: self._before_forward(ids, ids)))
+                lambda *_, ids=ids: self._before_forward(ids, ids), prepend=True))
         if tail:
             self._model_hooks.append(layers[len(layers) - 1].register_forward_hook(
                 lambda *_: self._before_forward(tail, tail)))

@@ -9,6 +9,7 @@ import torch
 
 from .._native import native
 from ..cuda_adam import CudaAdamW
+from .common import local
 
 
 class Launch:
@@ -44,7 +45,8 @@ class Launch:
         else:
             for p in self._blocks[b]:
                 if p.grad is not None:
-                    self._handed[id(p)] = (p.grad, p.grad._version)
+                    g = local(p.grad)
+                    self._handed[id(p)] = (g, g._version)
         if self._rt.on_gpu(b):
             for p, g in pairs:
                 self._dev_state[id(p)]["grad"].copy_(g)
@@ -58,20 +60,23 @@ class Launch:
             self._launch(b, 1.0, release=self.release_grads, hold=not spec, speculative=spec)
 
     def _grads(self, b):
-        """The block's (parameter, gradient) pairs, gradients validated and contiguous."""
+        """The block's (parameter, gradient) pairs, gradients validated and contiguous: for
+        the local shards of sharded (FSDP2) parameters; a parameter whose shard on this rank is empty
+        has nothing to update here."""
         out = []
         for p in self._blocks[b]:
-            g = p.grad
-            if g is None:
+            if p.grad is None:
                 continue
+            g, w = local(p.grad), local(p)
             if g.is_sparse or g.layout != torch.strided:
                 raise RuntimeError(f"HybridAdamW does not support sparse gradients (shape {tuple(p.shape)})")
             self._check_bound(p)
-            if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
-                raise RuntimeError(f"gradient of a parameter of shape {tuple(p.shape)} has dtype {g.dtype}, "
+            if g.dtype != w.dtype or g.shape != w.shape or g.device != w.device:
+                raise RuntimeError(f"gradient of a parameter of shape {tuple(w.shape)} has dtype {g.dtype}, "
                                    f"shape {tuple(g.shape)}, device {g.device}: it must match the parameter "
-                                   f"({p.dtype}, {p.device})")
-            out.append((p, g if g.is_contiguous() else g.contiguous()))
+                                   f"({w.dtype}, {w.device})")
+            if w.numel():
+                out.append((p, g if g.is_contiguous() else g.contiguous()))
         return out
 
     def _launch(self, b, grad_scale, *, release, hold=False, speculative=False):
@@ -93,22 +98,22 @@ class Launch:
             self._sync_groups()
         if not self._cuda:
             self._engine.submit(b, self._table, handles, [g.data_ptr() for _, g in pairs],
-                                [p.data_ptr() for p, _ in pairs], float(grad_scale))
+                                [local(p).data_ptr() for p, _ in pairs], float(grad_scale))
             # The workers read the gradients and write the weights: both stay alive until waited for.
-            self._alive[b] = [t for p, g in pairs for t in (g, p.detach())]
+            self._alive[b] = [t for p, g in pairs for t in (g, local(p).detach())]
             rt.set_in_flight(b)
         elif rt.on_gpu(b):
             self._gpu_update(b, pairs, grad_scale)
         elif pairs:
             self._migration_done(b, host=True)  # states that came down from the GPU have landed
             self._pipeline.stage(b, self._table, handles, [g.data_ptr() for _, g in pairs],
-                                 [p.data_ptr() for p, _ in pairs], float(grad_scale),
+                                 [local(p).data_ptr() for p, _ in pairs], float(grad_scale),
                                  torch.cuda.current_stream(self.device).cuda_stream, hold=hold,
                                  speculative=speculative)
             self._landing.append((self._pipeline.d2h_issued, [g for _, g in pairs]))
             # The H2D copies write these weights: their storage stays alive until the pass is waited
             # for, even if the caller replaces the parameters' data meanwhile.
-            self._alive[b] = [p.detach() for p, _ in pairs]
+            self._alive[b] = [local(p).detach() for p, _ in pairs]
             rt.set_in_flight(b)
         if pairs and hold:
             rt.hold(b, handles)
@@ -140,7 +145,7 @@ class Launch:
         for (gi, dtype, step), ps in groups.items():
             # The fused kernel's tables hold the weights' addresses: a parameter whose storage was
             # replaced gets a new group.
-            key = tuple((id(p), p.data_ptr()) for p in ps)
+            key = tuple((id(p), local(p).data_ptr()) for p in ps)
             fused = self._gpu_groups.get(key)
             if fused is None:
                 first = True  # building the group's tables is not the update's cost: not measured
@@ -150,7 +155,7 @@ class Launch:
                 amsgrad = bool(self.param_groups[gi]["amsgrad"])
                 fused = CudaAdamW([d["master"] for d in ds], [d["exp_avg"] for d in ds],
                                   [d["exp_avg_sq"] for d in ds], [d["grad"] for d in ds],
-                                  weights=list(ps) if half else None, amsgrad=amsgrad,
+                                  weights=[local(p) for p in ps] if half else None, amsgrad=amsgrad,
                                   max_exp_avg_sqs=[d["max_exp_avg_sq"] for d in ds] if amsgrad else None)
                 self._gpu_groups[key] = fused
             group = self.param_groups[gi]
@@ -182,7 +187,7 @@ class Launch:
             self._wait_blocks([b])  # the compute stream now follows the speculative weight copies
             for h in rt.handed(b):
                 p = self._params[h]
-                p.data.copy_(self.state[p]["master"], non_blocking=True)  # the weights are its rounding
+                local(p).copy_(self.state[p]["master"], non_blocking=True)  # the weights are its rounding
             self._table.retreat(rt.handed(b))
             rt.drop(b)
 
@@ -198,7 +203,7 @@ class Launch:
             for p in self._blocks[b]:
                 self._check_bound(p)
             staged = self._alive.get(b) if not rt.on_gpu(b) else None
-            if staged and any(w.data_ptr() != p.data_ptr() for w, p in zip(staged, ps)):
+            if staged and any(w.data_ptr() != local(p).data_ptr() for w, p in zip(staged, ps)):
                 if self.release_grads:
                     raise RuntimeError(f"the parameters of block {b} were given new storage between backward "
                                        "and step(): their update was staged for the old storage, and their "
@@ -208,7 +213,7 @@ class Launch:
             if self.release_grads:
                 continue
             for p in self._blocks[b]:
-                seen, g = self._handed.get(id(p)), p.grad
+                seen, g = self._handed.get(id(p)), (local(p.grad) if p.grad is not None else None)
                 if (seen is None) != (g is None) or (g is not None and (g is not seen[0] or g._version != seen[1])):
                     out.add(b)
                     break

@@ -6,7 +6,6 @@ from live beside it, one file each: ``state`` (binding at the first step, the pa
 from __future__ import annotations
 
 import functools
-import os
 import math
 import weakref
 
@@ -17,7 +16,8 @@ from .. import _checks
 from .._native import native
 from ..blocks import detect_blocks
 from ..pool import PinnedPool, physical_memory_bytes
-from .common import STATE_KEYS
+from . import distributed
+from .common import STATE_KEYS, local
 from .hooks import Hooks, grad_hook
 from .launch import Launch
 from .residency import Residency
@@ -77,7 +77,8 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
             allocating (default: 75 % of the machine's memory, which leaves room for the rest of
             the process, page cache and the system).
         accumulation_steps: micro-batches per step; blocks are updated after the last one.
-        workers: CPU update threads (default: the usable cores less one, for the training thread).
+        workers: CPU update threads (default: this process's share of the node's cores -- under
+            torchrun the cores divided by LOCAL_WORLD_SIZE -- less one, for the training thread).
         pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
         overlap: False updates everything inside ``step()`` and waits for it there (what overlap
             buys, for benchmarks).
@@ -114,6 +115,9 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
         super().__init__(params, defaults)
         self._params = [p for g in self.param_groups for p in g["params"]]
         _check_param_list(self._params)
+        # FSDP2-sharded parameters: each rank holds the state of its own shards; the norm and the
+        # overflow flag are agreed over this group.
+        self._shard_group = distributed.shard_group(self._params)
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         self._group_index = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
@@ -146,7 +150,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
         if pool is not None and not isinstance(pool, PinnedPool):
             raise TypeError(f"pool must be a hytrain.PinnedPool, got {type(pool).__name__}")
         # Default: every usable core but one, which the training thread needs to keep the GPU fed.
-        n_workers = workers if workers is not None else max(1, len(os.sched_getaffinity(0)) - 1)
+        n_workers = workers if workers is not None else distributed.default_workers()
         self._settings = dict(pool=pool, workers=_checks.integer("workers", n_workers, lo=1),
                               slice_elements=_checks.integer("slice_elements", slice_elements, lo=1024),
                               trace=bool(trace), model=model if blocks is None else None)
@@ -273,12 +277,17 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
         """This step's global gradient 2-norm before any multiplier (None without gradients), computed
         once: the parts of blocks whose gradients were released, and the gradients still there."""
         if self._grad_norm is None:
-            grads = [p.grad for b in range(len(self._blocks)) if not (self.release_grads and self._rt.submitted(b))
-                     for p in self._blocks[b] if p.grad is not None]
+            grads = [local(p.grad) for b in range(len(self._blocks))
+                     if not (self.release_grads and self._rt.submitted(b))
+                     for p in self._blocks[b] if p.grad is not None and local(p.grad).numel()]
             parts = list(self._sq_parts)
             if grads:
                 parts.append(self._sq_norm(grads))
-            if parts:
+            if self._shard_group is not None:  # every rank's squared norm of its shards, summed
+                total = (torch.stack(parts).sum() if parts else
+                         torch.zeros((), dtype=torch.float64, device=local(self._params[0]).device))
+                self._grad_norm = math.sqrt(float(distributed.all_reduce(total, self._shard_group)))
+            elif parts:
                 self._grad_norm = math.sqrt(float(torch.stack(parts).sum()))
         return self._grad_norm
 
@@ -328,6 +337,8 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
                 self._bind()
             grad_scale = getattr(self, "grad_scale", None)
             found_inf = getattr(self, "found_inf", None)
+            if found_inf is not None and self._shard_group is not None:  # skipped on all ranks or none
+                found_inf = distributed.all_reduce(found_inf.detach().clone(), self._shard_group, op="max")
             if grad_scale is not None or found_inf is not None:
                 if not self._loss_scaling and self._rt.any_submitted():
                     self._drop_held()
@@ -447,14 +458,14 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
             mine = self.state[p] if self.bound else None
             for key, val in st.items():
                 if mine is not None and key == "master" and key not in mine and p.dtype == torch.float32:
-                    dst = p.data  # fp32 parameters updated in place are their own master
+                    dst = local(p)  # fp32 parameters updated in place are their own master
                 elif mine is not None and key in mine:
                     dst = mine[key]
                 elif mine is None and key in ("step", "master", *STATE_KEYS):
                     dst = None
                 else:
                     raise ValueError(f"parameter {i}: unexpected state {key!r}")
-                shape = torch.Size([]) if key == "step" else p.shape
+                shape = torch.Size([]) if key == "step" else local(p).shape
                 if not isinstance(val, torch.Tensor) or val.shape != shape:
                     raise ValueError(f"parameter {i}: state {key!r} has shape "
                                      f"{getattr(val, 'shape', None)}, expected {tuple(shape)}")

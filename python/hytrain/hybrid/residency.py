@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import STATE_KEYS
+from .common import STATE_KEYS, local
 
 
 class Residency:
@@ -35,8 +35,8 @@ class Residency:
             d = {key: torch.empty(st[key].shape, dtype=torch.float32, device=self.device)
                  for key in STATE_KEYS if key in st}
             if p.dtype != torch.float32:
-                d["master"] = torch.empty(p.shape, dtype=torch.float32, device=self.device)
-            d["grad"] = torch.empty_like(p)
+                d["master"] = torch.empty(local(p).shape, dtype=torch.float32, device=self.device)
+            d["grad"] = torch.empty_like(local(p))
             states.append((p, st, d))
         # Fresh allocations may reuse memory that queued compute-stream work still reads.
         self._mig_stream.wait_stream(compute)
@@ -46,7 +46,7 @@ class Residency:
                     if key != "grad":
                         t.copy_(st[key], non_blocking=True)
                 if p.dtype == torch.float32:
-                    d["master"] = p  # fp32 weights are their own master
+                    d["master"] = local(p)  # fp32 weights are their own master
                 self._dev_state[id(p)] = d
         done = torch.cuda.Event()
         done.record(self._mig_stream)
@@ -62,7 +62,7 @@ class Residency:
                 for key in (*STATE_KEYS, "master"):
                     if key in st:
                         st[key].copy_(d[key], non_blocking=True)
-                        if d[key] is not p:
+                        if key != "master" or p.dtype != torch.float32:
                             d[key].record_stream(self._mig_stream)  # freed only after the copy
                 d["grad"].record_stream(self._mig_stream)
         self._drop_gpu_groups({id(p) for p in self._blocks[b]})

@@ -8,6 +8,7 @@ import torch
 
 from .._native import native
 from ..cuda_adam import CudaAdamW
+from .common import local
 
 
 class Scheduling:
@@ -17,7 +18,7 @@ class Scheduling:
         for blk in self._blocks:
             n = w = s = 0
             for p in blk:
-                e = p.numel()
+                e = local(p).numel()
                 n += e
                 w += e * p.element_size()
                 per = 8 + (4 if self._group_of[id(p)]["amsgrad"] else 0) + p.element_size()

@@ -12,7 +12,7 @@ import torch
 
 from .. import _checks
 from .._native import native
-from .common import STATE_KEYS
+from .common import STATE_KEYS, local
 
 
 def _rss_bytes() -> int:
@@ -31,8 +31,8 @@ class Speculation:
         return all(id(p) in self._shadow for p in self._blocks[b])
 
     def _shadow_bytes(self, b) -> int:
-        return sum(p.numel() * 4 * sum(1 for key in ("master", *STATE_KEYS) if key in self.state[p])
-                   + (p.numel() * p.element_size() if p.dtype != torch.float32 else 0)
+        return sum(local(p).numel() * 4 * sum(1 for key in ("master", *STATE_KEYS) if key in self.state[p])
+                   + (local(p).numel() * p.element_size() if p.dtype != torch.float32 else 0)
                    for p in self._blocks[b] if id(p) not in self._shadow)
 
     def _speculation_allowed(self) -> bool:
@@ -117,7 +117,7 @@ class Speculation:
                         sh = {key: self._pool.empty(st[key].shape, torch.float32)
                               for key in ("master", *STATE_KEYS) if key in st}
                         if p.dtype != torch.float32:
-                            sh["copy"] = self._pool.empty(p.shape, p.dtype)
+                            sh["copy"] = self._pool.empty(local(p).shape, p.dtype)
                         self._set_shadow(p, sh)
                         allocated = True
                 except MemoryError:  # the pool's capacity: speculation starts above this block
@@ -162,9 +162,9 @@ class Speculation:
         if self._meter is not None:
             self._meter_owner[b] = self._meter.current
         self._sync_groups()
-        self._pipeline.stage(b, self._table, handles, [0] * len(ps), [p.data_ptr() for p in ps], float(mult),
+        self._pipeline.stage(b, self._table, handles, [0] * len(ps), [local(p).data_ptr() for p in ps], float(mult),
                              torch.cuda.current_stream(self.device).cuda_stream, redo=True)
-        self._alive[b] = [p.detach() for p in ps]
+        self._alive[b] = [local(p).detach() for p in ps]
         rt.set_in_flight(b)
         rt.launch(b)  # (until here a failure leaves it to _drop_held)
         self.speculation_counts["redone"] += 1

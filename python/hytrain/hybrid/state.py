@@ -15,7 +15,7 @@ from ..meter import Meter
 from ..pool import PinnedPool
 from ..trace import Timeline
 from .. import _checks
-from .common import PARAM_DTYPES, STATE_KEYS
+from .common import PARAM_DTYPES, STATE_KEYS, local
 
 
 class HostState:
@@ -35,7 +35,7 @@ class HostState:
             self._table = None
             self._rt = native().BlockRuntime([len(b) for b in self._blocks], self.accumulation_steps)
             raise
-        self._bound = {id(p): (p.device, p.dtype, p.shape) for p in self._params}
+        self._bound = {id(p): (w.device, w.dtype, w.shape) for p in self._params for w in (local(p),)}
         if self._pending_load is not None:
             pending, self._pending_load = self._pending_load, None
             self.load_state_dict(pending)
@@ -70,7 +70,8 @@ class HostState:
         self._lent = {}  # block -> the GPU-resident block whose idle host state and staging are its shadows
         signatures = {}  # blocks that can lend each other host state have equal signatures
         self._signatures = [signatures.setdefault(
-            tuple((tuple(p.shape), p.dtype, "max_exp_avg_sq" in self.state[p]) for p in blk), len(signatures))
+            tuple((tuple(local(p).shape), p.dtype, "max_exp_avg_sq" in self.state[p]) for p in blk),
+            len(signatures))
             for blk in self._blocks]
         self._last_clipped = True  # whether the last step's multiplier differed from 1 (or none yet)
         self._dev_state = {}  # id(p) -> device master/exp_avg/exp_avg_sq/max_exp_avg_sq/grad
@@ -99,10 +100,11 @@ class HostState:
     def _check_bound(self, p):
         """Refuses a parameter that changed device, dtype or shape after its state was created."""
         device, dtype, shape = self._bound[id(p)]
-        if p.device != device or p.dtype != dtype or p.shape != shape:
+        w = local(p)
+        if w.device != device or w.dtype != dtype or w.shape != shape:
             raise RuntimeError(
-                f"parameter {self._index_of[id(p)]} is now {str(p.dtype).replace('torch.', '')} of shape "
-                f"{tuple(p.shape)} on {p.device}, but HybridAdamW created its state at the first step for "
+                f"parameter {self._index_of[id(p)]} is now {str(w.dtype).replace('torch.', '')} of shape "
+                f"{tuple(w.shape)} on {w.device}, but HybridAdamW created its state at the first step for "
                 f"{str(dtype).replace('torch.', '')} of shape {tuple(shape)} on {device}. Moving or casting "
                 "parameters after the first step is not supported: move the model before the first step, "
                 "or save optimizer.state_dict(), move the model back, and load that state into a new "
@@ -114,6 +116,7 @@ class HostState:
             raise ValueError("HybridAdamW got an empty parameter list")
         devices = set()
         for i, p in enumerate(params):
+            p = local(p)
             if p.dtype not in PARAM_DTYPES:
                 raise TypeError(f"parameter {i} has dtype {p.dtype}; HybridAdamW supports float32, "
                                 "bfloat16 and float16")
@@ -141,43 +144,54 @@ class HostState:
                 per += p.element_size()  # staging: the gradient lands there, the new weights replace it
                 if self.speculate is not False:  # a capacity only: shadows are allocated when used
                     per += per - (4 if p.dtype == torch.float32 else 0)
-            total += p.numel() * per + 6 * 256
+            total += local(p).numel() * per + 6 * 256
         return total * 3 // 2 + (256 << 20)
 
     def _init_state(self, p):
+        """The parameter's host state, shaped like its local shard when it is sharded (FSDP2): each
+        rank holds the master, m and v of its own shard only. A shard that is empty on this rank gets
+        empty state (nothing to update)."""
         st = self.state[p]
+        w = local(p)
+        if w.numel():
+            zeros, empty = self._pool.zeros, self._pool.empty
+        else:
+            def zeros(shape, dtype=torch.float32):
+                return torch.zeros(shape, dtype=dtype)
+            empty = zeros
         st["step"] = torch.zeros((), dtype=torch.float32)
-        st["exp_avg"] = self._pool.zeros(p.shape, torch.float32)
-        st["exp_avg_sq"] = self._pool.zeros(p.shape, torch.float32)
+        st["exp_avg"] = zeros(w.shape, torch.float32)
+        st["exp_avg_sq"] = zeros(w.shape, torch.float32)
         if self._group_of[id(p)]["amsgrad"]:
-            st["max_exp_avg_sq"] = self._pool.zeros(p.shape, torch.float32)
+            st["max_exp_avg_sq"] = zeros(w.shape, torch.float32)
         if p.dtype != torch.float32 or self._cuda:
-            st["master"] = self._pool.empty(p.shape, torch.float32)
-            st["master"].copy_(p.detach())
+            st["master"] = empty(w.shape, torch.float32)
+            st["master"].copy_(w.detach())
         if self._cuda:
             # One staging buffer: the gradient is copied in, the CPU update reads each element's
             # gradient before writing its new bf16/fp16 weight over it, and the H2D copy sends it back.
-            buf = self._pool.empty(p.shape, p.dtype)
+            buf = empty(w.shape, p.dtype)
             self._staging[id(p)] = (buf, buf if p.dtype != torch.float32 else None)
         self._register(p)
 
     def _register(self, p):
         """Registers the parameter's host buffers in the native table (its handle is its index)."""
         st = self.state[p]
+        w = local(p)
         staging = self._staging.get(id(p))
         half = p.dtype != torch.float32
         handle = self._table.add(
-            master=st.get("master", p).data_ptr(), exp_avg=st["exp_avg"].data_ptr(),
+            master=st.get("master", w).data_ptr(), exp_avg=st["exp_avg"].data_ptr(),
             exp_avg_sq=st["exp_avg_sq"].data_ptr(), max_exp_avg_sq=_checks.address(st.get("max_exp_avg_sq")),
             step=st["step"].data_ptr(), grad=staging[0].data_ptr() if staging else 0,
             dtype=_checks.DTYPE_CODES[p.dtype], copy=staging[1].data_ptr() if staging and half else 0,
-            numel=p.numel(), group=self._group_index[id(p)], amsgrad="max_exp_avg_sq" in st)
+            numel=w.numel(), group=self._group_index[id(p)], amsgrad="max_exp_avg_sq" in st)
         assert handle == self._index_of[id(p)]
 
     def _restate(self, p):
         """The parameter's state entries name other buffers now (adopted shadows, a donor's spare set)."""
         st = self.state[p]
-        self._table.set_state(self._index_of[id(p)], st.get("master", p).data_ptr(), st["exp_avg"].data_ptr(),
+        self._table.set_state(self._index_of[id(p)], st.get("master", local(p)).data_ptr(), st["exp_avg"].data_ptr(),
                               st["exp_avg_sq"].data_ptr(), _checks.address(st.get("max_exp_avg_sq")))
 
     def _sync_groups(self):

@@ -1,0 +1,64 @@
+"""What HybridAdamW needs of torch.distributed when its parameters are sharded by FSDP2
+(``torch.distributed.fsdp.fully_shard``): the process group the shards are spread over, and the few
+small collectives that keep the ranks' steps exact -- the global gradient norm (each rank has the
+squared norm of its own shards) and GradScaler's overflow flag (a step is skipped on every rank or
+on none). Nothing here runs for unsharded parameters."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .common import is_sharded
+
+
+def shard_group(params):
+    """The process group of FSDP2-sharded parameters, or None when none is sharded. All or none must
+    be sharded, on one 1-D device mesh with Shard placements (fully_shard's layout); anything else is
+    refused with a ValueError that says what to do."""
+    sharded = [is_sharded(p) for p in params]
+    if not any(sharded):
+        return None
+    if not all(sharded):
+        n = sum(1 for s in sharded if not s)
+        raise ValueError(f"{n} of {len(params)} parameters are not sharded while the others are DTensors: "
+                         "apply fully_shard to the whole model (its root too) so that every parameter is "
+                         "sharded, or to none of it")
+    mesh = params[0].device_mesh
+    for i, p in enumerate(params):
+        if p.device_mesh != mesh:
+            raise ValueError(f"parameter {i} is sharded over another device mesh than parameter 0; "
+                             "HybridAdamW needs one mesh for all of them")
+        if mesh.ndim != 1 or any(type(pl).__name__ != "Shard" for pl in p.placements):
+            raise ValueError(f"parameter {i} has placements {tuple(p.placements)} on a {mesh.ndim}-D mesh: "
+                             "HybridAdamW supports fully_shard on a 1-D mesh (Shard placements); "
+                             "hybrid sharding (HSDP) and tensor parallelism are not supported")
+    return mesh.get_group()
+
+
+def all_reduce(t: torch.Tensor, group, op="sum") -> torch.Tensor:
+    """t reduced over the group, in place (sum or max)."""
+    import torch.distributed as dist
+
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def local_world_size() -> int:
+    """Processes on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def default_workers() -> int:
+    """CPU update threads for this process: the cores it may use, shared with the other processes of
+    the node (torchrun starts one per GPU; each gets its share, less one for its training thread).
+    Where the affinity already narrows the cores to this process's share, that share is used as is."""
+    cores = len(os.sched_getaffinity(0))
+    per_node = local_world_size()
+    total = os.cpu_count() or cores
+    share = cores if cores < total else cores // per_node
+    return max(1, share - 1)

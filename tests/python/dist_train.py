@@ -1,0 +1,87 @@
+"""Training run for the multi-process tests, started by torchrun (gloo on CPUs, NCCL on GPUs) or as a
+plain process. A small Llama-style model, the same fixed global batch every run; each rank trains on
+its slice of it, the model is sharded by FSDP2 (fully_shard per layer and at the root) unless --plain,
+and HybridAdamW updates each rank's shards. Rank 0 writes a JSON file: the global losses, the grad
+norms, and the full weights after training (and after a resume, when asked)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+import hytrain
+from hytrain.models import LlamaConfig, LlamaModel
+
+CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
+                  num_kv_heads=2, max_seq_len=64)
+GLOBAL_BATCH = 4
+
+
+def data(steps):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, 32), generator=g) for _ in range(steps)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--plain", action="store_true", help="one process, no sharding (the reference)")
+    ap.add_argument("--clip", type=float, default=None)
+    ap.add_argument("--routed-clip", type=float, default=None, help="clip through opt.clip_grad_norm_")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    distributed = "RANK" in os.environ and not args.plain
+    if distributed:
+        dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+    device = torch.device(args.device if args.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = LlamaModel(CFG).to(getattr(torch, args.dtype)).to(device)
+    if distributed:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model,
+                              max_grad_norm=args.clip, workers=1)
+    losses, norms = [], []
+    for x in data(args.steps):
+        rows = x.shape[0] // world
+        mine = x[rank * rows:(rank + 1) * rows].to(device)
+        loss = model(mine, mine)
+        loss.backward()
+        if args.routed_clip is not None:
+            norms.append(float(opt.clip_grad_norm_(args.routed_clip)))
+        opt.step()
+        opt.zero_grad()
+        if opt.last_grad_norm is not None and args.routed_clip is None:
+            norms.append(opt.last_grad_norm)
+        total = loss.detach().float().clone()
+        if distributed:
+            dist.all_reduce(total)
+        losses.append(float(total) / world)
+    opt.synchronize()
+    weights = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        weights[name] = full.detach().float().cpu().flatten().tolist()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"losses": losses, "norms": norms, "weights": weights, "world": world}, f)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
