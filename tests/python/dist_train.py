@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,13 @@ def main():
     ap.add_argument("--routed-clip", type=float, default=None, help="clip through opt.clip_grad_norm_")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--ckpt", default=None, help="checkpoint directory (hytrain.dist_checkpoint)")
+    ap.add_argument("--save-at", type=int, default=None, help="save after this step, then stop")
+    ap.add_argument("--save-every", type=int, default=None, help="save after every N steps and go on")
+    ap.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --ckpt")
+    ap.add_argument("--resume-if-any", action="store_true", help="resume when --ckpt has a checkpoint")
+    ap.add_argument("--die-at", type=int, default=None,
+                    help="rank 1 exits at this step in the first attempt (torchrun restarts the group)")
     args = ap.parse_args()
     distributed = "RANK" in os.environ and not args.plain
     if distributed:
@@ -55,8 +63,17 @@ def main():
         fully_shard(model)
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model,
                               max_grad_norm=args.clip, workers=1)
+    start = 0
+    if args.resume_if_any and (Path(args.ckpt) / "checkpoints" / "latest").is_file():
+        args.resume = True
+    if args.resume:
+        from hytrain import dist_checkpoint
+
+        start = dist_checkpoint.load(dist_checkpoint.resolve(args.ckpt), model, opt)["step"]
     losses, norms = [], []
-    for x in data(args.steps):
+    for i, x in enumerate(data(args.steps)[start:], start=start + 1):
+        if args.die_at == i and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os._exit(3)
         rows = x.shape[0] // world
         mine = x[rank * rows:(rank + 1) * rows].to(device)
         loss = model(mine, mine)
@@ -71,6 +88,15 @@ def main():
         if distributed:
             dist.all_reduce(total)
         losses.append(float(total) / world)
+        if args.save_at == i:
+            from hytrain import dist_checkpoint
+
+            dist_checkpoint.save(args.ckpt, i, model, opt)
+            break
+        if args.save_every and i % args.save_every == 0:
+            from hytrain import dist_checkpoint
+
+            dist_checkpoint.save(args.ckpt, i, model, opt)
     opt.synchronize()
     weights = {}
     for name, p in model.named_parameters():
@@ -78,7 +104,7 @@ def main():
         weights[name] = full.detach().float().cpu().flatten().tolist()
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "norms": norms, "weights": weights, "world": world}, f)
+            json.dump({"losses": losses, "norms": norms, "weights": weights, "world": world, "start": start}, f)
     if distributed:
         dist.destroy_process_group()
 

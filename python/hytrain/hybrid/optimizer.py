@@ -17,7 +17,7 @@ from .._native import native
 from ..blocks import detect_blocks
 from ..pool import PinnedPool, physical_memory_bytes
 from . import distributed
-from .common import STATE_KEYS, local
+from .common import STATE_KEYS, is_sharded, local
 from .hooks import Hooks, grad_hook
 from .launch import Launch
 from .residency import Residency
@@ -427,12 +427,70 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
             if self._pending_load is not None:
                 out["state"] = self._pending_load["state"]
             return out
+        self._host_state_current()
+        return super().state_dict()
+
+    def _host_state_current(self):
+        """Waits for updates in flight and copies GPU-resident blocks' states into their host state;
+        borrowers give the donors' host buffers back for a step (they hold state again)."""
         self.synchronize()
-        for r in set(self._lent.values()):  # borrowers stop for a step: the donors' buffers hold state
+        for r in set(self._lent.values()):
             self._reclaim(r)
         for b in self._rt.resident():
             self._sync_host(b)
-        return super().state_dict()
+
+    def _refresh_device_copies(self):
+        for b in self._rt.resident():  # GPU-resident blocks: the device copies follow the host state
+            for p in self._blocks[b]:
+                st, d = self.state[p], self._dev_state[id(p)]
+                for key in (*STATE_KEYS, "master"):
+                    if key in st:
+                        d[key].copy_(st[key])
+
+    def sharded_state_dict(self) -> dict:
+        """The state for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``): ``{"state":
+        {index: {key: tensor}}, "param_groups": [...]}``. The tensors are the optimizer's own host
+        buffers; for sharded (FSDP2) parameters they are DTensors over the parameters' mesh, each
+        rank's buffer its own shard of the global tensor, so a save writes every rank's shard once
+        and a load -- at this or another world size -- reads each rank's shard straight into its
+        buffers. ``step`` is a plain (replicated) tensor. Call :meth:`load_sharded_state_dict` with
+        the dict after ``dcp.load``. Creates the state if the first step has not (the parameters
+        must be where they will train)."""
+        if not self.bound:
+            self._validate_group_values()
+            self._bind()
+        self._host_state_current()
+        state = {}
+        for i, p in enumerate(self._params):
+            st = self.state[p]
+            entry = {"step": st["step"]}
+            for key in ("master", *STATE_KEYS):
+                if key in st:
+                    entry[key] = self._as_global(p, st[key])
+            state[i] = entry
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def _as_global(self, p, buf):
+        if not is_sharded(p):
+            return buf
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(buf, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())
+
+    def load_sharded_state_dict(self, state_dict) -> None:
+        """Completes a resume from ``dcp.load(sd, ...)`` where ``sd`` came from
+        :meth:`sharded_state_dict`: the tensors are already in the optimizer's buffers; this applies
+        the param groups' hyperparameters and refreshes the device copies of GPU-resident blocks."""
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("expected the dict from sharded_state_dict() (after dcp.load)")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"the checkpoint has {len(groups)} param groups, the optimizer has "
+                             f"{len(self.param_groups)}")
+        self._refresh_device_copies()
+        self._load_group_values(groups)
 
     def load_state_dict(self, state_dict):
         """Loads torch-format state (``exp_avg``, ``exp_avg_sq``, ``step``, and ``master`` when saved by
@@ -478,12 +536,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
             return
         for dst, src in plan:
             dst.copy_(src)
-        for b in self._rt.resident():  # GPU-resident blocks: refresh the device copies
-            for p in self._blocks[b]:
-                st, d = self.state[p], self._dev_state[id(p)]
-                for key in (*STATE_KEYS, "master"):
-                    if key in st:
-                        d[key].copy_(st[key])
+        self._refresh_device_copies()
         self._load_group_values(groups)
 
     def _load_group_values(self, groups):

@@ -1,0 +1,136 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): each rank writes its own shards of
+the model and of HybridAdamW's state (fp32 masters, ``exp_avg``, ``exp_avg_sq``, ``step``), and a
+resume reads them back at the same world size or another (DCP reshards on load).
+
+A checkpoint is ``<out>/checkpoints/step_NNNNNNNN/`` (DCP's files and ``meta.json``), written as
+:mod:`hytrain.checkpoint` writes its own: into a hidden temporary directory, flushed, renamed into
+place by rank 0 after every rank has finished, and only then pointed to by ``latest``. A rank that
+dies during a save leaves a stale temporary directory; the last good checkpoint and the pointer are
+never touched. ``export_safetensors`` writes the full weights for inference (one file, rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError, _fsync
+
+FORMAT = "dcp-1"
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _barrier():
+    d = _dist()
+    if d is not None:
+        d.barrier()
+
+
+def _rank() -> int:
+    d = _dist()
+    return d.get_rank() if d is not None else 0
+
+
+def _world() -> int:
+    d = _dist()
+    return d.get_world_size() if d is not None else 1
+
+
+def _state(model, opt):
+    return {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+
+
+def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -> Path:
+    """Every rank calls it. ``extra``: small JSON values saved with the step (data position...)."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(out) / "checkpoints"
+    name = f"step_{step:08d}"
+    final, tmp = root / name, root / f".{name}.tmp"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    _barrier()
+    dcp.save(_state(model, opt), checkpoint_id=str(tmp))
+    _barrier()  # every rank's shards are written
+    if _rank() == 0:
+        for f in tmp.iterdir():
+            _fsync(f)
+        meta = {"format": FORMAT, "step": step, "world_size": _world(), "extra": extra or {}}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        _fsync(tmp / "meta.json")
+        _fsync(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        pointer = root / ".latest.tmp"
+        pointer.write_text(name + "\n")
+        _fsync(pointer)
+        os.replace(pointer, root / "latest")
+        _fsync(root)
+        done = sorted(p for p in root.glob("step_*") if p.is_dir())
+        for old in done[:-keep] if keep > 0 else []:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def resolve(out, spec: str = "latest") -> Path:
+    if spec == "latest":
+        pointer = Path(out) / "checkpoints" / "latest"
+        if not pointer.is_file():
+            raise CheckpointError(f"no checkpoint under {Path(out) / 'checkpoints'}")
+        return pointer.parent / pointer.read_text().strip()
+    return Path(spec)
+
+
+def load(path, model, opt) -> dict:
+    """Every rank calls it, with the model sharded as it will train (any world size). Restores the
+    model and the optimizer; returns ``{"step", "world_size", "extra"}`` as saved."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is incomplete: meta.json is missing (an interrupted save?)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / 'meta.json'} is corrupted: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a hytrain sharded checkpoint (format {FORMAT})")
+    state = _state(model, opt)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as e:  # DCP raises several kinds for missing or unreadable shards
+        raise CheckpointError(f"{path}: could not be read ({type(e).__name__}: {e})") from None
+    model.load_state_dict(state["model"])
+    opt.load_sharded_state_dict(state["optim"])
+    return {"step": int(meta["step"]), "world_size": int(meta["world_size"]), "extra": meta.get("extra", {})}
+
+
+def export_safetensors(path, model) -> None:
+    """The full weights under the model's parameter names, one safetensors file written by rank 0
+    (every rank calls it: sharded weights are gathered)."""
+    from safetensors.torch import save_file
+
+    full = {}
+    for k, v in model.state_dict().items():
+        t = v.full_tensor() if hasattr(v, "full_tensor") else v
+        full[k] = t.detach().to("cpu").contiguous().clone()
+    if _rank() == 0:
+        tmp = Path(str(path) + ".tmp")
+        save_file(full, str(tmp))
+        _fsync(tmp)
+        os.replace(tmp, path)
+    _barrier()
