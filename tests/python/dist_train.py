@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--routed-clip", type=float, default=None, help="clip through opt.clip_grad_norm_")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--gpu-blocks", default="auto", help="k: an integer, or auto")
     ap.add_argument("--ckpt", default=None, help="checkpoint directory (hytrain.dist_checkpoint)")
     ap.add_argument("--save-at", type=int, default=None, help="save after this step, then stop")
     ap.add_argument("--save-every", type=int, default=None, help="save after every N steps and go on")
@@ -46,8 +47,9 @@ def main():
     args = ap.parse_args()
     distributed = "RANK" in os.environ and not args.plain
     if distributed:
-        dist.init_process_group("gloo" if args.device == "cpu" else "nccl")
-        rank, world = dist.get_rank(), dist.get_world_size()
+        from hytrain.distributed import init_process_group
+
+        rank, world = init_process_group("gloo" if args.device == "cpu" else "nccl")
     else:
         rank, world = 0, 1
     device = torch.device(args.device if args.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
@@ -62,7 +64,8 @@ def main():
             fully_shard(layer)
         fully_shard(model)
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model,
-                              max_grad_norm=args.clip, workers=1)
+                              max_grad_norm=args.clip, workers=1,
+                              gpu_blocks=args.gpu_blocks if args.gpu_blocks == "auto" else int(args.gpu_blocks))
     start = 0
     if args.resume_if_any and (Path(args.ckpt) / "checkpoints" / "latest").is_file():
         args.resume = True

@@ -37,9 +37,14 @@ def run(tmp_path, name, *args, nproc=None, timeout=240, restarts=0):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--max-restarts", str(restarts),
                str(SCRIPT)]
-    proc = subprocess.run(cmd + ["--out", str(out), *args], capture_output=True, text=True, timeout=timeout,
-                          env=_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for attempt in range(2):
+        proc = subprocess.run(cmd + ["--out", str(out), *args], capture_output=True, text=True,
+                              timeout=timeout, env=_env())
+        # A gloo process can abort in its teardown ("terminate called without an active exception"),
+        # seen now and then on a loaded 2-core machine; that run is repeated once, and only that.
+        if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr:
+            break
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-12000:]
     result = json.loads(out.read_text())
     result["log"] = proc.stderr
     return result
@@ -112,7 +117,7 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
     # Checkpoints after steps 2 and 4; rank 1 dies at step 5; torchrun restarts the group, which
     # resumes from step 4.
     got = run(tmp_path, "restarted", "--clip", "0.5", "--ckpt", ck, "--save-every", "2", "--die-at", "5",
-              "--resume-if-any", nproc=2, restarts=1)
+              "--resume-if-any", nproc=2, restarts=2)
     assert "exitcode: 3" in got["log"]  # the first attempt did lose a rank
     assert got["start"] == 4
     assert got["losses"] == whole["losses"][4:]

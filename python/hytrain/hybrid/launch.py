@@ -41,7 +41,7 @@ class Launch:
         pairs = self._grads(b)
         if self.release_grads:
             if pairs:
-                self._sq_parts.append(self._sq_norm([g for _, g in pairs]))
+                self._sq_parts[b] = self._sq_norm([g for _, g in pairs])
         else:
             for p in self._blocks[b]:
                 if p.grad is not None:

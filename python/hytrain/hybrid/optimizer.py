@@ -165,7 +165,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
         self._pending_load = None  # a state_dict loaded before the state exists
         self._spec_from = None  # blocks >= this (offloaded, with shadows) speculate in the next backward
         self._clip_request = None  # max_norm of a clip_grad_norm_ call for the coming step
-        self._sq_parts = []  # squared gradient norms of the blocks handed off early (device scalars)
+        self._sq_parts = {}  # block -> squared gradient norm of a block handed off early (device scalar)
         self._grad_norm = None  # this step's global gradient norm, once computed
         self._handed = {}  # id(p) -> (gradient, its version) handed off while the caller keeps .grad
         self.speculation_counts = {"adopted": 0, "redone": 0}  # speculated block updates, so far
@@ -275,14 +275,19 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
 
     def _global_norm(self) -> float | None:
         """This step's global gradient 2-norm before any multiplier (None without gradients), computed
-        once: the parts of blocks whose gradients were released, and the gradients still there."""
+        once: one squared norm per block -- taken at the hand-off for blocks whose gradients were
+        released, now for the others -- summed in block order, so that the result does not depend on
+        which blocks were handed off early (a resumed run's first step hands none off). With sharded
+        parameters the ranks' sums are added up."""
         if self._grad_norm is None:
-            grads = [local(p.grad) for b in range(len(self._blocks))
-                     if not (self.release_grads and self._rt.submitted(b))
-                     for p in self._blocks[b] if p.grad is not None and local(p.grad).numel()]
-            parts = list(self._sq_parts)
-            if grads:
-                parts.append(self._sq_norm(grads))
+            parts = []
+            for b in range(len(self._blocks)):
+                part = self._sq_parts.get(b)
+                if part is None and not (self.release_grads and self._rt.submitted(b)):
+                    grads = [local(p.grad) for p in self._blocks[b] if p.grad is not None and local(p.grad).numel()]
+                    part = self._sq_norm(grads) if grads else None
+                if part is not None:
+                    parts.append(part)
             if self._shard_group is not None:  # every rank's squared norm of its shards, summed
                 total = (torch.stack(parts).sum() if parts else
                          torch.zeros((), dtype=torch.float64, device=local(self._params[0]).device))
@@ -396,7 +401,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
             raise
         finally:
             self._rt.abandon_step()
-            self._sq_parts = []
+            self._sq_parts = {}
             self._handed = {}
             self._clip_request = None
             self._grad_norm = None

@@ -1,0 +1,154 @@
+"""Training across the GPUs of one node: hytrain (FSDP2 + HybridAdamW, each rank updating its shards
+on its share of the CPU cores) against FSDP2 with its own CPUOffloadPolicy (torch's AdamW on the CPU
+after backward, nothing overlapped), same model, same global batch, one torchrun per mode and N.
+
+    python bench/scale_bench.py --nprocs 1,2,4 --model l7b --batch 2 --seq 1024
+
+Per mode and N (one JSON line): iteration time (median of the timed iterations), tokens/s per GPU,
+peak GPU memory and peak host memory per rank (the largest rank), hytrain's GPU wait share and k.
+Then a line of ratios: hytrain against FSDP2 + CPUOffloadPolicy at each N, and hytrain's scaling
+efficiency (per-GPU tokens/s at N over its own at N = 1, same per-GPU batch).
+DeepSpeed ZeRO-2 + offload_optimizer is measured by bench/train_bench.py on one GPU; it is not a
+mode here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = ("hytrain", "fsdp2_cpu_offload")
+SHAPES = {  # presets of hytrain.models.presets plus larger Llama shapes
+    "13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40, num_heads=40,
+                num_kv_heads=40),
+    "20b": dict(vocab_size=32000, hidden_size=6144, intermediate_size=16384, num_layers=44, num_heads=48,
+                num_kv_heads=48),
+}
+LR, WD, CLIP = 1e-4, 0.01, 1.0
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from hytrain.models import LlamaConfig, LlamaModel
+    from hytrain.models.presets import PRESETS
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    mesh = init_device_mesh("cuda", (world,))
+    shape = {**PRESETS, **SHAPES}[args.model]
+    cfg = LlamaConfig(**shape, max_seq_len=args.seq)
+    torch.manual_seed(0)
+    offload = args.mode == "fsdp2_cpu_offload"
+    model = LlamaModel(cfg, checkpointing=True)  # built on the host, then sharded (fully_shard moves
+    if offload:  # fp32 parameters stay on the CPU, bf16 compute on the GPU (FSDP2's mixed precision)
+        policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(),
+                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    else:  # bf16 weights on the GPU; fp32 masters and Adam states in the host pool
+        model = model.to(torch.bfloat16)
+        policy = dict(mesh=mesh)
+    for layer in model.layers:  # each rank's shards to the GPU, or keeps them pinned on the host)
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)
+    if offload:  # the rotary tables are buffers, not parameters: they go to the GPU either way
+        model.rope_cos, model.rope_sin = model.rope_cos.cuda(), model.rope_sin.cuda()
+    if args.mode == "hytrain":
+        import hytrain
+
+        opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g)
+    times = []
+    for i in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(x, x)
+        loss.backward()
+        if args.mode != "hytrain":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    iter_s = statistics.median(times)
+    mine = {"peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9,
+            "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+            "iter_s": iter_s}
+    if args.mode == "hytrain":
+        stats = opt.schedule_stats()
+        mine.update(gpu_wait_frac=stats.get("gpu_wait_frac"), k=stats.get("k"))
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        out = {"mode": args.mode, "nproc": world, "model": args.model, "params": n_params,
+               "iter_s": max(r["iter_s"] for r in everyone),
+               "tokens_per_s_per_gpu": args.batch * args.seq / max(r["iter_s"] for r in everyone),
+               "peak_gpu_gb": max(r["peak_gpu_gb"] for r in everyone),
+               "peak_host_gb_per_rank": max(r["peak_host_gb"] for r in everyone),
+               "gpu_wait_frac": [r.get("gpu_wait_frac") for r in everyone],
+               "k": [r.get("k") for r in everyone], "iter_times_s": [round(t, 4) for t in times]}
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nprocs", default="1")
+    ap.add_argument("--model", default="l3b")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--batch", type=int, default=2, help="sequences per GPU")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    results = {}
+    for n in [int(v) for v in args.nprocs.split(",")]:
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", __file__, "--worker",
+                   "--mode", mode, "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
+                   "--iters", str(args.iters), "--warmup", str(args.warmup)]
+            env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+                lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                rec = json.loads(lines[-1][7:]) if lines else {
+                    "mode": mode, "nproc": n, "error": (proc.stderr or proc.stdout)[-600:]}
+            except subprocess.TimeoutExpired:
+                rec = {"mode": mode, "nproc": n, "error": f"timed out after {args.timeout} s"}
+            results[(mode, n)] = rec
+            print(json.dumps(rec), flush=True)
+    summary = {"summary": True, "model": args.model}
+    base = results.get(("hytrain", 1), {}).get("tokens_per_s_per_gpu")
+    for (mode, n), rec in results.items():
+        if mode != "hytrain" or "iter_s" not in rec:
+            continue
+        other = results.get(("fsdp2_cpu_offload", n), {}).get("iter_s")
+        if other:
+            summary[f"n{n}_hytrain_speedup_vs_fsdp2_cpu_offload"] = round(other / rec["iter_s"], 3)
+        if base:
+            summary[f"n{n}_hytrain_scaling_efficiency"] = round(rec["tokens_per_s_per_gpu"] / base, 3)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
