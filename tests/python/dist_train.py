@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -109,7 +110,12 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "norms": norms, "weights": weights, "world": world, "start": start}, f)
     if distributed:
-        dist.destroy_process_group()
+        # Done (the last collective was the weights' gather; rank 0 has written its file): leave
+        # without the process group's teardown, in which gloo now and then aborts a process whose
+        # peers have already gone ("terminate called without an active exception").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
