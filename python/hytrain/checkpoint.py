@@ -78,12 +78,18 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
     meta = {"format": FORMAT, "step": step, "data_position": step, "config": config, "files": files}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
     _fsync(tmp / "meta.json")
+    return publish(root, tmp, final, keep)
+
+
+def publish(root: Path, tmp: Path, final: Path, keep: int) -> Path:
+    """A complete checkpoint written in ``tmp`` (its manifest last) goes into place: flushed, renamed
+    to ``final``, pointed to by ``latest`` (atomic replace), and all but the newest ``keep`` removed."""
     _fsync(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
     pointer = root / ".latest.tmp"
-    pointer.write_text(name + "\n")
+    pointer.write_text(final.name + "\n")
     _fsync(pointer)
     os.replace(pointer, root / "latest")
     _fsync(root)

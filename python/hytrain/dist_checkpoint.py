@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, _fsync
+from .checkpoint import CheckpointError, _fsync, publish
 
 FORMAT = "dcp-1"
 
@@ -69,19 +69,7 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -
         meta = {"format": FORMAT, "step": step, "world_size": _world(), "extra": extra or {}}
         (tmp / "meta.json").write_text(json.dumps(meta))
         _fsync(tmp / "meta.json")
-        _fsync(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        pointer = root / ".latest.tmp"
-        pointer.write_text(name + "\n")
-        _fsync(pointer)
-        os.replace(pointer, root / "latest")
-        _fsync(root)
-        done = sorted(p for p in root.glob("step_*") if p.is_dir())
-        for old in done[:-keep] if keep > 0 else []:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        publish(root, tmp, final, keep)
     _barrier()
     return final
 
