@@ -28,6 +28,15 @@ def data(steps):
     return [torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, 32), generator=g) for _ in range(steps)]
 
 
+def _dump(path, model, opt):
+    sd = opt.state_dict()
+    state = {i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+                 for k, v in st.items()} for i, st in sd["state"].items()}
+    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+               for n, p in model.named_parameters()}
+    torch.save({"state": state, "weights": weights}, path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -45,6 +54,9 @@ def main():
     ap.add_argument("--resume-if-any", action="store_true", help="resume when --ckpt has a checkpoint")
     ap.add_argument("--die-at", type=int, default=None,
                     help="rank 1 exits at this step in the first attempt (torchrun restarts the group)")
+    ap.add_argument("--no-speculate", action="store_true")
+    ap.add_argument("--dump-state", default=None,
+                    help="torch.save the optimizer's state_dict() here after a resume or a save")
     args = ap.parse_args()
     distributed = "RANK" in os.environ and not args.plain
     if distributed:
@@ -66,6 +78,7 @@ def main():
         fully_shard(model)
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model,
                               max_grad_norm=args.clip, workers=1,
+                              speculate=False if args.no_speculate else "auto",
                               gpu_blocks=args.gpu_blocks if args.gpu_blocks == "auto" else int(args.gpu_blocks))
     start = 0
     if args.resume_if_any and (Path(args.ckpt) / "checkpoints" / "latest").is_file():
@@ -74,6 +87,8 @@ def main():
         from hytrain import dist_checkpoint
 
         start = dist_checkpoint.load(dist_checkpoint.resolve(args.ckpt), model, opt)["step"]
+        if args.dump_state:
+            _dump(args.dump_state, model, opt)
     losses, norms = [], []
     for i, x in enumerate(data(args.steps)[start:], start=start + 1):
         if args.die_at == i and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
@@ -96,6 +111,8 @@ def main():
             from hytrain import dist_checkpoint
 
             dist_checkpoint.save(args.ckpt, i, model, opt)
+            if args.dump_state:
+                _dump(args.dump_state, model, opt)
             break
         if args.save_every and i % args.save_every == 0:
             from hytrain import dist_checkpoint

@@ -37,6 +37,26 @@ def shard_group(params):
     return mesh.get_group()
 
 
+def host_mesh(mesh):
+    """The mesh as host (CPU) tensors see it: the same ranks and process group, device type "cpu".
+    The optimizer's shards are host buffers; a DTensor over a CUDA mesh would copy them to the GPU
+    (``DTensor.from_local`` moves a local tensor to its mesh's device), so that a checkpoint load
+    would fill the GPU copy and not the buffers, and a save would stage the whole state in GPU memory.
+    Only metadata: no collective runs on it."""
+    if mesh.device_type == "cpu":
+        return mesh
+    cached = _HOST_MESHES.get(id(mesh))
+    if cached is None or cached[0] is not mesh:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        cpu = DeviceMesh.from_group(mesh.get_group(), "cpu", mesh.mesh, mesh_dim_names=mesh.mesh_dim_names)
+        cached = _HOST_MESHES[id(mesh)] = (mesh, cpu)
+    return cached[1]
+
+
+_HOST_MESHES = {}
+
+
 def all_reduce(t: torch.Tensor, group, op="sum") -> torch.Tensor:
     """t reduced over the group, in place (sum or max)."""
     import torch.distributed as dist

@@ -477,23 +477,50 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
         return {"state": state, "param_groups": groups}
 
     def _as_global(self, p, buf):
+        """The host buffer as a DTensor over the parameter's ranks (a mesh of host tensors: the
+        buffer itself is the local shard, nothing is copied)."""
         if not is_sharded(p):
             return buf
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(buf, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())
+        out = DTensor.from_local(buf, distributed.host_mesh(p.device_mesh), p.placements, run_check=False,
+                                 shape=p.shape, stride=p.stride())
+        assert out.to_local().data_ptr() == buf.data_ptr() or not buf.numel()
+        return out
 
     def load_sharded_state_dict(self, state_dict) -> None:
         """Completes a resume from ``dcp.load(sd, ...)`` where ``sd`` came from
-        :meth:`sharded_state_dict`: the tensors are already in the optimizer's buffers; this applies
-        the param groups' hyperparameters and refreshes the device copies of GPU-resident blocks."""
+        :meth:`sharded_state_dict`: the tensors are normally the optimizer's buffers, filled in place
+        (any that are not -- replaced in the dict -- are copied in after the same checks as
+        ``load_state_dict``); this applies the param groups' hyperparameters and refreshes the device
+        copies of GPU-resident blocks."""
         if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
             raise ValueError("expected the dict from sharded_state_dict() (after dcp.load)")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"the checkpoint has {len(groups)} param groups, the optimizer has "
                              f"{len(self.param_groups)}")
+        if not self.bound:
+            raise RuntimeError("load_sharded_state_dict needs the dict of this optimizer's sharded_state_dict()")
+        plan = []
+        for i, entry in state_dict["state"].items():
+            if not isinstance(i, int) or not 0 <= i < len(self._params):
+                raise ValueError(f"the checkpoint has state for unknown parameter index {i!r}")
+            p = self._params[i]
+            st = self.state[p]
+            for key, val in entry.items():
+                if key not in st:
+                    raise ValueError(f"parameter {i}: unexpected state {key!r}")
+                val = local(val)
+                dst = st[key]
+                if not isinstance(val, torch.Tensor) or val.shape != dst.shape or not torch.is_floating_point(val):
+                    raise ValueError(f"parameter {i}: state {key!r} is {getattr(val, 'dtype', type(val))} of "
+                                     f"shape {tuple(getattr(val, 'shape', ()))}, expected float of shape "
+                                     f"{tuple(dst.shape)}")
+                if val.numel() and val.data_ptr() != dst.data_ptr():
+                    plan.append((dst, val))
+        for dst, val in plan:
+            dst.copy_(val)
         self._refresh_device_copies()
         self._load_group_values(groups)
 
