@@ -67,7 +67,7 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -
         for f in tmp.iterdir():
             _fsync(f)
         meta = {"format": FORMAT, "step": step, "world_size": _world(), "extra": extra or {}}
-        (tmp / "meta.json").write_text(json.dumps(meta))
+        (tmp / "meta.json").write_text(json.dumps(meta, default=str))
         _fsync(tmp / "meta.json")
         publish(root, tmp, final, keep)
     _barrier()
@@ -81,6 +81,14 @@ def resolve(out, spec: str = "latest") -> Path:
             raise CheckpointError(f"no checkpoint under {Path(out) / 'checkpoints'}")
         return pointer.parent / pointer.read_text().strip()
     return Path(spec)
+
+
+def is_sharded_checkpoint(path) -> bool:
+    """Whether ``path`` holds a checkpoint written by :func:`save` (not one of ``hytrain.checkpoint``)."""
+    try:
+        return json.loads((Path(path) / "meta.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def load(path, model, opt) -> dict:

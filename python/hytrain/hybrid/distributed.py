@@ -65,6 +65,28 @@ def all_reduce(t: torch.Tensor, group, op="sum") -> torch.Tensor:
     return t
 
 
+def host_group(group):
+    """A process group for small agreements between the ranks' host threads, over the same ranks as
+    ``group``: ``group`` itself when it is gloo; a gloo group when it is NCCL (a collective on a
+    CUDA tensor read back on the host would wait for all the GPU work queued before it, and the
+    agreement is made while backward's updates are still running). Every rank of the job must call
+    it, together (``new_group`` is collective over the default group)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "gloo":
+        return group
+    return dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+
+
+def agree_min(value: int, group) -> int:
+    """The smallest of the ranks' integers (a host-side all-reduce on ``group``, a gloo group)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t[0])
+
+
 def local_world_size() -> int:
     """Processes on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun)."""
     try:

@@ -8,6 +8,7 @@ import torch
 
 from .._native import native
 from ..cuda_adam import CudaAdamW
+from . import distributed
 from .common import local
 
 
@@ -84,18 +85,24 @@ class Scheduling:
                 self._prediction = self._scheduler.predict(self.gpu_blocks)
                 self._speculate_as_predicted()
             return
-        if summary is None:
-            return  # no measured iteration yet: no budget, no decision
-        # The most memory seen in use apart from resident states, sampled as each block's gradients
-        # completed (backward is where activations and gradients meet), plus a margin for what falls
-        # between samples (the loss, temporary buffers).
-        self._nonstate_peak = max(self._nonstate_peak, summary["nonstate_peak_bytes"])
-        margin = (1 << 30) + self.gpu_memory_limit // 20
-        self._scheduler.memory_budget = float(max(0, self.gpu_memory_limit - self._nonstate_peak - margin))
-        k = self._scheduler.decide(self.gpu_blocks)
+        k = self.gpu_blocks
+        if summary is not None:
+            # The most memory seen in use apart from resident states, sampled as each block's
+            # gradients completed (backward is where activations and gradients meet), plus a margin
+            # for what falls between samples (the loss, temporary buffers).
+            self._nonstate_peak = max(self._nonstate_peak, summary["nonstate_peak_bytes"])
+            margin = (1 << 30) + self.gpu_memory_limit // 20
+            self._scheduler.memory_budget = float(max(0, self.gpu_memory_limit - self._nonstate_peak - margin))
+            k = self._scheduler.decide(self.gpu_blocks)
+        if self._agree_group is not None:
+            # Sharded: each rank decides from its own measurements, and all take the smallest k --
+            # within every rank's memory budget, and every rank's migration falls in the same step
+            # (a step is as slow as its slowest rank). Every rank takes part every step, decision or
+            # not (a rank whose iteration was not measured offers its current k).
+            k = distributed.agree_min(k, self._agree_group)
         if k != self.gpu_blocks:
             self._migrate(k)
-        if self._scheduler.ready():
+        if summary is not None and self._scheduler.ready():
             self._prediction = self._scheduler.last_prediction()
             self._speculate_as_predicted()
 

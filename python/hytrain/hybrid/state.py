@@ -15,6 +15,7 @@ from ..meter import Meter
 from ..pool import PinnedPool
 from ..trace import Timeline
 from .. import _checks
+from . import distributed
 from .common import PARAM_DTYPES, STATE_KEYS, local
 
 
@@ -93,9 +94,12 @@ class HostState:
         if self._cuda and self._model_hooks:
             # Iterations are numbered from the first, which ran before the state existed.
             self._meter = Meter(self.device, self._pipeline, len(self._blocks), first_index=1)
+        self._agree_group = None  # sharded with k chosen each step: the ranks agree on k (_schedule)
         if self._cuda and self._model_hooks and self.accumulation_steps == 1:
             # Fixed k too: its predictions are what a run is checked against.
             self._start_scheduler(self._gpu_memory_request)
+            if self._shard_group is not None and self.auto:
+                self._agree_group = distributed.host_group(self._shard_group)
 
     def _check_bound(self, p):
         """Refuses a parameter that changed device, dtype or shape after its state was created."""

@@ -3,7 +3,10 @@
 With no arguments it trains the ``tiny`` Llama-style model on an embedded corpus (the Python standard
 library's own source files, read as bytes: present on every machine, nothing to download), holding
 out about 5% of the files for validation. The same command runs on a CPU-only machine (the CPU
-update path) and on a GPU (the full offload pipeline).
+update path) and on a GPU (the full offload pipeline). Started by torchrun, or with ``--nproc N``
+(which starts torchrun), each process trains on its slice of the global batch with the model sharded
+by FSDP2 (:mod:`hytrain.job.ranks`); rank 0 writes the metrics, pictures and summary, every rank its
+shards of the checkpoints.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -20,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from .. import checkpoint as ckpt
+from .. import dist_checkpoint
 from .. import plots
 from .. import cuda_available
 from .._native import native
@@ -30,6 +35,7 @@ from .data import batch_at, load_corpus
 from .metrics import Metrics, Power, evaluate
 from .models import build_model
 from .options import DTYPES, ConfigError, add_arguments, resolve_options
+from .ranks import Ranks, launch, under_torchrun
 
 
 def pick_device(spec: str) -> torch.device:
@@ -56,52 +62,75 @@ def lr_lambda(args):
 
 
 def run(args) -> int:
-
+    ranks = Ranks.join(args.device, args.timeout) if under_torchrun() else Ranks()
+    say = print if ranks.main else (lambda *a, **k: None)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
+        probe = out / f".write-test.{ranks.rank}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"cannot write to the output directory {out}: {e}") from None
-    device = pick_device(args.device)
+    device = ranks.device(args.device) or pick_device(args.device)
+    if args.batch_size % ranks.world:
+        raise ConfigError(f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
+                          f"number of processes ({ranks.world})")
     dtype = DTYPES[args.precision or ("bf16" if device.type == "cuda" else "fp32")]
-    resume_dir = None
-    if args.resume:
-        resume_dir = ckpt.resolve(out, args.resume)
-        ckpt.verify(resume_dir)  # a corrupted checkpoint is refused before anything is built
+    resume = args.resume
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and (out / "checkpoints" / "latest").is_file():
+        resume = "latest"  # torchrun restarted the group after a failure: go on from the last checkpoint
+    resume_dir, sharded_ckpt = None, False
+    if resume:
+        resume_dir = ckpt.resolve(out, resume)
+        sharded_ckpt = dist_checkpoint.is_sharded_checkpoint(resume_dir)
+        if ranks.distributed and not sharded_ckpt:
+            raise ConfigError(f"{resume_dir} was written by a single-process run; a run on several processes "
+                              "resumes from its own (sharded) checkpoints")
+        if not sharded_ckpt:
+            ckpt.verify(resume_dir)  # a corrupted checkpoint is refused before anything is built
     train_data, val_data, desc = load_corpus(args.data, args.max_data_bytes)
     model, n_params, model_cfg = build_model(args, device, dtype)
     vocab = model_cfg.get("vocab_size", 256)
     if vocab < 256:
         raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the byte alphabet (256)")
-    state_bytes = n_params * (16 if device.type == "cuda" else 12) + (256 << 20)
+    state_bytes = n_params * (16 if device.type == "cuda" else 12) // ranks.world + (256 << 20)
     pool = None
     if args.pin_limit is not None:
         limit = parse_bytes("pin_limit", args.pin_limit)
         if state_bytes > limit:
             raise ConfigError(f"the optimizer state of {n_params / 1e6:.1f} M parameters needs about "
-                              f"{state_bytes / 2**30:.2f} GiB of pinned memory, over --pin-limit {args.pin_limit}")
+                              f"{state_bytes / 2**30:.2f} GiB of pinned memory per process, over --pin-limit "
+                              f"{args.pin_limit}")
         pool = PinnedPool(limit)
     k = args.gpu_blocks if device.type == "cuda" else 0
     if k != "auto":
         k = min(k, len(detect_blocks(model, list(model.parameters()))))
+    ranks.shard(model)
     limit = parse_bytes("gpu_memory_limit", args.gpu_memory_limit) if args.gpu_memory_limit else None
     opt = HybridAdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                              max_grad_norm=args.max_grad_norm or None, model=model, pool=pool,
-                              gpu_blocks=k, gpu_memory_limit=limit if device.type == "cuda" else None,
-                              workers=args.workers or None, trace=True,
-                              speculate=False if args.speculate == "off" else args.speculate,
-                              release_grads=True)  # this loop never reads the gradients after backward
+                      max_grad_norm=args.max_grad_norm or None, model=model, pool=pool,
+                      gpu_blocks=k, gpu_memory_limit=limit if device.type == "cuda" else None,
+                      workers=args.workers or None, trace=True,
+                      speculate=False if args.speculate == "off" else args.speculate,
+                      release_grads=True)  # this loop never reads the gradients after backward
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     start = 0
     if resume_dir is not None:
-        start = ckpt.load(resume_dir, model, opt, sched)
-        print(f"resumed from {resume_dir} at step {start}", flush=True)
-    (out / "config.json").write_text(json.dumps({"options": vars(args), "model": model_cfg}, indent=1, default=str))
-    print(f"hytrain train: {args.model} ({n_params / 1e6:.2f} M parameters, {dtype}) on {device}, "
-          f"k={opt.gpu_blocks}, data {desc}", flush=True)
+        if sharded_ckpt:
+            info = dist_checkpoint.load(resume_dir, model, opt)
+            sched.load_state_dict(info["extra"]["scheduler"])
+            start = info["step"]
+        else:
+            start = ckpt.load(resume_dir, model, opt, sched)
+        say(f"resumed from {resume_dir} at step {start}", flush=True)
+    config = {"options": vars(args), "model": model_cfg, "world_size": ranks.world}
+    if ranks.main:
+        (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    where = f"{ranks.world} processes ({device.type}, FSDP2)" if ranks.distributed else str(device)
+    say(f"hytrain train: {args.model} ({n_params / 1e6:.2f} M parameters, {dtype}) on {where}, "
+        f"k={opt.gpu_blocks}, data {desc}", flush=True)
 
     stop = {"signal": None}
 
@@ -109,39 +138,52 @@ def run(args) -> int:
         stop["signal"] = signum  # finish the step, save, exit
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    metrics = Metrics(out)
+    metrics = Metrics(out) if ranks.main else None
     power = Power(device)
-    bar = None if args.no_progress else tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
+    bar = None if args.no_progress or not ranks.main else tqdm(total=args.steps, initial=start, unit="step",
+                                                               dynamic_ncols=True)
     tokens_per_step = args.batch_size * args.seq_len
-    history, energy, t_start = [], 0.0, time.perf_counter()
+    history, t_start = [], time.perf_counter()
     step = start
     try:
         while step < args.steps:
             t0 = time.perf_counter()
-            b = batch_at(train_data, step, args.batch_size, args.seq_len, args.seed).to(device, non_blocking=True)
+            b = ranks.rows(batch_at(train_data, step, args.batch_size, args.seq_len, args.seed))
+            b = b.to(device, non_blocking=True)
             loss = model(b[:, :-1], b[:, 1:])
             loss.backward()
             opt.step()
             opt.zero_grad()
             sched.step()
-            loss_v = float(loss.detach())  # the one host synchronisation per step
+            sched_stats = opt.schedule_stats()
+            # The step's one host synchronisation: the loss (every rank's, with its k, GPU wait share,
+            # step time and whether it was signalled to stop: the ranks stop at the same step).
+            mine = [float(loss.detach()), float(sched_stats.get("k", 0)),
+                    float(sched_stats.get("gpu_wait_frac", math.nan)), time.perf_counter() - t0,
+                    1.0 if stop["signal"] else 0.0]
+            every = ranks.gather(mine, device)
+            loss_v = sum(r[0] for r in every) / ranks.world
+            stopping = any(r[4] for r in every)
             step += 1
             dt = time.perf_counter() - t0
             rec = {"step": step, "loss": loss_v, "lr": sched.get_last_lr()[0], "step_s": dt,
                    "tokens_per_s": tokens_per_step / dt, **power.sample()}
             if opt.last_grad_norm is not None:
                 rec["grad_norm"] = opt.last_grad_norm
-            sched_stats = opt.schedule_stats()
             rec.update({key: sched_stats[key] for key in ("k", "gpu_wait_frac", "predicted_iter_s")
                         if key in sched_stats})
-            energy += rec.get("energy_j", 0.0)
+            if ranks.distributed:
+                rec["k_ranks"] = [int(r[1]) for r in every]
+                rec["gpu_wait_frac_ranks"] = [None if math.isnan(r[2]) else r[2] for r in every]
+                rec["step_s_ranks"] = [r[3] for r in every]
             if not math.isfinite(loss_v):
                 raise RuntimeError(f"the loss became {loss_v} at step {step}; lower --lr")
             if step % args.eval_every == 0 if args.eval_every else False:
-                rec["val_loss"] = evaluate(model, val_data, args, device)
+                rec["val_loss"] = evaluate(model, val_data, args, device, ranks)
             if step == args.steps and "val_loss" not in rec:
-                rec["val_loss"] = evaluate(model, val_data, args, device)
-            metrics.write(rec)
+                rec["val_loss"] = evaluate(model, val_data, args, device, ranks)
+            if metrics is not None:
+                metrics.write(rec)
             history.append(rec)
             if bar is not None:
                 bar.update(1)
@@ -150,31 +192,44 @@ def run(args) -> int:
                     post["gpu_idle"] = f"{rec['gpu_wait_frac']:.0%}"
                 bar.set_postfix(**post)
             elif "val_loss" in rec:
-                print(f"step {step}: loss {loss_v:.4f} val {rec['val_loss']:.4f} "
-                      f"{rec['tokens_per_s']:.0f} tokens/s", flush=True)
-            if (args.save_every and step % args.save_every == 0) or step == args.steps or stop["signal"]:
-                ckpt.save(out, step, model, opt, sched, {"options": vars(args), "model": model_cfg}, keep=args.keep)
-            if stop["signal"]:
-                print(f"\nstopped by signal {stop['signal']} after step {step}; checkpoint saved "
-                      f"(resume with --resume latest --out {out})", flush=True)
+                say(f"step {step}: loss {loss_v:.4f} val {rec['val_loss']:.4f} "
+                    f"{rec['tokens_per_s']:.0f} tokens/s", flush=True)
+            if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
+                if ranks.distributed or sharded_ckpt:
+                    dist_checkpoint.save(out, step, model, opt, {"scheduler": sched.state_dict(), **config},
+                                         keep=args.keep)
+                else:
+                    ckpt.save(out, step, model, opt, sched, config, keep=args.keep)
+            if stopping:
+                say(f"\nstopped by a signal after step {step}; checkpoint saved "
+                    f"(resume with --resume latest --out {out})", flush=True)
                 break
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         if bar is not None:
             bar.close()
-        metrics.close()
-    summary = finish(out, opt, history, n_params, tokens_per_step, time.perf_counter() - t_start, energy, device)
-    print(json.dumps(summary), flush=True)
+        if metrics is not None:
+            metrics.close()
+    energy = ranks.total(power.total_j(), device)  # every GPU of the job
+    summary = finish(out, opt, history, n_params, tokens_per_step, time.perf_counter() - t_start, energy, device,
+                     ranks)
+    say(json.dumps(summary), flush=True)
+    ranks.close()
     return 0
 
 
-def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device) -> dict:
+def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks) -> dict | None:
+    """Traces (rank 0's as trace.json, the others' beside it), pictures and summary.json (rank 0)."""
+    if not ranks.main:
+        opt.export_trace(out / f"trace.rank{ranks.rank}.json")
+        return None
     trace = opt.export_trace(out / "trace.json")
     pictures = plots.write_all(out, history, trace)
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     tokens = tokens_per_step * len(history)
     summary = {"steps": history[-1]["step"] if history else 0, "params": n_params, "device": str(device),
+               "processes": ranks.world,
                "first_loss": history[0]["loss"] if history else None,
                "final_loss": history[-1]["loss"] if history else None,
                "final_val_loss": vals[-1] if vals else None, "tokens": tokens,
@@ -190,8 +245,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="hytrain train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = resolve_options(p, argv)
+        if args.nproc is not None and not under_torchrun():
+            return launch(args, argv)
         return run(args)
     except (ConfigError, ckpt.CheckpointError) as e:
         print(f"hytrain train: error: {e}", file=sys.stderr)

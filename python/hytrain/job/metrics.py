@@ -4,6 +4,7 @@ NVML when nvidia-ml-py is installed, and the validation loss."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -12,7 +13,13 @@ from .data import batch_at
 
 
 class Power:
-    """GPU power and energy through NVML (nvidia-ml-py), when available."""
+    """GPU power and energy through NVML (nvidia-ml-py), when available.
+
+    NVML's energy counter advances in steps (on an H100 every 100 ms or so, by about 10 J), so a
+    short training step usually sees no change and a later one the energy of several. Energy is
+    therefore reported per window: a record carries ``energy_j`` only when the counter has moved, with
+    the window it covers (``energy_window_s``, since the counter last moved) and that window's mean
+    power; the run's total is the counter's difference from the start (``total_j``)."""
 
     def __init__(self, device):
         self.handle = None
@@ -24,7 +31,8 @@ class Power:
             pynvml.nvmlInit()
             self.nvml = pynvml
             self.handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            self.last = pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+            self.first = self.last = pynvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+            self.last_t = time.perf_counter()
         except Exception:  # no nvidia-ml-py, no driver, or no energy counter on this GPU
             self.handle = None
 
@@ -32,13 +40,28 @@ class Power:
         if self.handle is None:
             return {}
         try:
-            now = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
-            out = {"power_w": self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0,
-                   "energy_j": (now - self.last) / 1000.0}
-            self.last = now
-            return out
+            now = self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)  # mJ
+            out = {"power_w": self.nvml.nvmlDeviceGetPowerUsage(self.handle) / 1000.0}
         except Exception:
             return {}
+        if now != self.last:
+            t = time.perf_counter()
+            window = t - self.last_t
+            out["energy_j"] = (now - self.last) / 1000.0
+            out["energy_window_s"] = window
+            if window > 0:
+                out["window_power_w"] = out["energy_j"] / window
+            self.last, self.last_t = now, t
+        return out
+
+    def total_j(self) -> float:
+        """The energy since this object was made (0.0 without NVML)."""
+        if self.handle is None:
+            return 0.0
+        try:
+            return (self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) - self.first) / 1000.0
+        except Exception:
+            return 0.0
 
 
 class Metrics:
@@ -59,6 +82,10 @@ class Metrics:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, rec["step"])
+                elif isinstance(v, list) and k.endswith("_ranks"):  # one curve per rank
+                    for r, x in enumerate(v):
+                        if isinstance(x, (int, float)):
+                            self.tb.add_scalar(f"{k[:-6]}/rank{r}", x, rec["step"])
 
     def close(self):
         self.file.close()
@@ -67,11 +94,12 @@ class Metrics:
 
 
 @torch.no_grad()
-def evaluate(model, val, args, device) -> float:
+def evaluate(model, val, args, device, ranks) -> float:
+    """The validation loss over ``--eval-batches`` fixed batches (each rank its rows of each)."""
     model.eval()
     total = 0.0
     for i in range(args.eval_batches):
-        b = batch_at(val, i, args.batch_size, args.seq_len, seed=12345).to(device)
+        b = ranks.rows(batch_at(val, i, args.batch_size, args.seq_len, seed=12345)).to(device)
         total += float(model(b[:, :-1], b[:, 1:]))
     model.train()
-    return total / args.eval_batches
+    return ranks.total(total, device) / ranks.world / args.eval_batches

@@ -54,6 +54,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--max-data-bytes", type=int, default=24 << 20, help="cap on the corpus read into memory")
     a("--pin-limit", default=None, help="pinned-memory limit for optimizer state, e.g. 64GiB")
     a("--no-progress", action="store_true", help="no progress bar (one line per eval instead)")
+    g = p.add_argument_group("several processes (one per GPU, sharded with FSDP2; see README)")
+    g.add_argument("--nproc", default=None,
+                   help="start torchrun with N processes on this node (or 'auto': one per GPU); "
+                        "--batch-size is the global batch, split between the ranks")
+    g.add_argument("--nnodes", default="1", help="torchrun --nnodes (e.g. 2 or 1:4), with --rdzv-endpoint")
+    g.add_argument("--rdzv-endpoint", default=None, help="torchrun's c10d rendezvous HOST:PORT (several nodes)")
+    g.add_argument("--rdzv-id", default="hytrain", help="torchrun's rendezvous id (the same on every node)")
+    g.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun restarts the group this many times after a failure; the job resumes "
+                        "from the latest checkpoint")
+    g.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a collective may wait before the rank fails (a hung peer)")
 
 
 def resolve_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
@@ -105,8 +117,10 @@ def check_options(args) -> None:
 
     for name in ("batch_size", "seq_len", "steps", "eval_batches", "keep"):
         positive(name)
-    for name in ("warmup", "workers", "eval_every", "save_every", "seed"):
+    for name in ("warmup", "workers", "eval_every", "save_every", "seed", "max_restarts"):
         positive(name, 0)
+    if not (args.timeout > 0 and math.isfinite(args.timeout)):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.gpu_blocks != "auto":
         positive("gpu_blocks", 0)
     if args.speculate is False:  # a TOML boolean

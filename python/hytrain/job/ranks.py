@@ -1,0 +1,174 @@
+"""The job on several processes: ``hytrain train --nproc N`` starts torchrun on this node (with
+the rendezvous options for several nodes passed through), and a job started by torchrun
+(``torchrun --nproc-per-node N -m hytrain train ...``) joins the process group, shards the model with
+FSDP2 (``fully_shard`` per repeated layer and at the root), trains each rank on its slice of the
+global batch, and agrees with the other ranks on what must agree: the step's loss, when to stop, and
+the figures rank 0 records for every rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from ..blocks import repeated_layers
+from .options import ConfigError
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def resolve_nproc(spec, device: str) -> int:
+    """``--nproc``: an integer >= 1, or ``auto``: one process per visible GPU (one on a CPU)."""
+    if spec == "auto":
+        if device != "cpu" and torch.cuda.is_available():
+            return max(1, torch.cuda.device_count())
+        return 1
+    try:
+        n = int(spec)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--nproc must be an integer >= 1 or 'auto', got {spec!r}") from None
+    if n < 1:
+        raise ConfigError(f"--nproc must be an integer >= 1 or 'auto', got {spec!r}")
+    if device != "cpu" and torch.cuda.is_available() and n > torch.cuda.device_count():
+        raise ConfigError(f"--nproc {n}: this node has {torch.cuda.device_count()} GPU(s); "
+                          "start at most one process per GPU (or train on the CPU with --device cpu)")
+    return n
+
+
+def torchrun_command(args, argv: list[str]) -> list[str]:
+    """The torchrun command that runs this job on ``--nproc`` processes of this node: the job's own
+    flags are passed on without the launcher's."""
+    nproc = resolve_nproc(args.nproc, args.device)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--max-restarts", str(args.max_restarts)]
+    if args.rdzv_endpoint:
+        cmd += ["--nnodes", str(args.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
+                "--rdzv-id", args.rdzv_id]
+    elif args.nnodes != "1":
+        raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (a node every agent reaches)")
+    else:  # one node: a rendezvous on a free local port, so that two jobs on one machine do not collide
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    return cmd + ["-m", "hytrain", "train", *_strip_launcher_flags(argv)]
+
+
+LAUNCHER_FLAGS = {"--nproc": True, "--nnodes": True, "--rdzv-endpoint": True, "--rdzv-id": True,
+                  "--max-restarts": True}
+
+
+def _strip_launcher_flags(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in LAUNCHER_FLAGS:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def launch(args, argv: list[str]) -> int:
+    """Runs the job under torchrun; returns torchrun's exit status."""
+    cmd = torchrun_command(args, argv)
+    nproc = int(cmd[cmd.index("--nproc-per-node") + 1])
+    if not args.rdzv_endpoint and args.batch_size % nproc:
+        raise ConfigError(f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
+                          f"number of processes ({nproc})")
+    print("hytrain train: " + " ".join(cmd[1:]), flush=True)
+    return subprocess.call(cmd)
+
+
+class Ranks:
+    """This process's place in a job started by torchrun (or the one process of a plain job)."""
+
+    def __init__(self, rank=0, world=1, local_rank=0, group=None):
+        self.rank, self.world, self.local_rank, self.group = rank, world, local_rank, group
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def join(cls, device_spec: str, timeout_s: float) -> "Ranks":
+        """Joins torchrun's process group (NCCL for GPUs, gloo on the CPU), with ``timeout_s`` on
+        every collective, so that a rank that hangs makes the others fail instead of waiting."""
+        import torch.distributed as dist
+
+        from ..distributed import init_process_group
+
+        cuda = device_spec != "cpu" and torch.cuda.is_available()
+        if device_spec.startswith("cuda") and not cuda:
+            raise ConfigError("--device cuda: no usable GPU")
+        local_rank = int(os.environ["LOCAL_RANK"])
+        if cuda:
+            if local_rank >= torch.cuda.device_count():
+                raise ConfigError(f"local rank {local_rank} has no GPU (this node has "
+                                  f"{torch.cuda.device_count()}): start at most one process per GPU")
+            torch.cuda.set_device(local_rank)
+        rank, world = init_process_group("nccl" if cuda else "gloo", timeout_s=timeout_s)
+        return cls(rank, world, local_rank, dist.group.WORLD)
+
+    def device(self, spec: str) -> torch.device | None:
+        """The rank's device: its local GPU, or the CPU (None outside torchrun: the job picks)."""
+        if not self.distributed:
+            return None
+        if spec != "cpu" and torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def shard(self, model: torch.nn.Module) -> None:
+        """FSDP2: each repeated layer is a unit, the root holds the rest."""
+        if not self.distributed:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        layers = repeated_layers(model)
+        for layer in layers if layers is not None else []:
+            fully_shard(layer)
+        fully_shard(model)
+
+    def rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the global batch (the batch size is a multiple of the world size)."""
+        if not self.distributed:
+            return batch
+        n = batch.shape[0] // self.world
+        return batch[self.rank * n:(self.rank + 1) * n]
+
+    def gather(self, values: list[float], device) -> list[list[float]]:
+        """Every rank's values (one small all-gather); ``[values]`` in a plain job."""
+        if not self.distributed:
+            return [list(values)]
+        import torch.distributed as dist
+
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(out, mine, group=self.group)
+        return [t.tolist() for t in out]
+
+    def total(self, value: float, device) -> float:
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=self.group)
+        return float(t[0])
+
+    def close(self):
+        """Leaves the process group once every rank is done (a barrier, then the group's teardown
+        while every peer is still there)."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+            dist.destroy_process_group()

@@ -1,0 +1,168 @@
+"""`hytrain train` on several processes (``--nproc``, which starts torchrun; gloo on the CPU): the
+same losses as one process on the same global batch, rank 0's metrics with every rank's k, GPU wait
+share and step time, sharded checkpoints resumed bit for bit on 2 processes and correctly on 1, a
+worker killed mid-run restarted by torchrun from the last checkpoint with the same losses, and the
+launcher's options checked before anything starts."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hytrain.job.options import ConfigError
+from hytrain.job.ranks import resolve_nproc, torchrun_command
+from test_distributed import _env
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+FAST = ["--batch-size", "4", "--seq-len", "32", "--no-progress", "--device", "cpu", "--workers", "1",
+        "--eval-batches", "2"]
+
+
+def job(*args, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", "hytrain", "train", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env())
+    return proc
+
+
+def ok(*args, **kw):
+    proc = job(*args, **kw)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return proc
+
+
+def metrics(out):
+    return [json.loads(line) for line in open(Path(out) / "metrics.jsonl")]
+
+
+def losses(out):
+    return {r["step"]: r["loss"] for r in metrics(out)}
+
+
+def test_two_processes_match_one_on_the_same_global_batch(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    ok("--steps", "6", "--eval-every", "3", "--out", str(one), *FAST)
+    ok("--steps", "6", "--eval-every", "3", "--out", str(two), "--nproc", "2", *FAST)
+    a, b = metrics(one), metrics(two)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor([r["val_loss"] for r in b if "val_loss" in r]),
+                               torch.tensor([r["val_loss"] for r in a if "val_loss" in r]), rtol=1e-5, atol=1e-5)
+    assert all(len(r["k_ranks"]) == 2 and len(r["step_s_ranks"]) == 2 and len(r["gpu_wait_frac_ranks"]) == 2
+               for r in b)
+    assert "k_ranks" not in a[0]
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["steps"] == 6
+    assert (two / "trace.json").is_file() and (two / "trace.rank1.json").is_file()
+
+
+def test_sharded_checkpoints_resume_on_two_processes_and_on_one(tmp_path):
+    whole = tmp_path / "whole"
+    ok("--steps", "8", "--save-every", "4", "--keep", "3", "--eval-every", "0", "--out", str(whole),
+       "--nproc", "2", *FAST)
+    ck = whole / "checkpoints" / "step_00000004"
+    assert json.loads((ck / "meta.json").read_text())["world_size"] == 2
+    again, single = tmp_path / "again", tmp_path / "single"
+    ok("--steps", "8", "--eval-every", "0", "--out", str(again), "--resume", str(ck), "--nproc", "2", *FAST)
+    ok("--steps", "8", "--eval-every", "0", "--out", str(single), "--resume", str(ck), *FAST)
+    want = losses(whole)
+    assert losses(again) == {s: want[s] for s in range(5, 9)}  # same world size: bit for bit
+    got = losses(single)
+    assert sorted(got) == [5, 6, 7, 8]
+    torch.testing.assert_close(torch.tensor([got[s] for s in got]), torch.tensor([want[s] for s in got]),
+                               rtol=1e-5, atol=1e-5)
+    # The LR schedule went on from the checkpoint too.
+    lr = {r["step"]: r["lr"] for r in metrics(whole)}
+    assert {r["step"]: r["lr"] for r in metrics(again)} == {s: lr[s] for s in range(5, 9)}
+
+
+def _descendants(pid):
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(c) for t in os.listdir(f"/proc/{p}/task")
+                    for c in open(f"/proc/{p}/task/{t}/children").read().split()]
+        except OSError:
+            continue
+        out += kids
+        todo += kids
+    return out
+
+
+def _is_worker(pid):
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        return False
+    return b"hytrain" in cmd and b"torch.distributed.run" not in cmd and b"--nproc" not in cmd
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_a_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    steps = 400
+    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", str(steps), "--save-every", "25",
+                             "--eval-every", "0", "--out", str(out), "--nproc", "2", "--max-restarts", "1", *FAST],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    killed = None
+    try:
+        deadline = time.monotonic() + 240
+        while killed is None and time.monotonic() < deadline and proc.poll() is None:
+            latest = out / "checkpoints" / "latest"
+            if latest.is_file():
+                saved = int(latest.read_text().strip().split("_")[1])
+                done = len((out / "metrics.jsonl").read_text().splitlines())
+                workers = [p for p in _descendants(proc.pid) if _is_worker(p)]
+                if done >= saved + 3 and len(workers) == 2:  # a few steps past the checkpoint
+                    killed = max(workers)
+                    os.kill(killed, signal.SIGKILL)
+            time.sleep(0.05)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed is not None, "the run ended before a worker could be killed"
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-8000:]
+    assert "resumed from" in stdout
+    rows = metrics(out)
+    seen = {}
+    for r in rows:  # steps run again after the restart log the same loss, bit for bit
+        if r["step"] in seen:
+            assert r["loss"] == seen[r["step"]], r["step"]
+        seen[r["step"]] = r["loss"]
+    assert sorted(seen) == list(range(1, steps + 1))
+    assert len(rows) > steps  # some steps ran twice: the restart went back to the checkpoint
+    assert json.loads((out / "summary.json").read_text())["steps"] == steps
+
+
+def test_launcher_options(tmp_path):
+    import argparse
+
+    from hytrain.job.options import add_arguments, resolve_options
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    argv = ["--nproc", "2", "--steps", "3", "--max-restarts=2", "--out", "x", "--rdzv-id", "a", "--device", "cpu"]
+    cmd = torchrun_command(resolve_options(p, argv), argv)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--max-restarts") + 1] == "2"
+    assert cmd[cmd.index("-m", 3):] == ["-m", "hytrain", "train", "--steps", "3", "--out", "x", "--device", "cpu"]
+    multi = ["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node0:29500", "--device", "cpu"]
+    cmd = torchrun_command(resolve_options(p, multi), multi)
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "node0:29500" and cmd[cmd.index("--nnodes") + 1] == "2"
+    with pytest.raises(ConfigError, match="rdzv-endpoint"):
+        bad = ["--nproc", "2", "--nnodes", "2", "--device", "cpu"]
+        torchrun_command(resolve_options(p, bad), bad)
+    with pytest.raises(ConfigError, match="--nproc"):
+        resolve_nproc("0", "cpu")
+    assert resolve_nproc("auto", "cpu") == 1
+    proc = job("--nproc", "3", "--batch-size", "4", "--out", str(tmp_path / "r"), "--device", "cpu")
+    assert proc.returncode == 2 and "multiple of the number of processes (3)" in proc.stderr
+    assert not (tmp_path / "r").exists()
