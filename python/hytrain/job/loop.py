@@ -201,7 +201,8 @@ def run(args) -> int:
                 else:
                     ckpt.save(out, step, model, opt, sched, config, keep=args.keep)
             if stopping:
-                say(f"\nstopped by a signal after step {step}; checkpoint saved "
+                by = stop["signal"] if stop["signal"] else "(sent to another rank)"
+                say(f"\nstopped by signal {by} after step {step}; checkpoint saved "
                     f"(resume with --resume latest --out {out})", flush=True)
                 break
     finally:
