@@ -51,3 +51,26 @@ def test_fsdp2_checkpoint_resume_on_the_gpu(tmp_path):
         assert torch.equal(a["weights"][name], b["weights"][name]), name
     assert second["losses"][0] == whole["losses"][4]  # the first step after the resume: same weights
     _close({**whole, "losses": whole["losses"][4:]}, second, tol=1e-3)
+
+
+def test_the_job_under_torchrun_on_one_gpu(tmp_path):
+    # `hytrain train --nproc 1`: torchrun, NCCL, FSDP2 at world size 1, the whole GPU path with k
+    # chosen by the scheduler and agreed between the ranks; the same training as the plain job (bf16).
+    from test_job_distributed import metrics, ok
+
+    args = ["--steps", "30", "--eval-every", "0", "--batch-size", "8", "--seq-len", "64", "--no-progress",
+            "--device", "cuda"]
+    plain, ranked = tmp_path / "plain", tmp_path / "ranked"
+    ok(*args, "--out", str(plain))
+    ok(*args, "--out", str(ranked), "--nproc", "1", "--save-every", "15")
+    a, b = metrics(plain), metrics(ranked)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]),
+                               rtol=2e-2, atol=2e-2)
+    assert all(len(r["k_ranks"]) == 1 and r["k_ranks"][0] == r["k"] for r in b)
+    assert any(r["gpu_wait_frac_ranks"][0] is not None for r in b)  # measured once the warm-up is over
+    again = tmp_path / "again"
+    ok(*args, "--out", str(again), "--nproc", "1", "--resume", str(ranked / "checkpoints" / "step_00000015"))
+    c = metrics(again)
+    assert [r["step"] for r in c] == list(range(16, 31))
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in c]), torch.tensor([r["loss"] for r in b[15:]]),
+                               rtol=1e-3, atol=1e-3)
