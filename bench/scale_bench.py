@@ -1,15 +1,17 @@
 """Training across the GPUs of one node: hytrain (FSDP2 + HybridAdamW, each rank updating its shards
-on its share of the CPU cores) against FSDP2 with its own CPUOffloadPolicy (torch's AdamW on the CPU
-after backward, nothing overlapped), same model, same global batch, one torchrun per mode and N.
+on its share of the CPU cores) against DeepSpeed ZeRO-2 with offload_optimizer (DeepSpeedCPUAdam
+after backward; when DeepSpeed is importable) and FSDP2 with its own CPUOffloadPolicy (torch's AdamW
+on the CPU after backward, nothing overlapped); same model, same per-GPU batch (so the same global
+batch at each N), activation checkpointing in every mode, one torchrun per mode and N.
 
     python bench/scale_bench.py --nprocs 1,2,4 --model l7b --batch 2 --seq 1024
 
 Per mode and N (one JSON line): iteration time (median of the timed iterations), tokens/s per GPU,
-peak GPU memory and peak host memory per rank (the largest rank), hytrain's GPU wait share and k.
-Then a line of ratios: hytrain against FSDP2 + CPUOffloadPolicy at each N, and hytrain's scaling
-efficiency (per-GPU tokens/s at N over its own at N = 1, same per-GPU batch).
-DeepSpeed ZeRO-2 + offload_optimizer is measured by bench/train_bench.py on one GPU; it is not a
-mode here.
+peak GPU memory (allocated and reserved) and peak host memory per rank (the largest rank), hytrain's
+GPU wait share and k per rank. With ``--cap deepspeed`` (the default when DeepSpeed runs) hytrain
+plans with DeepSpeed's reserved peak at the same N as its GPU memory limit: the comparison at equal
+GPU memory. Then a line of ratios: hytrain against each other mode at each N, and hytrain's scaling
+efficiency (per-GPU tokens/s at N over its own at N = 1).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("hytrain", "fsdp2_cpu_offload")
+MODES = ("deepspeed_offload", "hytrain", "fsdp2_cpu_offload")  # DeepSpeed first: its peak caps hytrain
 SHAPES = {  # presets of hytrain.models.presets plus larger Llama shapes
     "13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40, num_heads=40,
                 num_kv_heads=40),
@@ -51,13 +53,15 @@ def worker(args):
     torch.manual_seed(0)
     offload = args.mode == "fsdp2_cpu_offload"
     model = LlamaModel(cfg, checkpointing=True)  # built on the host, then sharded (fully_shard moves
+    if args.mode == "deepspeed_offload":        # each rank's shards to the GPU, or keeps them pinned
+        return deepspeed_worker(args, model.to(torch.bfloat16).cuda(), cfg, rank, world)  # on the host)
     if offload:  # fp32 parameters stay on the CPU, bf16 compute on the GPU (FSDP2's mixed precision)
         policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(),
                       mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     else:  # bf16 weights on the GPU; fp32 masters and Adam states in the host pool
         model = model.to(torch.bfloat16)
         policy = dict(mesh=mesh)
-    for layer in model.layers:  # each rank's shards to the GPU, or keeps them pinned on the host)
+    for layer in model.layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
     if offload:  # the rotary tables are buffers, not parameters: they go to the GPU either way
@@ -65,7 +69,9 @@ def worker(args):
     if args.mode == "hytrain":
         import hytrain
 
-        opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model)
+        cap = int(args.cap_gb * 1e9) if args.cap_gb else None
+        opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
+                                  gpu_memory_limit=cap)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     g = torch.Generator(device="cuda").manual_seed(rank)
@@ -83,26 +89,69 @@ def worker(args):
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    iter_s = statistics.median(times)
-    mine = {"peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9,
-            "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
-            "iter_s": iter_s}
+    extra = {}
     if args.mode == "hytrain":
         stats = opt.schedule_stats()
-        mine.update(gpu_wait_frac=stats.get("gpu_wait_frac"), k=stats.get("k"))
+        extra = dict(gpu_wait_frac=stats.get("gpu_wait_frac"), k=stats.get("k"), cap_gb=args.cap_gb)
+    report(args, model, times, rank, world, extra)
+
+
+def deepspeed_worker(args, model, cfg, rank, world):
+    import deepspeed
+    import torch
+
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True}, "gradient_clipping": CLIP,
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                    "contiguous_gradients": True, "overlap_comm": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g)
+    times = []
+    for i in range(args.warmup + args.iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    report(args, model, times, rank, world, {})
+
+
+def report(args, model, times, rank, world, extra):
+    import torch
+    import torch.distributed as dist
+
+    mine = {"peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9,
+            "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+            "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+            "iter_s": statistics.median(times), **extra}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
+        n_params = sum(p.numel() for p in model.parameters())  # DTensors: global
         out = {"mode": args.mode, "nproc": world, "model": args.model, "params": n_params,
                "iter_s": max(r["iter_s"] for r in everyone),
                "tokens_per_s_per_gpu": args.batch * args.seq / max(r["iter_s"] for r in everyone),
                "peak_gpu_gb": max(r["peak_gpu_gb"] for r in everyone),
+               "peak_gpu_reserved_gb": max(r["peak_gpu_reserved_gb"] for r in everyone),
+               "cap_gb": everyone[0].get("cap_gb"),
                "peak_host_gb_per_rank": max(r["peak_host_gb"] for r in everyone),
                "gpu_wait_frac": [r.get("gpu_wait_frac") for r in everyone],
                "k": [r.get("k") for r in everyone], "iter_times_s": [round(t, 4) for t in times]}
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
+
+
+def deepspeed_available() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:  # not installed, or installed without what it needs
+        return False
+    return True
 
 
 def main():
@@ -115,18 +164,31 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--cap", default="deepspeed",
+                    help="hytrain's GPU memory limit: 'deepspeed' (DeepSpeed's reserved peak at the same N, "
+                         "when it ran), 'none', or GB")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--cap-gb", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     results = {}
+    modes = [m for m in MODES if m in args.modes.split(",")]
+    if "deepspeed_offload" in modes and not deepspeed_available():
+        print(json.dumps({"mode": "deepspeed_offload", "skipped": "DeepSpeed is not importable"}), flush=True)
+        modes.remove("deepspeed_offload")
     for n in [int(v) for v in args.nprocs.split(",")]:
-        for mode in args.modes.split(","):
+        for mode in modes:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", __file__, "--worker",
                    "--mode", mode, "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
                    "--iters", str(args.iters), "--warmup", str(args.warmup)]
+            if mode == "hytrain" and args.cap != "none":
+                ds = results.get(("deepspeed_offload", n), {}).get("peak_gpu_reserved_gb")
+                cap = ds if args.cap == "deepspeed" else float(args.cap)
+                if cap:
+                    cmd += ["--cap-gb", str(cap)]
             env = dict(os.environ, NCCL_NVLS_ENABLE="0")
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -142,9 +204,10 @@ def main():
     for (mode, n), rec in results.items():
         if mode != "hytrain" or "iter_s" not in rec:
             continue
-        other = results.get(("fsdp2_cpu_offload", n), {}).get("iter_s")
-        if other:
-            summary[f"n{n}_hytrain_speedup_vs_fsdp2_cpu_offload"] = round(other / rec["iter_s"], 3)
+        for other_mode in ("deepspeed_offload", "fsdp2_cpu_offload"):
+            other = results.get((other_mode, n), {}).get("iter_s")
+            if other:
+                summary[f"n{n}_hytrain_speedup_vs_{other_mode}"] = round(other / rec["iter_s"], 3)
         if base:
             summary[f"n{n}_hytrain_scaling_efficiency"] = round(rec["tokens_per_s_per_gpu"] / base, 3)
     print(json.dumps(summary), flush=True)
