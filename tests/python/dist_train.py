@@ -71,11 +71,13 @@ def main():
     torch.manual_seed(0)
     model = LlamaModel(CFG).to(getattr(torch, args.dtype)).to(device)
     if distributed:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh(device.type, (world,))  # FSDP2's default is a CUDA mesh wherever CUDA is
         for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model,
                               max_grad_norm=args.clip, workers=1,
                               speculate=False if args.no_speculate else "auto",

@@ -107,7 +107,7 @@ def run(args) -> int:
     k = args.gpu_blocks if device.type == "cuda" else 0
     if k != "auto":
         k = min(k, len(detect_blocks(model, list(model.parameters()))))
-    ranks.shard(model)
+    ranks.shard(model, device)
     limit = parse_bytes("gpu_memory_limit", args.gpu_memory_limit) if args.gpu_memory_limit else None
     opt = HybridAdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                       max_grad_norm=args.max_grad_norm or None, model=model, pool=pool,

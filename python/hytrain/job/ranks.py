@@ -126,16 +126,19 @@ class Ranks:
             return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
-    def shard(self, model: torch.nn.Module) -> None:
-        """FSDP2: each repeated layer is a unit, the root holds the rest."""
+    def shard(self, model: torch.nn.Module, device: torch.device) -> None:
+        """FSDP2: each repeated layer is a unit, the root holds the rest, over a mesh of the ranks'
+        devices (FSDP2's default mesh is a CUDA one wherever CUDA is, even for a CPU run)."""
         if not self.distributed:
             return
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh(device.type, (self.world,))
         layers = repeated_layers(model)
         for layer in layers if layers is not None else []:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
 
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the global batch (the batch size is a multiple of the world size)."""
