@@ -161,8 +161,8 @@ def main():
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--batch", type=int, default=2, help="sequences per GPU")
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=8, help="untimed iterations (k settles, speculation shadows are allocated)")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--cap", default="deepspeed",
                     help="hytrain's GPU memory limit: 'deepspeed' (DeepSpeed's reserved peak at the same N, "
