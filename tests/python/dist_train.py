@@ -55,6 +55,9 @@ def main():
     ap.add_argument("--die-at", type=int, default=None,
                     help="rank 1 exits at this step in the first attempt (torchrun restarts the group)")
     ap.add_argument("--no-speculate", action="store_true")
+    ap.add_argument("--scaler", type=float, default=None,
+                    help="loss scaling from this initial scale: GradScaler (one process; HybridAdamW takes the "
+                         "scale) or ShardedGradScaler with unscale_ before step (sharded)")
     ap.add_argument("--dump-state", default=None,
                     help="torch.save the optimizer's state_dict() here after a resume or a save")
     args = ap.parse_args()
@@ -91,13 +94,34 @@ def main():
         start = dist_checkpoint.load(dist_checkpoint.resolve(args.ckpt), model, opt)["step"]
         if args.dump_state:
             _dump(args.dump_state, model, opt)
-    losses, norms = [], []
+    losses, norms, scales = [], [], []
+    scaler = None
+    if args.scaler is not None:
+        if distributed:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler(device.type, init_scale=args.scaler)
+        else:
+            scaler = torch.amp.GradScaler(device.type, init_scale=args.scaler)
     for i, x in enumerate(data(args.steps)[start:], start=start + 1):
         if args.die_at == i and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os._exit(3)
         rows = x.shape[0] // world
         mine = x[rank * rows:(rank + 1) * rows].to(device)
         loss = model(mine, mine)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if distributed:  # agrees found_inf across ranks, for the scale's update too (GradScaler does not)
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            scales.append(float(scaler.get_scale()))
+            total = loss.detach().float().clone()
+            if distributed:
+                dist.all_reduce(total)
+            losses.append(float(total) / world)
+            continue
         loss.backward()
         if args.routed_clip is not None:
             norms.append(float(opt.clip_grad_norm_(args.routed_clip)))
@@ -127,7 +151,7 @@ def main():
         weights[name] = full.detach().float().cpu().flatten().tolist()
     if rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"losses": losses, "norms": norms, "weights": weights, "world": world, "start": start}, f)
+            json.dump({"losses": losses, "norms": norms, "scales": scales, "weights": weights, "world": world, "start": start}, f)
     if distributed:
         # Done (the last collective was the weights' gather; rank 0 has written its file): leave
         # without the process group's teardown, in which gloo now and then aborts a process whose

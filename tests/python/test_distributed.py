@@ -6,6 +6,7 @@ clipping routed to the optimizer, and without clipping; on 2 and 4 processes. Sh
 killed mid-run is restarted by torchrun from the last checkpoint with nothing lost."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -138,3 +139,17 @@ def test_interrupted_checkpoint_is_refused(tmp_path):
     (path / "meta.json").unlink()  # as if the save had died before its manifest
     with pytest.raises(CheckpointError, match="incomplete"):
         dist_checkpoint.load(path, None, None)
+
+
+def test_fp16_loss_scaling_on_two_ranks(tmp_path):
+    # fp16 weights, torch's ShardedGradScaler (unscale_ before step: the overflow flag is agreed across
+    # ranks for the scale's update too) on 2 ranks, against GradScaler handing its scale to HybridAdamW
+    # in one process: without overflows the same training, within fp16's precision.
+    args = ["--dtype", "float16", "--scaler", "256", "--steps", "6"]
+    ref = run(tmp_path, "plain16", *args)
+    got = run(tmp_path, "sharded16", *args, nproc=2)
+    assert ref["scales"] == got["scales"] == [256.0] * 6
+    assert_same_training(ref, got, tol=1e-2)
+    # With overflows (a scale far too large): steps are skipped and the scale backs off; training goes on.
+    hot = run(tmp_path, "hot16", "--dtype", "float16", "--scaler", "1e6", "--steps", "6", nproc=2)
+    assert hot["scales"][-1] < 1e6 and all(math.isfinite(x) for x in hot["losses"])
