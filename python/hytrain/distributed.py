@@ -5,7 +5,11 @@ torchrun has restarted the group after a failure (``--max-restarts``), the new a
 under a key prefix of its own in torchrun's store, so that it never reads the addresses a dead
 attempt left there (without it, a restarted gloo group can fail with "connection refused"). A rank
 that dies makes its peers' collectives fail at once (the connection drops) and torchrun stops and
-restarts the group; ``timeout_s`` bounds a collective that hangs instead."""
+restarts the group; ``timeout_s`` bounds a collective that hangs instead.
+
+``bind_to_numa_node()`` keeps a rank on the NUMA node of its GPU, on machines with several: its CPU
+update workers run there and its pinned state is first touched there, so each rank's share of the
+host memory traffic stays on its own node's memory bus."""
 
 from __future__ import annotations
 
@@ -36,3 +40,95 @@ def init_process_group(backend: str | None = None, timeout_s: float = 600.0):
     dist.init_process_group(backend, store=dist.PrefixStore(f"hytrain/attempt{attempt}/", store), rank=rank,
                             world_size=world, timeout=timeout)
     return rank, world
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the kernel's cpulist format)."""
+    out = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
+def numa_nodes(root="/sys/devices/system/node") -> dict[int, list[int]]:
+    """NUMA node -> its CPUs (empty where the kernel does not say)."""
+    nodes = {}
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return nodes
+    for name in names:
+        if name.startswith("node") and name[4:].isdigit():
+            try:
+                with open(os.path.join(root, name, "cpulist")) as f:
+                    cpus = parse_cpulist(f.read())
+            except OSError:
+                continue
+            if cpus:
+                nodes[int(name[4:])] = cpus
+    return nodes
+
+
+def gpu_numa_node(index: int, pci_root="/sys/bus/pci/devices") -> int | None:
+    """The NUMA node the GPU is attached to (from its PCI device in sysfs), or None."""
+    import torch
+
+    try:
+        bus = torch.cuda.get_device_properties(index).pci_bus_id  # e.g. 0000:1B:00.0
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+    for name in (bus.lower(), bus.lower()[4:]):
+        try:
+            with open(os.path.join(pci_root, name if name.count(":") == 2 else "0000:" + name, "numa_node")) as f:
+                node = int(f.read().strip())
+            return node if node >= 0 else None
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def rank_cpus(local_rank: int, local_world: int, nodes: dict[int, list[int]], allowed: set[int],
+              gpu_nodes: list[int | None]) -> list[int]:
+    """The CPUs a rank's process should run on: the NUMA node of its GPU (or, where that is not known,
+    node ``local_rank * nodes // local_world``), shared evenly with the other ranks placed on the
+    same node; only CPUs the process may use. Every CPU allowed when there is one node."""
+    usable = {n: [c for c in cpus if c in allowed] for n, cpus in sorted(nodes.items())}
+    usable = {n: cpus for n, cpus in usable.items() if cpus}
+    if len(usable) < 2:
+        return sorted(allowed)
+    order = list(usable)
+
+    def node_of(r):
+        g = gpu_nodes[r] if r < len(gpu_nodes) else None
+        return g if g in usable else order[r * len(order) // local_world]
+
+    mine = node_of(local_rank)
+    peers = [r for r in range(local_world) if node_of(r) == mine]
+    cpus = usable[mine]
+    i, n = peers.index(local_rank), len(peers)
+    share = cpus[i * len(cpus) // n:(i + 1) * len(cpus) // n]
+    return share or cpus
+
+
+def bind_to_numa_node(local_rank: int | None = None, local_world: int | None = None) -> list[int]:
+    """Binds this process (and so the CPU update workers it starts, and the first touch of the pinned
+    memory it allocates) to its share of the CPUs of its GPU's NUMA node, on machines with several
+    nodes; returns the CPUs it runs on. A no-op on one node. Call it before the optimizer's first
+    step (the job does, under torchrun)."""
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world is None else local_world
+    allowed = set(os.sched_getaffinity(0))
+    nodes = numa_nodes()
+    if len(nodes) < 2:
+        return sorted(allowed)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_nodes = [gpu_numa_node(r) if r < gpus else None for r in range(local_world)]
+    cpus = rank_cpus(local_rank, local_world, nodes, allowed, gpu_nodes)
+    if set(cpus) != allowed:
+        os.sched_setaffinity(0, cpus)
+    return cpus

@@ -166,3 +166,20 @@ def test_launcher_options(tmp_path):
     proc = job("--nproc", "3", "--batch-size", "4", "--out", str(tmp_path / "r"), "--device", "cpu")
     assert proc.returncode == 2 and "multiple of the number of processes (3)" in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_numa_placement_of_ranks():
+    from hytrain.distributed import parse_cpulist, rank_cpus
+
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    nodes = {0: list(range(0, 8)), 1: list(range(8, 16))}
+    every = set(range(16))
+    # GPUs 0, 1 on node 0 and 2, 3 on node 1: each rank gets half of its GPU's node.
+    got = [rank_cpus(r, 4, nodes, every, [0, 0, 1, 1]) for r in range(4)]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    # GPU nodes unknown: ranks are spread over the nodes in order.
+    assert [rank_cpus(r, 2, nodes, every, [None, None]) for r in range(2)] == [nodes[0], nodes[1]]
+    # Only CPUs the process may use; one node (or one usable node): everything allowed, unchanged.
+    assert rank_cpus(0, 2, nodes, set(range(2, 16)), [0, 1]) == list(range(2, 8))
+    assert rank_cpus(1, 2, {0: list(range(16))}, every, [0, 0]) == sorted(every)
+    assert rank_cpus(0, 2, nodes, set(range(8)), [1, 1]) == sorted(range(8))

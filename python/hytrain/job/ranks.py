@@ -104,7 +104,7 @@ class Ranks:
         every collective, so that a rank that hangs makes the others fail instead of waiting."""
         import torch.distributed as dist
 
-        from ..distributed import init_process_group
+        from ..distributed import bind_to_numa_node, init_process_group
 
         cuda = device_spec != "cpu" and torch.cuda.is_available()
         if device_spec.startswith("cuda") and not cuda:
@@ -116,6 +116,7 @@ class Ranks:
                                   f"{torch.cuda.device_count()}): start at most one process per GPU")
             torch.cuda.set_device(local_rank)
         rank, world = init_process_group("nccl" if cuda else "gloo", timeout_s=timeout_s)
+        bind_to_numa_node(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # no-op on one node
         return cls(rank, world, local_rank, dist.group.WORLD)
 
     def device(self, spec: str) -> torch.device | None:
