@@ -183,3 +183,30 @@ def test_numa_placement_of_ranks():
     assert rank_cpus(0, 2, nodes, set(range(2, 16)), [0, 1]) == list(range(2, 8))
     assert rank_cpus(1, 2, {0: list(range(16))}, every, [0, 0]) == sorted(every)
     assert rank_cpus(0, 2, nodes, set(range(8)), [1, 1]) == sorted(range(8))
+
+
+def test_two_agents_rendezvous_as_two_nodes(tmp_path):
+    # Two torchrun agents on this host, as two nodes of one process each (--nnodes 2, c10d rendezvous
+    # on a local port): one job of world size 2, the same training as one process.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    one, two = tmp_path / "one", tmp_path / "two"
+    ok("--steps", "4", "--eval-every", "0", "--out", str(one), *FAST)
+    cmd = [sys.executable, "-m", "hytrain", "train", "--steps", "4", "--eval-every", "0", "--out", str(two),
+           "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-agents", *FAST]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+              for _ in range(2)]
+    try:
+        outs = [a.communicate(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert all(a.returncode == 0 for a in agents), "\n".join(o[1][-3000:] for o in outs)
+    b = metrics(two)
+    assert all(len(r["k_ranks"]) == 2 for r in b)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in metrics(one)]),
+                               rtol=1e-5, atol=1e-5)
