@@ -35,7 +35,7 @@ from .data import batch_at, load_corpus
 from .metrics import Metrics, Power, evaluate
 from .models import build_model
 from .options import DTYPES, ConfigError, add_arguments, resolve_options
-from .ranks import Ranks, launch, under_torchrun
+from .ranks import PeerFailure, Ranks, launch, under_torchrun
 
 
 def pick_device(spec: str) -> torch.device:
@@ -255,6 +255,9 @@ def main(argv=None) -> int:
     except (ConfigError, ckpt.CheckpointError) as e:
         print(f"hytrain train: error: {e}", file=sys.stderr)
         return 2
+    except PeerFailure as e:
+        print(f"hytrain train: error: {e}", file=sys.stderr)
+        return 1
     except native().PoolExhaustedError as e:
         print(f"hytrain train: error: {e} (lower the model size or raise --pin-limit)", file=sys.stderr)
         return 2

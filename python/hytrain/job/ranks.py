@@ -17,6 +17,20 @@ from ..blocks import repeated_layers
 from .options import ConfigError
 
 
+class PeerFailure(RuntimeError):
+    """A collective of the job failed: another rank died, or hung past ``--timeout``."""
+
+
+def _collective(what, fn, rank):
+    try:
+        return fn()
+    except Exception as e:  # gloo and NCCL raise several kinds when a peer is gone or times out
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise PeerFailure(f"rank {rank}: the {what} with the other ranks failed -- a peer process died or "
+                          f"hung past --timeout ({type(e).__name__}: {first}); with --max-restarts, torchrun "
+                          "restarts the group from the latest checkpoint") from e
+
+
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
@@ -156,8 +170,8 @@ class Ranks:
 
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         out = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(out, mine, group=self.group)
-        return [t.tolist() for t in out]
+        return _collective("step's all-gather", lambda: (dist.all_gather(out, mine, group=self.group),
+                                                         [t.tolist() for t in out])[1], self.rank)
 
     def total(self, value: float, device) -> float:
         if not self.distributed:
@@ -165,8 +179,7 @@ class Ranks:
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(t, group=self.group)
-        return float(t[0])
+        return _collective("all-reduce", lambda: (dist.all_reduce(t, group=self.group), float(t[0]))[1], self.rank)
 
     def close(self):
         """Leaves the process group once every rank is done (a barrier, then the group's teardown
