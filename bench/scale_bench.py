@@ -37,7 +37,6 @@ LR, WD, CLIP = 1e-4, 0.01, 1.0
 
 def worker(args):
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -74,21 +73,17 @@ def worker(args):
                                   gpu_memory_limit=cap)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g)
-    times = []
-    for i in range(args.warmup + args.iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    x = batch(args, cfg, rank)
+
+    def iteration():
         loss = model(x, x)
         loss.backward()
         if args.mode != "hytrain":
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
-        torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
+
+    times = timed(iteration, args)
     extra = {}
     if args.mode == "hytrain":
         stats = opt.schedule_stats()
@@ -98,7 +93,6 @@ def worker(args):
 
 def deepspeed_worker(args, model, cfg, rank, world):
     import deepspeed
-    import torch
 
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "bf16": {"enabled": True}, "gradient_clipping": CLIP,
@@ -106,19 +100,36 @@ def deepspeed_worker(args, model, cfg, rank, world):
                                     "contiguous_gradients": True, "overlap_comm": True},
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = batch(args, cfg, rank)
+
+    def iteration():
+        engine.backward(engine(x, x))
+        engine.step()
+
+    report(args, model, timed(iteration, args), rank, world, {})
+
+
+def batch(args, cfg, rank):
+    """The rank's fixed batch of random tokens (its slice of the global batch)."""
+    import torch
+
     g = torch.Generator(device="cuda").manual_seed(rank)
-    x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g)
+    return torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g)
+
+
+def timed(iteration, args) -> list[float]:
+    """Wall times of the iterations after the warm-up, each between two device synchronisations."""
+    import torch
+
     times = []
     for i in range(args.warmup + args.iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = engine(x, x)
-        engine.backward(loss)
-        engine.step()
+        iteration()
         torch.cuda.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    report(args, model, times, rank, world, {})
+    return times
 
 
 def report(args, model, times, rank, world, extra):

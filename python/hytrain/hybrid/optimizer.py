@@ -157,7 +157,6 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self.overlap = bool(overlap)
-        n = len(self._blocks)
         # Each block's phase in a step and its placement: the native runtime (block_runtime.h).
         self._rt = native().BlockRuntime([len(b) for b in self._blocks], self.accumulation_steps)
         self._steps_taken = 0
