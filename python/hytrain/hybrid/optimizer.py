@@ -283,7 +283,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
             for b in range(len(self._blocks)):
                 part = self._sq_parts.get(b)
                 if part is None and not (self.release_grads and self._rt.submitted(b)):
-                    grads = [local(p.grad) for p in self._blocks[b] if p.grad is not None and local(p.grad).numel()]
+                    grads = [g for g in (local(p.grad) for p in self._blocks[b] if p.grad is not None) if g.numel()]
                     part = self._sq_norm(grads) if grads else None
                 if part is not None:
                     parts.append(part)
