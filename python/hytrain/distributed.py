@@ -120,8 +120,10 @@ def bind_to_numa_node(local_rank: int | None = None, local_world: int | None = N
     step (the job does, under torchrun)."""
     import torch
 
+    from .hybrid.distributed import local_world_size
+
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world is None else local_world
+    local_world = local_world_size() if local_world is None else local_world
     allowed = set(os.sched_getaffinity(0))
     nodes = numa_nodes()
     if len(nodes) < 2:

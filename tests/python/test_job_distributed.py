@@ -150,16 +150,16 @@ def test_launcher_options(tmp_path):
     p = argparse.ArgumentParser()
     add_arguments(p)
     argv = ["--nproc", "2", "--steps", "3", "--max-restarts=2", "--out", "x", "--rdzv-id", "a", "--device", "cpu"]
-    cmd = torchrun_command(resolve_options(p, argv), argv)
+    cmd = torchrun_command(resolve_options(p, argv), argv, resolve_nproc("2", "cpu"))
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--max-restarts") + 1] == "2"
     assert cmd[cmd.index("-m", 3):] == ["-m", "hytrain", "train", "--steps", "3", "--out", "x", "--device", "cpu"]
     multi = ["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node0:29500", "--device", "cpu"]
-    cmd = torchrun_command(resolve_options(p, multi), multi)
+    cmd = torchrun_command(resolve_options(p, multi), multi, 2)
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "node0:29500" and cmd[cmd.index("--nnodes") + 1] == "2"
     with pytest.raises(ConfigError, match="rdzv-endpoint"):
         bad = ["--nproc", "2", "--nnodes", "2", "--device", "cpu"]
-        torchrun_command(resolve_options(p, bad), bad)
+        torchrun_command(resolve_options(p, bad), bad, 2)
     with pytest.raises(ConfigError, match="--nproc"):
         resolve_nproc("0", "cpu")
     assert resolve_nproc("auto", "cpu") == 1

@@ -510,12 +510,8 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
             for key, val in entry.items():
                 if key not in st:
                     raise ValueError(f"parameter {i}: unexpected state {key!r}")
-                val = local(val)
-                dst = st[key]
-                if not isinstance(val, torch.Tensor) or val.shape != dst.shape or not torch.is_floating_point(val):
-                    raise ValueError(f"parameter {i}: state {key!r} is {getattr(val, 'dtype', type(val))} of "
-                                     f"shape {tuple(getattr(val, 'shape', ()))}, expected float of shape "
-                                     f"{tuple(dst.shape)}")
+                val, dst = local(val), st[key]
+                _check_state_value(i, key, val, dst.shape)
                 if val.numel() and val.data_ptr() != dst.data_ptr():
                     plan.append((dst, val))
         for dst, val in plan:
@@ -554,12 +550,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
                     dst = None
                 else:
                     raise ValueError(f"parameter {i}: unexpected state {key!r}")
-                shape = torch.Size([]) if key == "step" else local(p).shape
-                if not isinstance(val, torch.Tensor) or val.shape != shape:
-                    raise ValueError(f"parameter {i}: state {key!r} has shape "
-                                     f"{getattr(val, 'shape', None)}, expected {tuple(shape)}")
-                if not torch.is_floating_point(val):
-                    raise TypeError(f"parameter {i}: state {key!r} must be floating point, got {val.dtype}")
+                _check_state_value(i, key, val, torch.Size([]) if key == "step" else local(p).shape)
                 plan.append((dst, val))
         if not self.bound:
             self._pending_load = {"state": dict(state_dict["state"]), "param_groups": groups}
@@ -606,3 +597,12 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
         if cur:
             out.append(cur)
         return out
+
+
+def _check_state_value(i, key, val, shape) -> None:
+    """A loaded state tensor must have the shape of the buffer it goes into and a floating dtype."""
+    if not isinstance(val, torch.Tensor) or val.shape != shape:
+        raise ValueError(f"parameter {i}: state {key!r} has shape {getattr(val, 'shape', None)}, "
+                         f"expected {tuple(shape)}")
+    if not torch.is_floating_point(val):
+        raise TypeError(f"parameter {i}: state {key!r} must be floating point, got {val.dtype}")

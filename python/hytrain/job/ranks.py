@@ -53,10 +53,9 @@ def resolve_nproc(spec, device: str) -> int:
     return n
 
 
-def torchrun_command(args, argv: list[str]) -> list[str]:
-    """The torchrun command that runs this job on ``--nproc`` processes of this node: the job's own
+def torchrun_command(args, argv: list[str], nproc: int) -> list[str]:
+    """The torchrun command that runs this job on ``nproc`` processes of this node: the job's own
     flags are passed on without the launcher's."""
-    nproc = resolve_nproc(args.nproc, args.device)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--max-restarts", str(args.max_restarts)]
     if args.rdzv_endpoint:
@@ -69,8 +68,7 @@ def torchrun_command(args, argv: list[str]) -> list[str]:
     return cmd + ["-m", "hytrain", "train", *_strip_launcher_flags(argv)]
 
 
-LAUNCHER_FLAGS = {"--nproc": True, "--nnodes": True, "--rdzv-endpoint": True, "--rdzv-id": True,
-                  "--max-restarts": True}
+LAUNCHER_FLAGS = {"--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--max-restarts"}  # each takes a value
 
 
 def _strip_launcher_flags(argv: list[str]) -> list[str]:
@@ -89,11 +87,11 @@ def _strip_launcher_flags(argv: list[str]) -> list[str]:
 
 def launch(args, argv: list[str]) -> int:
     """Runs the job under torchrun; returns torchrun's exit status."""
-    cmd = torchrun_command(args, argv)
-    nproc = int(cmd[cmd.index("--nproc-per-node") + 1])
-    if not args.rdzv_endpoint and args.batch_size % nproc:
+    nproc = resolve_nproc(args.nproc, args.device)
+    if not args.rdzv_endpoint and args.batch_size % nproc:  # several nodes: each rank checks the world
         raise ConfigError(f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
                           f"number of processes ({nproc})")
+    cmd = torchrun_command(args, argv, nproc)
     print("hytrain train: " + " ".join(cmd[1:]), flush=True)
     return subprocess.call(cmd)
 
@@ -130,7 +128,7 @@ class Ranks:
                                   f"{torch.cuda.device_count()}): start at most one process per GPU")
             torch.cuda.set_device(local_rank)
         rank, world = init_process_group("nccl" if cuda else "gloo", timeout_s=timeout_s)
-        bind_to_numa_node(local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # no-op on one node
+        bind_to_numa_node(local_rank)  # a no-op on one NUMA node
         return cls(rank, world, local_rank, dist.group.WORLD)
 
     def device(self, spec: str) -> torch.device | None:
@@ -170,8 +168,8 @@ class Ranks:
 
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         out = [torch.empty_like(mine) for _ in range(self.world)]
-        return _collective("step's all-gather", lambda: (dist.all_gather(out, mine, group=self.group),
-                                                         [t.tolist() for t in out])[1], self.rank)
+        _collective("step's all-gather", lambda: dist.all_gather(out, mine, group=self.group), self.rank)
+        return [t.tolist() for t in out]
 
     def total(self, value: float, device) -> float:
         if not self.distributed:
@@ -179,7 +177,8 @@ class Ranks:
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.float64, device=device)
-        return _collective("all-reduce", lambda: (dist.all_reduce(t, group=self.group), float(t[0]))[1], self.rank)
+        _collective("all-reduce", lambda: dist.all_reduce(t, group=self.group), self.rank)
+        return float(t[0])
 
     def close(self):
         """Leaves the process group once every rank is done (a barrier, then the group's teardown
