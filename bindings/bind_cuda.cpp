@@ -140,7 +140,17 @@ void bind_cuda(py::module_& m) {
          "Starts a pass of the table's `handles`: gradients (device addresses) to staging, the update, "
          "the new weights to `weights` (device addresses). hold: the update waits for release(); "
          "speculative: the new state goes to the shadows; redo: the gradients are already staged.")
-      .def("release", &OffloadPipeline::release, py::arg("block"), py::arg("grad_scale"))
+      .def("release", [](OffloadPipeline& p, int64_t block, double grad_scale, const ParamTable* table,
+                         const std::vector<int64_t>& handles) {
+        if (table == nullptr) {
+          p.release(block, grad_scale);
+        } else {
+          p.release(block, table->held_configs(handles, grad_scale));
+        }
+      }, py::arg("block"), py::arg("grad_scale"), py::arg("table") = nullptr,
+         py::arg("handles") = std::vector<int64_t>{},
+         "Lets a held pass update with `grad_scale`; with `table` and the pass's `handles`, with the "
+         "table's hyperparameters of now.")
       .def("cancel", &OffloadPipeline::cancel, py::arg("block"))
       .def("wait_ready", &OffloadPipeline::wait_ready, py::arg("block"), py::arg("stream"),
            py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())

@@ -31,10 +31,12 @@ StateSlots slots(std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t e
 
 void bind_runtime(py::module_& m) {
   py::class_<GroupHyper>(m, "GroupHyper", "One param group's AdamW hyperparameters for a step.")
-      .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay) {
-             return GroupHyper{lr, beta1, beta2, eps, weight_decay};
+      .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize) {
+             return GroupHyper{lr, beta1, beta2, eps, weight_decay, maximize};
            }),
-           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"))
+           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+           py::arg("maximize") = false)
+      .def_readonly("maximize", &GroupHyper::maximize)
       .def_readonly("lr", &GroupHyper::lr)
       .def_readonly("beta1", &GroupHyper::beta1)
       .def_readonly("beta2", &GroupHyper::beta2)

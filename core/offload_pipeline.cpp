@@ -6,6 +6,7 @@
 #include <string>
 
 #include "hytrain/offload_pipeline.h"
+#include "hytrain/adamw.h"
 #include "hytrain/error.h"
 
 namespace hytrain {
@@ -153,6 +154,22 @@ void OffloadPipeline::submit(const std::shared_ptr<Pass>& p) {
 }
 
 void OffloadPipeline::release(int64_t block, double grad_scale) {
+  std::vector<AdamWConfig> configs;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = passes_.find(block);
+    HYTRAIN_CHECK(it != passes_.end() && it->second->hold,
+                  "block " + std::to_string(block) + " has no held pass to release");
+    for (const UpdateJob& j : it->second->jobs) {
+      configs.push_back(j.config);
+      // The sign is the group's (maximize); the magnitude is the step's multiplier.
+      configs.back().grad_scale = j.config.grad_scale < 0 ? -grad_scale : grad_scale;
+    }
+  }
+  release(block, configs);
+}
+
+void OffloadPipeline::release(int64_t block, const std::vector<AdamWConfig>& configs) {
   std::shared_ptr<Pass> go;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -160,7 +177,11 @@ void OffloadPipeline::release(int64_t block, double grad_scale) {
     HYTRAIN_CHECK(it != passes_.end() && it->second->hold,
                   "block " + std::to_string(block) + " has no held pass to release");
     Pass& p = *it->second;
-    for (UpdateJob& j : p.jobs) j.config.grad_scale = grad_scale;
+    HYTRAIN_CHECK(configs.size() == p.jobs.size(),
+                  "block " + std::to_string(block) + ": release with " + std::to_string(configs.size()) +
+                      " configs for " + std::to_string(p.jobs.size()) + " jobs");
+    for (const AdamWConfig& c : configs) validate_adamw_config(c);  // before anything changes
+    for (std::size_t i = 0; i < configs.size(); ++i) p.jobs[i].config = configs[i];
     p.hold = false;
     if (p.state == State::landed) {
       p.state = State::updating;

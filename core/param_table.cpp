@@ -135,7 +135,7 @@ UpdateJob ParamTable::job(const Row& r, const GroupHyper& g, double grad_scale, 
   j.config.step = step;
   j.config.decoupled = true;
   j.config.amsgrad = r.e.amsgrad;
-  j.config.grad_scale = grad_scale;
+  j.config.grad_scale = g.maximize ? -grad_scale : grad_scale;
   return j;
 }
 
@@ -168,6 +168,17 @@ std::vector<UpdateJob> ParamTable::cpu_jobs(const std::vector<int64_t>& handles,
       j.tensor.param_copy = live[i].weight;
     }
     out.push_back(j);
+  }
+  return out;
+}
+
+std::vector<AdamWConfig> ParamTable::held_configs(const std::vector<int64_t>& handles,
+                                                 double grad_scale) const {
+  std::vector<AdamWConfig> out;
+  out.reserve(handles.size());
+  for (int64_t h : handles) {
+    const Row& r = row(h);
+    out.push_back(job(r, group_of(r), grad_scale, pass_step(r.e.step, false)).config);
   }
   return out;
 }

@@ -64,6 +64,9 @@ class OffloadPipeline {
   void wait_ready(int64_t block, std::uintptr_t stream, double timeout_s = -1.0);
 
   void release(int64_t block, double grad_scale);
+  // The same with every job's hyperparameters replaced (one config per job, in staging order; the
+  // multiplier is in the configs): the hyperparameters of step() time, not of the hand-off.
+  void release(int64_t block, const std::vector<AdamWConfig>& configs);
   // Drops a held block's update (nothing is written to its states or weights); the pass ends when
   // its gradient copies have landed. Throws if the block has no held pass.
   void cancel(int64_t block);

@@ -50,6 +50,7 @@ struct ParamEntry {
 // One param group's hyperparameters for a step.
 struct GroupHyper {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
+  bool maximize = false;  // ascend: the gradient enters with its sign flipped (a negative multiplier)
 };
 
 // Per-step addresses in the caller's tensors: the gradient, and the training weight (on the CPU
@@ -103,6 +104,10 @@ class ParamTable {
   // The step counters of `handles` move to counter + 1 (a new step's jobs were queued); retreat()
   // takes it back (a held pass cancelled, a speculative one dropped).
   void advance(const std::vector<int64_t>& handles);
+  // The configs of a held pass of `handles` (its step already counted) with the groups'
+  // hyperparameters of now and the multiplier: what release() gives the pass, so that a change of
+  // lr or any hyperparameter between the hand-off and step() is the one used, as in torch.
+  std::vector<AdamWConfig> held_configs(const std::vector<int64_t>& handles, double grad_scale) const;
   void retreat(const std::vector<int64_t>& handles);
 
  private:

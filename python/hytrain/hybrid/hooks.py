@@ -4,6 +4,8 @@ model's ``state_dict()`` waits for every update in flight."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .._native import native
@@ -18,6 +20,17 @@ def grad_hook(ref, p):
         opt._on_grad(p)
 
 
+def _weak(ref, name, *args):
+    """A hook calling ``optimizer.name(*args)`` through a weak reference (nothing once it is gone).
+    Under torch.compile it runs as it is, outside the graph (a graph break)."""
+    @torch.compiler.disable
+    def hook(*_):
+        opt = ref()
+        if opt is not None:
+            getattr(opt, name)(*args)
+    return hook
+
+
 class Hooks:
     """The hooks of a HybridAdamW: gradients in, waits before use."""
 
@@ -25,14 +38,19 @@ class Hooks:
         """Just-in-time waits: head blocks (and optimizer parameters outside the model) before the
         model's forward, each repeated layer's blocks before that layer, tail blocks after the last
         layer (before anything after it can use them). And the model's ``state_dict()`` (a checkpoint
-        save outside any forward) waits for every update in flight."""
-        self._model_hooks.append(model.register_state_dict_pre_hook(lambda *_: self.synchronize()))
-        layers = repeated_layers(model)
+        save outside any forward) waits for every update in flight. A compiled model (torch.compile)
+        waits for every block at its entrance: hooks inside a compiled graph are not reliably run.
+        Whatever these hooks do not cover, the fence does (fence.py)."""
+        ref = weakref.ref(self)
+        inner = getattr(model, "_orig_mod", model)
+        self._model_hooks.append(inner.register_state_dict_pre_hook(_weak(ref, "synchronize")))
+        layers = None if self._compiled else repeated_layers(inner)
         n = len(self._blocks)
+        self._layer_hooks = not self._compiled
         if layers is None:
             everything = list(range(n))
             self._model_hooks.append(model.register_forward_pre_hook(
-                lambda *_: self._before_forward(everything, everything[:1]), prepend=True))
+                _weak(ref, "_before_forward", everything, everything[:1]), prepend=True))
             return
         layer_ids = [sorted({self._block_of[id(p)] for p in child.parameters() if id(p) in self._block_of})
                      for child in layers]
@@ -48,20 +66,20 @@ class Hooks:
             # (prepend), and the tail, which belongs to the root's unit, is waited for with the head.
             head, tail = head + tail, []
         self._model_hooks.append(model.register_forward_pre_hook(
-            lambda *_: self._before_forward(head + outside, head), prepend=True))
+            _weak(ref, "_before_forward", head + outside, head), prepend=True))
         for child, ids in zip(layers, layer_ids):
             self._model_hooks.append(child.register_forward_pre_hook(
-                lambda *_, ids=ids: self._before_forward(ids, ids), prepend=True))
+                _weak(ref, "_before_forward", ids, ids), prepend=True))
         if tail:
             self._model_hooks.append(layers[len(layers) - 1].register_forward_hook(
-                lambda *_: self._before_forward(tail, tail)))
+                _weak(ref, "_before_forward", tail, tail)))
 
     def _before_forward(self, wait_for, marks):
         meter = self._meter if (self._meter is not None and torch.is_grad_enabled()
                                 and not self._rt.any_arrived()) else None
         before = None
         if meter is not None:
-            meter.start(self._deferred())
+            meter.start(True)
             before = meter.before_wait()
         self._wait_blocks(wait_for)
         if meter is not None:
@@ -69,9 +87,13 @@ class Hooks:
         if self.timeline is not None and torch.is_grad_enabled():
             for b in marks:
                 self.timeline.mark("forward", b)
+        if self._fence.armed:
+            self._fence.disarm()  # off the stack once every block has been waited for
 
     def _on_grad(self, p):
-        b = self._block_of[id(p)]
+        b = self._block_of.get(id(p))
+        if b is None:
+            return  # a parameter that got its gradient hook before a rebuild dropped it
         arrival, kinds = self._rt.arrive(b), native().Arrival
         if arrival == kinds.late:
             if not self.release_grads:
@@ -87,8 +109,9 @@ class Hooks:
                 self.timeline.mark("backward", b)
             if self._meter is not None:
                 self._meter.backward_done(b, self._resident_bytes if self._scheduler is not None else None)
-            if not self._deferred():
-                self._launch(b, 1.0, release=True)
-            elif self._early_handoff():
+            # Nothing is applied before step(): the multiplier, the gradients (which the loop may
+            # still clip or rescale) and the hyperparameters (which it may still change) are known
+            # only then. What can start is the copy out, and speculative updates beside the state.
+            if self._early_handoff():
                 self._hand_off(b)
         self._release_landed()

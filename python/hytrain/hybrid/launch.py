@@ -15,18 +15,12 @@ from .common import local
 class Launch:
     """How blocks' updates start, are waited for, and are undone."""
 
-    def _deferred(self) -> bool:
-        """Whether updates wait for step(): the multiplier (clipping, loss scaling) or the gradients
-        themselves (kept for the caller, who may clip or rescale them) are known only then."""
-        return (not self.overlap or self._steps_taken == 0 or self.max_grad_norm is not None
-                or self._loss_scaling or not self.release_grads)
-
     def _early_handoff(self) -> bool:
-        """Deferred without loss scaling (CUDA): each block's gradients leave the GPU during backward
-        (with the block's share of the squared norm when the optimizer clips); the updates wait for
-        step(), or run speculatively and are checked there."""
-        return (self._cuda and self.overlap and self._steps_taken > 0 and not self._loss_scaling
-                and (self.max_grad_norm is not None or not self.release_grads))
+        """On CUDA after the first step, without loss scaling: each block's gradients leave the GPU
+        during backward (with the block's share of the squared norm when the gradients are
+        released); the updates wait for step(), or run speculatively beside the state and are
+        checked there."""
+        return self._cuda and self.overlap and self._steps_taken > 0 and not self._loss_scaling
 
     def _sq_norm(self, grads):
         """The squared 2-norm of some gradients as a 0-d float64 device tensor (no fp32 copies)."""
@@ -38,7 +32,10 @@ class Launch:
         speculate), GPU-resident blocks copy their gradients into their update buffers. ``.grad`` is
         released (``release_grads``), or kept for the caller with its version noted, so that step()
         can tell whether the caller changed it (clip_grad_norm_, unscaling) and redo the block."""
-        pairs = self._grads(b)
+        try:
+            pairs = self._grads(b)
+        except (RuntimeError, TypeError, ValueError):
+            return  # not handed off: step() refuses the step before anything is applied
         if self.release_grads:
             if pairs:
                 self._sq_parts[b] = self._sq_norm([g for _, g in pairs])
@@ -79,7 +76,7 @@ class Launch:
                 out.append((p, g if g.is_contiguous() else g.contiguous()))
         return out
 
-    def _launch(self, b, grad_scale, *, release, hold=False, speculative=False):
+    def _launch(self, b, grad_scale, *, release, hold=False, speculative=False, pairs=None):
         """Starts block b's update with gradient multiplier ``grad_scale``. ``release`` drops the
         parameters' ``.grad`` (the GPU memory returns once the gradient copy has landed). ``hold``
         (offloaded blocks): copy the gradients out now, update on OffloadPipeline.release.
@@ -87,7 +84,8 @@ class Launch:
         weights come from the shadow staging; the gradients stay in staging (see _adopt, _redo).
         The parameters are stepped by their handles in the native table; what crosses is the
         multiplier and the gradients' and weights' addresses of the moment."""
-        pairs = self._grads(b)
+        if pairs is None:
+            pairs = self._grads(b)
         rt = self._rt
         if self.timeline is not None:
             self._pass_owner[b] = self.timeline.current
@@ -101,6 +99,7 @@ class Launch:
                                 [local(p).data_ptr() for p, _ in pairs], float(grad_scale))
             # The workers read the gradients and write the weights: both stay alive until waited for.
             self._alive[b] = [t for p, g in pairs for t in (g, local(p).detach())]
+            self._fence.watch(b, [g for _, g in pairs])
             rt.set_in_flight(b)
         elif rt.on_gpu(b):
             self._gpu_update(b, pairs, grad_scale)
@@ -114,6 +113,7 @@ class Launch:
             # The H2D copies write these weights: their storage stays alive until the pass is waited
             # for, even if the caller replaces the parameters' data meanwhile.
             self._alive[b] = [local(p).detach() for p, _ in pairs]
+            self._fence.watch(b, [g for _, g in pairs])  # the gradient copies still read them
             rt.set_in_flight(b)
         if pairs and hold:
             rt.hold(b, handles)
@@ -159,8 +159,10 @@ class Launch:
                                   max_exp_avg_sqs=[d["max_exp_avg_sq"] for d in ds] if amsgrad else None)
                 self._gpu_groups[key] = fused
             group = self.param_groups[gi]
-            fused.step(step=step, lr=float(group["lr"]), betas=group["betas"], eps=float(group["eps"]),
-                       weight_decay=float(group["weight_decay"]), grad_scale=float(grad_scale))
+            sign = -1.0 if group.get("maximize", False) else 1.0  # maximize: ascend
+            fused.step(step=step, lr=float(group["lr"]), betas=tuple(float(x) for x in group["betas"]),
+                       eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                       grad_scale=sign * float(grad_scale))
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self.device))
@@ -219,19 +221,21 @@ class Launch:
                     break
         return out
 
-    def _restage(self, b, mult):
+    def _restage(self, b, mult, pairs=None):
         """Block b's gradients changed after its hand-off: its held pass is cancelled, or its
         speculative one dropped (it wrote only the shadows), and the block is updated from the
         gradients there now (the new copies wait for the old pass on the device)."""
         rt = self._rt
+        if pairs is None:
+            pairs = self._grads(b)
         if rt.on_gpu(b):
-            self._gpu_update(b, self._grads(b), mult)
+            self._gpu_update(b, pairs, mult)
             rt.launch(b)
             return
         if rt.phase(b) == native().BlockPhase.held:
             self._pipeline.cancel(b)
         self._table.retreat(rt.handed(b))
-        self._launch(b, mult, release=False)
+        self._launch(b, mult, release=False, pairs=pairs)
 
     def _release_landed(self):
         if not self._landing:
@@ -252,6 +256,7 @@ class Launch:
                     self._engine.wait(b)
             finally:
                 self._alive.pop(b, None)
+                self._fence.forget(b)
                 if rt.landed(b):  # k rose while its pass was in flight: its states go up now
                     up.append(b)
             owner = self._pass_owner.pop(b, None)

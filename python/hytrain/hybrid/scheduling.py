@@ -34,7 +34,7 @@ class Scheduling:
     def _start_scheduler(self, limit):
         numel, weight, self._state_bytes = self._block_sizes()
         self._scheduler = native().KSplitScheduler(numel, weight, self._state_bytes,
-                                                   every=self.schedule_every, deferred=self._deferred())
+                                                   every=self.schedule_every, deferred=True)
         if limit is None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             fraction = 1.0
@@ -75,7 +75,7 @@ class Scheduling:
             self._last_summary = {k: v for k, v in summary.items() if k != "nonstate_peak_bytes"}
         if self._scheduler is None:
             return
-        self._scheduler.deferred = self._deferred()
+        self._scheduler.deferred = True  # updates are applied in step(), never during backward
         self._scheduler.overlap = self.overlap
         self._scheduler.early_copies = self._early_handoff()
         self._scheduler.speculative_min = self._speculation_floor()

@@ -37,9 +37,14 @@ class HostState:
             self._rt = native().BlockRuntime([len(b) for b in self._blocks], self.accumulation_steps)
             raise
         self._bound = {id(p): (w.device, w.dtype, w.shape) for p in self._params for w in (local(p),)}
-        if self._pending_load is not None:
-            pending, self._pending_load = self._pending_load, None
-            self.load_state_dict(pending)
+        self._amsgrad_bound = [bool(g["amsgrad"]) for g in self.param_groups]
+        if self._pending_state:
+            pending, self._pending_state = self._pending_state, None
+            try:
+                self._load_entries(pending, reset_missing=False)
+            except BaseException:
+                self._pending_state = pending
+                raise
 
     def _create_state(self):
         self.device = self._check_params(self._params)
@@ -91,11 +96,11 @@ class HostState:
         model = self._settings["model"]
         if model is not None:
             self._install_forward_hooks(model)
-        if self._cuda and self._model_hooks:
+        if self._cuda and self._layer_hooks:
             # Iterations are numbered from the first, which ran before the state existed.
             self._meter = Meter(self.device, self._pipeline, len(self._blocks), first_index=1)
         self._agree_group = None  # sharded with k chosen each step: the ranks agree on k (_schedule)
-        if self._cuda and self._model_hooks and self.accumulation_steps == 1:
+        if self._cuda and self._layer_hooks and self.accumulation_steps == 1:
             # Fixed k too: its predictions are what a run is checked against.
             self._start_scheduler(self._gpu_memory_request)
             if self._shard_group is not None and self.auto:
@@ -198,13 +203,21 @@ class HostState:
         self._table.set_state(self._index_of[id(p)], st.get("master", local(p)).data_ptr(), st["exp_avg"].data_ptr(),
                               st["exp_avg_sq"].data_ptr(), _checks.address(st.get("max_exp_avg_sq")))
 
+    def _group_values(self):
+        return tuple((float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
+                      float(g["weight_decay"]), bool(g.get("maximize", False))) for g in self.param_groups)
+
     def _sync_groups(self):
         """Gives the table the param groups' hyperparameters when they changed (an LR schedule)."""
-        now = tuple((float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
-                     float(g["weight_decay"])) for g in self.param_groups)
+        now = self._group_values()
         if now != self._groups_set:
             self._table.set_groups([native().GroupHyper(*v) for v in now])
             self._groups_set = now
+
+    def _groups_stale(self) -> bool:
+        """Whether the hyperparameters changed since the table last had them (the passes handed off
+        during backward were built with those)."""
+        return self._groups_set is not None and self._group_values() != self._groups_set
 
     def _sync_host(self, b):
         """Copies a GPU-resident block's master weights and states into its host state."""

@@ -1,0 +1,142 @@
+"""The fence: torch's contract after ``step()`` returns, while updates still run.
+
+Updates that outlive ``step()`` are what makes the fast path fast: they overlap the next forward. torch
+promises more than the forward, though: after ``step()`` any read or write of a parameter or of a
+gradient sees the updated value -- an EMA of the weights, ``model.load_state_dict`` (a rollback),
+``p.grad.zero_()``, a layer's weights used outside its forward, a parameter used before the layer that
+owns it, a compiled model whose hooks do not run. The forward hooks wait for each block just before
+its layer; the fence covers every other path.
+
+It is a ``TorchFunctionMode`` on the training thread's stack, there only while some block's update is
+in flight. Every torch operation -- functions, methods, and the ``.grad`` and ``.data`` accessors --
+whose arguments hold a parameter of a block in flight, or a gradient its update still reads, waits for
+that block first (on CUDA: the current stream waits for the block's weight copies; the host does not
+block unless the update has not finished on the CPU yet). Operations that read only metadata (shape,
+dtype, device...) pass. Once nothing is in flight the mode leaves the stack at the next forward hook,
+``step()``, ``zero_grad()`` or ``synchronize()``, so a forward whose hooks waited for every block runs
+its last layers and the loss without it.
+
+What it does not see: work on another thread (the mode stack is per thread), code under
+``torch._C.DisableTorchFunction``, and raw memory access (``data_ptr()`` handed to other libraries).
+``HybridAdamW(fence=False)`` drops it where the loop is known to touch parameters only through the
+model's forward (see ``docs/architecture.md`` for what it costs).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def _metadata_functions():
+    """Tensor accessors that read no element: they never wait."""
+    T = torch.Tensor
+    names_get = ("shape", "dtype", "device", "layout", "requires_grad", "is_leaf", "ndim", "is_cuda",
+                 "is_sparse", "is_quantized", "is_meta", "grad_fn", "names", "_version", "itemsize",
+                 "nbytes", "is_nested")
+    names_call = ("size", "dim", "numel", "stride", "data_ptr", "element_size", "is_contiguous",
+                  "is_floating_point", "is_complex", "nelement", "storage_offset", "get_device",
+                  "__hash__", "__len__", "requires_grad_", "retain_grad", "register_hook",
+                  "register_post_accumulate_grad_hook")
+    out = set()
+    for n in names_get:
+        attr = getattr(T, n, None)
+        if attr is not None and hasattr(attr, "__get__"):
+            out.add(attr.__get__)
+    for n in names_call:
+        attr = getattr(T, n, None)
+        if attr is not None:
+            out.add(attr)
+    return frozenset(out)
+
+
+_METADATA = _metadata_functions()
+
+
+class Fence(TorchFunctionMode):
+    """The optimizer's fence (see the module notes). ``arm()`` after a step that left updates in
+    flight, ``watch(b, tensors)`` for the gradients a block's update still reads, ``forget(b)`` once
+    the block was waited for, ``disarm()`` at safe points (outside any torch function handler)."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self._ref = weakref.ref(optimizer)
+        self._on_stack = False
+        self._thread = None
+        self._grads = {}  # id(tensor) -> block: gradients that an in-flight update reads
+        self._by_block = {}  # block -> [(id, tensor)] (the tensors kept alive while watched)
+
+    @property
+    def armed(self) -> bool:
+        return self._on_stack
+
+    def watch(self, b, tensors) -> None:
+        ids = self._by_block.setdefault(b, [])
+        for t in tensors:
+            self._grads[id(t)] = b
+            ids.append((id(t), t))
+
+    def forget(self, b) -> None:
+        for i, _ in self._by_block.pop(b, ()):
+            if self._grads.get(i) == b:
+                del self._grads[i]
+
+    def arm(self) -> None:
+        """Puts the fence on this thread's stack (once)."""
+        if self._on_stack:
+            return
+        torch._C._push_on_torch_function_stack(self)
+        self._on_stack = True
+        self._thread = threading.get_ident()
+
+    def disarm(self, *, force=False) -> None:
+        """Takes the fence off the stack when nothing is in flight (or ``force``), wherever it is in
+        the stack (a mode pushed above it since stays, in its order)."""
+        if not self._on_stack or self._thread != threading.get_ident():
+            return
+        opt = self._ref()
+        if not force and opt is not None and opt._anything_in_flight():
+            return
+        above = []
+        found = False
+        try:
+            while torch._C._len_torch_function_stack() > 0:
+                m = torch._C._pop_torch_function_stack()
+                if m is self:
+                    found = True
+                    break
+                above.append(m)
+        finally:
+            for m in reversed(above):
+                torch._C._push_on_torch_function_stack(m)
+        if found:
+            self._on_stack = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        opt = self._ref()
+        if opt is not None and func not in _METADATA:
+            hit = None
+            block_of, grads = opt._block_of, self._grads
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor):
+                    b = block_of.get(id(a))
+                    if b is None:
+                        b = grads.get(id(a))
+                    if b is not None:
+                        hit = {b} if hit is None else hit | {b}
+                elif isinstance(a, (list, tuple)):
+                    for t in a:
+                        if isinstance(t, torch.Tensor):
+                            b = block_of.get(id(t))
+                            if b is None:
+                                b = grads.get(id(t))
+                            if b is not None:
+                                hit = {b} if hit is None else hit | {b}
+            if hit is not None:
+                opt._fence_wait(hit)
+        return func(*args, **kwargs)
