@@ -16,6 +16,8 @@ Modes (each in its own process, so memory and pinned pages start clean):
   hytrain_nospec      k auto, without speculative updates during backward (what speculation buys)
   hytrain_auto        HybridAdamW with the defaults: gpu_blocks="auto" (the k-split scheduler) and
                       speculate="auto" (CPU updates during backward, redone when clipping fires)
+  hytrain_nofence     as hytrain_auto with fence=False: only the forward hooks wait for the updates
+                      that outlive step() (what the fence for every other path costs)
   deepspeed_offload   DeepSpeed ZeRO-2 with offload_optimizer cpu (DeepSpeedCPUAdam), when importable
 
 --cap-gb limits hytrain's GPU memory (torch.cuda.set_per_process_memory_fraction, and the scheduler's
@@ -46,7 +48,7 @@ WORKLOADS = {
     "l7b": dict(hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008, checkpointing=True),
 }
 VOCAB, BATCH, SEQ, LR, WD, CLIP = 32000, 2, 2048, 1e-4, 0.01, 1.0
-HYTRAIN_MODES = ("hytrain_k0", "hytrain_no_overlap", "hytrain_nospec", "hytrain_auto")
+HYTRAIN_MODES = ("hytrain_k0", "hytrain_no_overlap", "hytrain_nospec", "hytrain_auto", "hytrain_nofence")
 SETTLE, SETTLE_MAX = 3, 10  # iterations a hytrain plan must hold before timing; most extra warmup
 
 
@@ -170,9 +172,10 @@ def run_mode(args):
 
         opt = hytrain.HybridAdamW(
             model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
-            gpu_blocks="auto" if mode in ("hytrain_auto", "hytrain_nospec") else 0,
+            gpu_blocks="auto" if mode in ("hytrain_auto", "hytrain_nospec", "hytrain_nofence") else 0,
             overlap=mode != "hytrain_no_overlap", speculate=False if mode == "hytrain_nospec" else "auto",
-            gpu_memory_limit=int(cap * 1e9) if cap is not None else None, trace=args.trace is not None)
+            gpu_memory_limit=int(cap * 1e9) if cap is not None else None, trace=args.trace is not None,
+            **({"fence": False} if mode == "hytrain_nofence" else {}))
     elif mode == "deepspeed_offload":
         import deepspeed
 
@@ -312,6 +315,7 @@ def main():
     ap.add_argument("--timeout", type=int, default=400, help="seconds per mode")
     ap.add_argument("--own-model", action="store_true", help="hytrain's Llama model even when transformers exists")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled iterations (gpu_idle_frac)")
+    ap.add_argument("--skip-nocap", action="store_true", help="with --cap-gb, skip the extra uncapped hytrain_auto run")
     ap.add_argument("--trace", default=None, help="Chrome trace of the last L7B hytrain_auto iterations")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -348,7 +352,7 @@ def main():
             results[(workload, mode)] = rec
             if mode == "deepspeed_offload" and "peak_gpu_reserved_gb" in rec:
                 ds_cap = round(rec["peak_gpu_reserved_gb"], 2)
-        if workload != "l7b" and "hytrain_auto" in order and args.cap_gb is not None:
+        if workload != "l7b" and "hytrain_auto" in order and args.cap_gb is not None and not args.skip_nocap:
             rec = child("hytrain_auto", workload, args, label="hytrain_auto_nocap")  # without the cap
             results[(workload, "hytrain_auto_nocap")] = rec
 
@@ -365,6 +369,8 @@ def main():
         for m in ("hytrain_auto", "hytrain_k0"):
             if ds and t(w, m):
                 summary[f"{w}_{m}_speedup_vs_deepspeed"] = round(ds / t(w, m), 3)
+        if t(w, "hytrain_auto") and t(w, "hytrain_nofence"):
+            summary[f"{w}_fence_cost"] = round(t(w, "hytrain_auto") / t(w, "hytrain_nofence"), 3)
         if t(w, "hytrain_no_overlap") and t(w, "hytrain_k0"):
             summary[f"{w}_overlap_speedup"] = round(t(w, "hytrain_no_overlap") / t(w, "hytrain_k0"), 3)
     print(json.dumps(summary), flush=True)

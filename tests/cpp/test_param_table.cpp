@@ -209,6 +209,48 @@ TEST(cpu_path_matches_adamw_step) {
   }
 }
 
+TEST(maximize_ascends_and_held_passes_take_the_hyperparameters_of_release) {
+  // maximize: the update equals adamw_step on the negated gradient. A held pass released with
+  // held_configs() uses the groups set after staging (an lr changed between backward and step()).
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  const int64_t n = 777;
+  std::vector<float> w(n), m(n, 0), v(n, 0), g(n), rw, rm, rv, neg(n);
+  for (auto& x : w) x = normal(rng);
+  for (int64_t i = 0; i < n; ++i) g[i] = normal(rng) * 1e-2f, neg[i] = -g[i];
+  rw = w, rm = m, rv = v;
+  float step = 0;
+  ParamTable table;
+  GroupHyper up = kGroups[0];
+  up.maximize = true;
+  table.set_groups({up});
+  ParamEntry e;
+  e.state = {w.data(), m.data(), v.data(), nullptr};
+  e.step = &step;
+  e.numel = n;
+  const std::vector<int64_t> handles{table.add(e)};
+  UpdateEngine engine(2, 1024, SimdPath::scalar);
+  const auto jobs = table.cpu_jobs(handles, {{g.data(), w.data()}}, 0.5);
+  CHECK(jobs[0].config.grad_scale == -0.5);
+  engine.submit(1, jobs);
+  table.advance(handles);
+  engine.wait(1);
+  AdamWTensor x{rw.data(), rm.data(), rv.data(), nullptr, neg.data(), DType::f32, nullptr, DType::bf16, n};
+  adamw_step(x, config_of(kGroups[0], 1, 0.5, false), 1, SimdPath::scalar);
+  CHECK(w == rw);
+  CHECK(m == rm);
+  CHECK(v == rv);
+  // The pass of step 1 was staged with lr 1e-3; the groups change before it is released.
+  GroupHyper later = kGroups[1];
+  later.maximize = true;
+  table.set_groups({later});
+  const auto configs = table.held_configs(handles, 0.25);
+  CHECK(configs.size() == 1);
+  CHECK(configs[0].lr == kGroups[1].lr && configs[0].beta1 == kGroups[1].beta1);
+  CHECK(configs[0].step == 1);  // the counter already holds the held pass's step
+  CHECK(configs[0].grad_scale == -0.25);
+}
+
 TEST(offload_passes_speculate_adopt_and_redo) {
   std::mt19937 rng(11);
   UpdateEngine engine(2, 1024, SimdPath::scalar);

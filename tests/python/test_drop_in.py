@@ -122,10 +122,9 @@ def test_a_move_after_the_first_step_is_refused_and_keeps_the_state():
             assert torch.equal(t, after["state"][i][key]), (i, key)
 
 
-def test_a_cast_right_after_a_step_with_updates_in_flight_is_refused_in_backward():
-    """release_grads=True: the next backward launches updates from its hooks, and the first one refuses.
-    The cast happened while the last step's updates were running on the old storage, which they keep
-    alive, so nothing writes freed memory."""
+def test_a_cast_right_after_a_step_with_updates_in_flight_is_refused_at_the_step():
+    """release_grads=True: the cast right after step() waits for the updates in flight (the fence),
+    the next backward hands nothing off, and step() refuses before anything is applied."""
     model, opt = model_and_optimizer(release_grads=True)
     batches = data(3)
     for x in batches[:2]:
@@ -134,8 +133,11 @@ def test_a_cast_right_after_a_step_with_updates_in_flight_is_refused_in_backward
         opt.zero_grad()
     model.to(torch.bfloat16)
     x = batches[2]
+    model(x, x).backward()
+    weights = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="Moving or casting parameters after the first step is not supported"):
-        model(x, x).backward()
+        opt.step()
+    assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
 
 
 def test_new_storage_of_the_same_kind_is_followed():

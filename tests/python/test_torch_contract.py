@@ -154,6 +154,8 @@ def test_fence_leaves_the_stack_once_the_updates_landed():
         opt.step()
         assert opt._fence.armed and torch._C._len_torch_function_stack() == depth + 1
         opt.zero_grad()
+        model.zero_grad()
+        assert opt._anything_in_flight()  # dropping .grad does not wait for the updates
     with torch.no_grad():
         model(batches(1)[0])  # the forward waits for every block, then the fence is taken off
     assert not opt._fence.armed and torch._C._len_torch_function_stack() == depth

@@ -8,13 +8,15 @@ owns it, a compiled model whose hooks do not run. The forward hooks wait for eac
 its layer; the fence covers every other path.
 
 It is a ``TorchFunctionMode`` on the training thread's stack, there only while some block's update is
-in flight. Every torch operation -- functions, methods, and the ``.grad`` and ``.data`` accessors --
-whose arguments hold a parameter of a block in flight, or a gradient its update still reads, waits for
-that block first (on CUDA: the current stream waits for the block's weight copies; the host does not
-block unless the update has not finished on the CPU yet). Operations that read only metadata (shape,
-dtype, device...) pass. Once nothing is in flight the mode leaves the stack at the next forward hook,
-``step()``, ``zero_grad()`` or ``synchronize()``, so a forward whose hooks waited for every block runs
-its last layers and the loss without it.
+in flight. Every torch operation -- functions, methods, and the ``.data`` accessor -- whose arguments
+hold a parameter of a block in flight, or a gradient its update still reads, waits for that block
+first (on CUDA: the current stream waits for the block's weight copies; the host does not block unless
+the update has not finished on the CPU yet). Operations that read only metadata pass (shape, dtype,
+device..., and ``.grad``, which hands out the gradient tensor: reading or writing its elements is an
+operation on that tensor, seen as such), so ``zero_grad()`` right after ``step()`` does not wait. Once
+nothing is in flight the mode leaves the stack at the next forward hook, ``step()``, ``zero_grad()`` or
+``synchronize()``, so a forward whose hooks waited for every block runs its last layers and the loss
+without it.
 
 What it does not see: work on another thread (the mode stack is per thread), code under
 ``torch._C.DisableTorchFunction``, and raw memory access (``data_ptr()`` handed to other libraries).
@@ -41,7 +43,7 @@ def _metadata_functions():
                   "is_floating_point", "is_complex", "nelement", "storage_offset", "get_device",
                   "__hash__", "__len__", "requires_grad_", "retain_grad", "register_hook",
                   "register_post_accumulate_grad_hook")
-    out = set()
+    out = {T.grad.__get__, T.grad.__set__}  # the gradient tensor itself, not its elements
     for n in names_get:
         attr = getattr(T, n, None)
         if attr is not None and hasattr(attr, "__get__"):

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The torch.optim contract on a GPU machine, in stages (each one call, the machine kept warm between):
+#   build   installs this tree, and the tree given in $BEFORE (a source tree of an earlier version, e.g.
+#           from `git archive`) into /tmp/before, for the before/after benchmark in one run
+#   tests   the GPU tests (pytest -m gpu)
+#   l3b     train_bench L3B at 27.1 GB (DeepSpeed ZeRO-Offload's reserved peak on an H200): the earlier
+#           version's hytrain_auto, then this one's hytrain_auto and hytrain_nofence
+#   l7b     train_bench L7B at 75 GB: the earlier version's hytrain_auto, then this one's
+# Logs go to $OUT (or ./device-out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-device-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+iters=${ITERS:-16}
+for stage in "$@"; do
+  case "$stage" in
+    build)
+      nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
+      python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
+      if [ -n "${BEFORE:-}" ]; then
+        python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/before "$BEFORE" 2>&1 | tail -3
+      fi ;;
+    tests)
+      timeout 540 python3 -m pytest -q -m gpu tests/python -x -rs 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
+    l3b|l7b)
+      caps=(--cap-gb 27.1)
+      [ "$stage" = l7b ] && caps=(--l7b-cap-gb 75)
+      if [ -d /tmp/before ]; then
+        PYTHONPATH=/tmp/before python3 bench/train_bench.py --workloads "$stage" --modes hytrain_auto \
+          --l7b-modes hytrain_auto "${caps[@]}" --iters "$iters" --no-profile --skip-nocap 2>&1 \
+          | grep -E '^\{|Error' | tee "$out/${stage}_before.txt" | cut -c1-400
+      fi
+      modes=hytrain_auto,hytrain_nofence
+      python3 bench/train_bench.py --workloads "$stage" --modes "$modes" --l7b-modes "$modes" "${caps[@]}" \
+        --iters "$iters" --no-profile --skip-nocap 2>&1 | grep -E '^\{|Error' | tee "$out/${stage}_after.txt" \
+        | cut -c1-400 ;;
+  esac
+done
