@@ -180,7 +180,6 @@ void OffloadPipeline::release(int64_t block, const std::vector<AdamWConfig>& con
     HYTRAIN_CHECK(configs.size() == p.jobs.size(),
                   "block " + std::to_string(block) + ": release with " + std::to_string(configs.size()) +
                       " configs for " + std::to_string(p.jobs.size()) + " jobs");
-    for (const AdamWConfig& c : configs) validate_adamw_config(c);  // before anything changes
     for (std::size_t i = 0; i < configs.size(); ++i) p.jobs[i].config = configs[i];
     p.hold = false;
     if (p.state == State::landed) {
