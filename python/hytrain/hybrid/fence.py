@@ -68,8 +68,10 @@ class Fence(TorchFunctionMode):
         self._ref = weakref.ref(optimizer)
         self._on_stack = False
         self._thread = None
-        self._grads = {}  # id(tensor) -> block: gradients that an in-flight update reads
-        self._by_block = {}  # block -> [(id, tensor)] (the tensors kept alive while watched)
+        # id(gradient) -> (block, weak reference): gradients that an in-flight update reads. Weak: the
+        # fence never keeps a gradient's memory alive (the pipeline releases it once its copy landed).
+        self._grads = {}
+        self._by_block = {}  # block -> ids watched for it
 
     @property
     def armed(self) -> bool:
@@ -78,13 +80,22 @@ class Fence(TorchFunctionMode):
     def watch(self, b, tensors) -> None:
         ids = self._by_block.setdefault(b, [])
         for t in tensors:
-            self._grads[id(t)] = b
-            ids.append((id(t), t))
+            self._grads[id(t)] = (b, weakref.ref(t))
+            ids.append(id(t))
 
     def forget(self, b) -> None:
-        for i, _ in self._by_block.pop(b, ()):
-            if self._grads.get(i) == b:
+        for i in self._by_block.pop(b, ()):
+            e = self._grads.get(i)
+            if e is not None and e[0] == b:
                 del self._grads[i]
+
+    def _block(self, block_of, t):
+        b = block_of.get(id(t))
+        if b is None:
+            e = self._grads.get(id(t))
+            if e is not None and e[1]() is t:
+                b = e[0]
+        return b
 
     def arm(self) -> None:
         """Puts the fence on this thread's stack (once)."""
@@ -123,20 +134,16 @@ class Fence(TorchFunctionMode):
         opt = self._ref()
         if opt is not None and func not in _METADATA:
             hit = None
-            block_of, grads = opt._block_of, self._grads
+            block_of = opt._block_of
             for a in (*args, *kwargs.values()):
                 if isinstance(a, torch.Tensor):
-                    b = block_of.get(id(a))
-                    if b is None:
-                        b = grads.get(id(a))
+                    b = self._block(block_of, a)
                     if b is not None:
                         hit = {b} if hit is None else hit | {b}
                 elif isinstance(a, (list, tuple)):
                     for t in a:
                         if isinstance(t, torch.Tensor):
-                            b = block_of.get(id(t))
-                            if b is None:
-                                b = grads.get(id(t))
+                            b = self._block(block_of, t)
                             if b is not None:
                                 hit = {b} if hit is None else hit | {b}
             if hit is not None:
