@@ -89,14 +89,6 @@ class Fence(TorchFunctionMode):
             if e is not None and e[0] == b:
                 del self._grads[i]
 
-    def _block(self, block_of, t):
-        b = block_of.get(id(t))
-        if b is None:
-            e = self._grads.get(id(t))
-            if e is not None and e[1]() is t:
-                b = e[0]
-        return b
-
     def arm(self) -> None:
         """Puts the fence on this thread's stack (once)."""
         if self._on_stack:
@@ -129,23 +121,28 @@ class Fence(TorchFunctionMode):
             self._on_stack = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if kwargs is None:
-            kwargs = {}
-        opt = self._ref()
-        if opt is not None and func not in _METADATA:
-            hit = None
-            block_of = opt._block_of
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, torch.Tensor):
-                    b = self._block(block_of, a)
-                    if b is not None:
-                        hit = {b} if hit is None else hit | {b}
-                elif isinstance(a, (list, tuple)):
-                    for t in a:
-                        if isinstance(t, torch.Tensor):
-                            b = self._block(block_of, t)
-                            if b is not None:
-                                hit = {b} if hit is None else hit | {b}
-            if hit is not None:
-                opt._fence_wait(hit)
-        return func(*args, **kwargs)
+        # Hot: every torch operation while armed. Parameters are found by identity, gradients by
+        # identity checked against a weak reference (an id may be reused once a gradient is freed).
+        if func not in _METADATA:
+            opt = self._ref()
+            if opt is not None:
+                hit = _blocks_in(args, opt._block_of, self._grads, None)
+                if kwargs:
+                    hit = _blocks_in(kwargs.values(), opt._block_of, self._grads, hit)
+                if hit is not None:
+                    opt._fence_wait(hit)
+        return func(*args, **(kwargs or {}))
+
+
+def _blocks_in(values, block_of, grads, hit):
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            b = block_of.get(id(a))
+            if b is None:
+                e = grads.get(id(a))
+                b = e[0] if e is not None and e[1]() is a else None
+            if b is not None:
+                hit = {b} if hit is None else hit | {b}
+        elif type(a) in (list, tuple):
+            hit = _blocks_in(a, block_of, grads, hit)
+    return hit
