@@ -3,7 +3,7 @@
 #   build   installs this tree, and the tree given in $BEFORE (a source tree of an earlier version, e.g.
 #           from `git archive`) into /tmp/before, for the before/after benchmark in one run
 #   tests   the GPU tests (pytest -m gpu)
-#   l3b     train_bench L3B at 27.1 GB (DeepSpeed ZeRO-Offload's reserved peak on an H200): the earlier
+#   l3b     train_bench L3B ($REPS times, default 1) at 27.1 GB (DeepSpeed ZeRO-Offload's reserved peak on an H200): the earlier
 #           version's hytrain_auto, then this one's hytrain_auto and hytrain_nofence
 #   l7b     train_bench L7B at 75 GB: the earlier version's hytrain_auto, then this one's
 # Logs go to $OUT (or ./device-out).
@@ -26,14 +26,16 @@ for stage in "$@"; do
     l3b|l7b)
       caps=(--cap-gb 27.1)
       [ "$stage" = l7b ] && caps=(--l7b-cap-gb 75)
-      if [ -d /tmp/before ]; then
-        PYTHONPATH=/tmp/before python3 bench/train_bench.py --workloads "$stage" --modes hytrain_auto \
-          --l7b-modes hytrain_auto "${caps[@]}" --iters "$iters" --no-profile --skip-nocap 2>&1 \
-          | grep -E '^\{|Error' | tee "$out/${stage}_before.txt" | cut -c1-400
-      fi
-      modes=hytrain_auto,hytrain_nofence
-      python3 bench/train_bench.py --workloads "$stage" --modes "$modes" --l7b-modes "$modes" "${caps[@]}" \
-        --iters "$iters" --no-profile --skip-nocap 2>&1 | grep -E '^\{|Error' | tee "$out/${stage}_after.txt" \
-        | cut -c1-400 ;;
+      modes=${MODES:-hytrain_auto,hytrain_nofence}
+      for rep in $(seq "${REPS:-1}"); do  # before, after, after without the fence; again
+        if [ -d /tmp/before ]; then
+          PYTHONPATH=/tmp/before python3 bench/train_bench.py --workloads "$stage" --modes hytrain_auto \
+            --l7b-modes hytrain_auto "${caps[@]}" --iters "$iters" --no-profile --skip-nocap 2>&1 \
+            | grep -E '^\{|Error' | tee -a "$out/${stage}_before.txt" | cut -c1-300
+        fi
+        python3 bench/train_bench.py --workloads "$stage" --modes "$modes" --l7b-modes "$modes" "${caps[@]}" \
+          --iters "$iters" --no-profile --skip-nocap 2>&1 | grep -E '^\{|Error' \
+          | tee -a "$out/${stage}_after.txt" | cut -c1-300
+      done ;;
   esac
 done
