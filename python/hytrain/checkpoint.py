@@ -66,6 +66,7 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     own = getattr(model, "saved_module", model)  # a wrapper saves what it wraps, under its names
+    opt.synchronize()  # the last step's updates may still be landing (they overlap the next forward)
     weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in own.state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
     torch.save(opt.state_dict(), tmp / "optimizer.pt")

@@ -61,6 +61,7 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     _barrier()
+    opt.synchronize()  # the last step's updates may still be landing (they overlap the next forward)
     dcp.save(_state(model, opt), checkpoint_id=str(tmp))
     _barrier()  # every rank's shards are written
     if _rank() == 0:
