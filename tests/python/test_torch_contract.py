@@ -551,3 +551,11 @@ def test_torch_optim_db_error_inputs():
             assert any(issubclass(w.category, expected) for w in seen) or raised is not None, inp.desc
         else:
             assert isinstance(raised, expected), (inp.desc, raised)
+
+
+def test_timm_vision_transformer_blocks():
+    timm = pytest.importorskip("timm")
+    model = timm.models.vision_transformer.VisionTransformer(img_size=16, patch_size=8, embed_dim=32, depth=3,
+                                                             num_heads=2, num_classes=3)
+    opt = hytrain.HybridAdamW(model.parameters(), model=model)
+    assert len(opt.blocks) == 5  # patch embedding and tokens, three blocks, the final norm and head
