@@ -559,3 +559,40 @@ def test_timm_vision_transformer_blocks():
                                                              num_heads=2, num_classes=3)
     opt = hytrain.HybridAdamW(model.parameters(), model=model)
     assert len(opt.blocks) == 5  # patch embedding and tokens, three blocks, the final norm and head
+
+
+@pytest.mark.parametrize("with_model", [True, False], ids=["model", "no-model"])
+def test_bf16_weights_rolled_back_are_what_training_continues_from(with_model):
+    """bf16 weights with fp32 masters: weights the loop writes between steps (a rollback) are where
+    the next update starts, as with torch's AdamW on those weights (here: on fp32 copies of them)."""
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, workers=1,
+                              model=model if with_model else None)
+    master = [p.detach().float().clone().requires_grad_(True) for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(master, lr=1e-2, weight_decay=0.1, foreach=False)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    xs = [x.to(torch.bfloat16) for x in batches(5)]
+    for i, x in enumerate(xs):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).float().backward()
+            if o is ref_opt:
+                for mp, p in zip(master, ref.parameters()):
+                    mp.grad = p.grad.float()
+            o.step()
+            if o is ref_opt:
+                with torch.no_grad():
+                    for mp, p in zip(master, ref.parameters()):
+                        p.copy_(mp)
+            m.zero_grad()
+        if i == 2:  # roll both back to the initial weights; the moments go on
+            model.load_state_dict(saved)
+            ref.load_state_dict(saved)
+            with torch.no_grad():
+                for mp, p in zip(master, ref.parameters()):
+                    mp.copy_(p)
+    opt.synchronize()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2, msg=name)
+        assert (a.float() - b.float()).abs().max() <= 2 * a.float().abs().max() * 2 ** -8, name

@@ -190,6 +190,7 @@ class Launch:
             for h in rt.handed(b):
                 p = self._params[h]
                 local(p).copy_(self.state[p]["master"], non_blocking=True)  # the weights are its rounding
+            self._note_weight_versions([self._params[h] for h in rt.handed(b)])
             self._table.retreat(rt.handed(b))
             rt.drop(b)
 

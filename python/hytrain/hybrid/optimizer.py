@@ -191,6 +191,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
         # Each block's phase in a step and its placement: the native runtime (block_runtime.h).
         self._rt = native().BlockRuntime([len(b) for b in self._blocks], self.accumulation_steps)
         self._bound = None  # id(p) -> (device, dtype, shape) the state was created for (first step)
+        self._weight_versions = {}  # id(p) -> (address, version) of the weights after our last write
         self._spec_from = None  # blocks >= this (offloaded, with shadows) speculate in the next backward
         self._clip_chain = []  # max_norm of each clip_grad_norm_ call on this step's gradients
         self._clip_prehooks = []  # while clips are pending: hooks that apply them before more gradients
@@ -494,6 +495,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
                 raise RuntimeError(f"the gradient multiplier is {mult} (non-finite gradient norm)")
             rt, phases = self._rt, native().BlockPhase
             changed = self._changed_blocks()
+            rewritten = self._follow_weight_writes() - changed  # speculated from masters now refreshed
             # Every gradient this step reads is checked before anything is applied: a refused step
             # leaves every parameter and state as it was.
             fresh = {b: self._grads(b) for b in range(len(self._blocks)) if not rt.submitted(b) or b in changed}
@@ -505,7 +507,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
                 self._meter.launched()
             clipped = mult != 1.0 or bool(changed)
             if mult == 1.0 and not stale:
-                self._adopt(keep=changed)
+                self._adopt(keep=changed | rewritten)
             # Forward order (the next forward needs block 0 first), offloaded blocks first so that
             # their copies start before the GPU updates queue up on the compute stream.
             for b in rt.launch_order():
@@ -766,6 +768,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
                 else:
                     dst.copy_(local(src))
         self._refresh_device_copies()
+        self._note_weight_versions()  # the loaded masters are what the next update starts from
 
     def _make_blocks(self, all_params, model, blocks, bucket_elements):
         if blocks is not None:

@@ -38,6 +38,7 @@ class HostState:
             raise
         self._bound = {id(p): (w.device, w.dtype, w.shape) for p in self._params for w in (local(p),)}
         self._amsgrad_bound = [bool(g["amsgrad"]) for g in self.param_groups]
+        self._note_weight_versions()
         if self._pending_state:
             pending, self._pending_state = self._pending_state, None
             try:
@@ -105,6 +106,45 @@ class HostState:
             self._start_scheduler(self._gpu_memory_request)
             if self._shard_group is not None and self.auto:
                 self._agree_group = distributed.host_group(self._shard_group)
+
+    def _note_weight_versions(self, params=None):
+        """The weights' version counters as of now: our own updates write them without counting
+        (copies and kernels on their memory), so a counter that moved later means the loop wrote the
+        weights (``model.load_state_dict``, an in-place edit)."""
+        if self._shard_group is not None:
+            return  # FSDP2 manages the shards' storage itself: not followed
+        for p in (self._params if params is None else params):
+            if "master" in self.state[p]:
+                self._weight_versions[id(p)] = (local(p).data_ptr(), local(p)._version)
+
+    def _follow_weight_writes(self) -> set:
+        """Weights the loop wrote since the last step (a rollback with ``model.load_state_dict``)
+        are what the next update starts from, as with torch's optimizers: each such parameter's fp32
+        master (host, and on the GPU for a resident block) is refreshed from its weights. Returns the
+        blocks whose speculative pass read the old master (redone in step())."""
+        out = set()
+        if self._shard_group is not None:
+            return out
+        written = []
+        for p in self._params:
+            seen = self._weight_versions.get(id(p))
+            w = local(p)
+            if seen is not None and seen != (w.data_ptr(), w._version):
+                written.append(p)
+        if not written:
+            return out
+        speculated = set(self._rt.in_phase(native().BlockPhase.speculated))
+        self.synchronize()  # nothing in flight reads the masters being refreshed
+        for p in written:
+            w, st = local(p).detach(), self.state[p]
+            b = self._block_of[id(p)]
+            if self._rt.on_gpu(b) and p.dtype != torch.float32:
+                self._dev_state[id(p)]["master"].copy_(w)
+            st["master"].copy_(w)
+            if b in speculated:
+                out.add(b)
+        self._note_weight_versions(written)
+        return out
 
     def _check_bound(self, p):
         """Refuses a parameter that changed device, dtype or shape after its state was created."""
