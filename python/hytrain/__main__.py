@@ -87,6 +87,29 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_verify(args) -> int:
+    """Checks a checkpoint offline: its sealed manifest and every file's size and SHA-256."""
+    from pathlib import Path
+
+    from . import checkpoint as ckpt
+
+    path = Path(args.path)
+    try:
+        if not (path / "meta.json").exists() and (path / "checkpoints").is_dir():
+            path = ckpt.resolve(path, "latest")  # a run's directory: its newest complete checkpoint
+        t0 = time.perf_counter()
+        meta = ckpt.verify(path)
+    except ckpt.CheckpointError as e:
+        print(f"hytrain verify: {e}", file=sys.stderr)
+        return 2
+    secs = time.perf_counter() - t0
+    total = sum(f["bytes"] for f in meta["files"].values())
+    kind = "sharded" if meta["format"] != ckpt.FORMAT and str(meta["format"]).startswith("dcp") else "single-process"
+    print(f"{path}: OK, {kind} checkpoint of step {meta['step']}, {len(meta['files'])} files, "
+          f"{total / 1e9:.3f} GB verified in {secs:.2f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hytrain", description="hytrain: CPU+GPU training engine")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -97,6 +120,10 @@ def main(argv=None) -> int:
     p_info.add_argument("--no-measure", action="store_true", help="skip the measurements")
     p_info.add_argument("--json", action="store_true", help="print one JSON object")
     p_info.set_defaults(fn=cmd_info)
+    p_verify = sub.add_parser("verify", help="check a checkpoint (single-process or sharded) offline: its "
+                              "manifest and every file's size and SHA-256; exit 2 if anything is wrong")
+    p_verify.add_argument("path", help="a checkpoint directory, or a run's --out (its newest complete checkpoint)")
+    p_verify.set_defaults(fn=cmd_verify)
     sub.add_parser("train", help="train a model (embedded default: a tiny Llama on the Python stdlib "
                    "sources); see hytrain train --help", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -6,13 +6,17 @@ A checkpoint is a directory ``<out>/checkpoints/step_NNNNNNNN/``:
 * ``optimizer.pt``: ``HybridAdamW.state_dict()`` (fp32 master weights, ``exp_avg``, ``exp_avg_sq``,
   ``step``; CPU tensors);
 * ``trainer.pt``: the LR scheduler and the RNG states;
-* ``meta.json``, written last: step, data position, configuration, and the size and SHA-256 of every
-  other file.
+* ``meta.json``, written last: step, data position, configuration, the size and SHA-256 of every
+  other file, and the SHA-256 of the manifest itself (``checksum``: an edited step is refused too).
 
 It is written into a hidden temporary directory, every file is flushed to disk, and only then is the
 directory renamed into place and the ``latest`` pointer replaced (``os.replace``, atomic on POSIX). A
 crash or kill in the middle of a save leaves at most a stale temporary directory; the last good
-checkpoint and the pointer to it are never touched. Loading checks every size and checksum first.
+checkpoint and the pointer to it are never touched. Loading checks every size and checksum first (the
+files hashed in parallel). The sharded checkpoints of :mod:`hytrain.dist_checkpoint` carry the same
+manifest over DCP's files; :func:`verify` checks either kind (``hytrain verify DIR``). ``latest`` is
+the newest complete checkpoint: the pointer, or a newer one found by a scan (a kill between the
+rename and the pointer), and a damaged pointer is passed over with a message.
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ import hashlib
 import json
 import os
 import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-FORMAT = 1
+FORMAT = 2
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt")
+SHARDED_FORMAT = "dcp-2"  # hytrain.dist_checkpoint's
+_OLDER = {1: "single", "dcp-1": "sharded"}  # formats whose manifest is not sealed (no checksum of its own)
 
 
 class CheckpointError(RuntimeError):
@@ -39,6 +47,32 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _hash_workers() -> int:
+    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def digests(root: Path, names) -> dict:
+    """``{name: {"bytes", "sha256"}}`` of the files under ``root``, hashed in parallel (hashlib releases
+    the GIL for large reads)."""
+    names = sorted(names)
+    with ThreadPoolExecutor(_hash_workers()) as pool:
+        sums = list(pool.map(lambda n: _sha256(Path(root) / n), names))
+    return {n: {"bytes": (Path(root) / n).stat().st_size, "sha256": h} for n, h in zip(names, sums)}
+
+
+def _meta_checksum(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def write_meta(path: Path, meta: dict) -> None:
+    """The manifest, sealed with the SHA-256 of its own content, flushed to disk."""
+    meta = dict(meta)
+    meta["checksum"] = _meta_checksum(json.loads(json.dumps(meta, default=str)))
+    (Path(path) / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
+    _fsync(Path(path) / "meta.json")
 
 
 def _fsync(path: Path) -> None:
@@ -72,13 +106,10 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
     torch.save(opt.state_dict(), tmp / "optimizer.pt")
     torch.save({"scheduler": sched.state_dict() if sched is not None else None, "rng": _rng_state()},
                tmp / "trainer.pt")
-    files = {}
     for f in FILES:
         _fsync(tmp / f)
-        files[f] = {"bytes": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
-    meta = {"format": FORMAT, "step": step, "data_position": step, "config": config, "files": files}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-    _fsync(tmp / "meta.json")
+    meta = {"format": FORMAT, "step": step, "data_position": step, "config": config, "files": digests(tmp, FILES)}
+    write_meta(tmp, meta)
     return publish(root, tmp, final, keep)
 
 
@@ -101,40 +132,111 @@ def publish(root: Path, tmp: Path, final: Path, keep: int) -> Path:
     return final
 
 
+def _pointer(root: Path) -> Path | None:
+    """The checkpoint ``latest`` names, or None (missing; damaged: said once on stderr)."""
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    try:
+        raw = pointer.read_bytes()[:4096]
+        name = raw.decode("utf-8").strip()
+        if not name.startswith("step_") or "/" in name or len(name) > 64:
+            raise ValueError(f"names {name[:40]!r}")
+    except (OSError, ValueError) as e:
+        print(f"hytrain: {pointer} is damaged ({e}); looking for the newest complete checkpoint instead",
+              file=sys.stderr)
+        return None
+    return root / name
+
+
+def _complete(path: Path) -> bool:
+    """A cheap completeness check (manifest sealed, every file there at its size); the checksums are
+    verified when the checkpoint is loaded."""
+    try:
+        meta = _read_meta(path)
+        for f, want in meta["files"].items():
+            if (path / f).stat().st_size != want["bytes"]:
+                return False
+        return True
+    except (CheckpointError, OSError, KeyError, TypeError):
+        return False
+
+
 def resolve(out: str | os.PathLike, spec: str) -> Path:
-    """``spec``: a checkpoint directory, or ``latest`` (the newest complete one under ``out``)."""
+    """``spec``: a checkpoint directory, or ``latest``: the newest complete checkpoint under ``out`` --
+    the one the pointer names, or a newer complete one (the pointer is written after the rename, so a
+    kill between the two leaves it behind)."""
     if spec == "latest":
-        pointer = Path(out) / "checkpoints" / "latest"
-        if not pointer.is_file():
-            raise CheckpointError(f"--resume latest: no checkpoint under {Path(out) / 'checkpoints'}")
-        path = pointer.parent / pointer.read_text().strip()
-    else:
-        path = Path(spec)
+        root = Path(out) / "checkpoints"
+        named = _pointer(root)
+        found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.is_dir() else []
+        for cand in found:
+            if named is not None and cand.name < named.name:
+                break
+            if _complete(cand):
+                return cand
+        if named is not None and named.is_dir():
+            return named
+        raise CheckpointError(f"--resume latest: no complete checkpoint under {root}")
+    path = Path(spec)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
     return path
 
 
-def verify(path: Path) -> dict:
-    """Checks the manifest, every file's size and SHA-256; returns the manifest."""
+def _read_meta(path: Path) -> dict:
     meta_path = Path(path) / "meta.json"
     try:
-        meta = json.loads(meta_path.read_text())
+        raw = meta_path.read_bytes()
+        meta = json.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path} is incomplete: meta.json is missing (an interrupted save?)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{meta_path} is corrupted: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or set(meta.get("files", {})) != set(FILES):
-        raise CheckpointError(f"{meta_path} is not a hytrain checkpoint manifest (format {FORMAT})")
-    for f, want in meta["files"].items():
+    except OSError as e:
+        raise CheckpointError(f"{meta_path} cannot be read: {e}") from None
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt not in (FORMAT, SHARDED_FORMAT) and fmt not in _OLDER:
+        raise CheckpointError(f"{meta_path} is not a hytrain checkpoint manifest")
+    if not isinstance(meta.get("files"), dict) and fmt != "dcp-1":
+        raise CheckpointError(f"{meta_path} has no file list")
+    if fmt in (FORMAT, SHARDED_FORMAT) and meta.get("checksum") != _meta_checksum(meta):
+        raise CheckpointError(f"{meta_path} was altered: its content does not match its checksum")
+    if not isinstance(meta.get("step"), int) or isinstance(meta.get("step"), bool) or meta["step"] < 0:
+        raise CheckpointError(f"{meta_path} has no valid step")
+    meta.setdefault("files", {})
+    return meta
+
+
+def check_files(path: Path, files: dict, names=None) -> None:
+    """Sizes first, then SHA-256 in parallel; the first bad file (in name order) is named."""
+    names = sorted(files if names is None else names)
+    for f in names:
         p = Path(path) / f
         if not p.is_file():
             raise CheckpointError(f"{p} is missing")
         size = p.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"{p} is truncated or altered: {size} bytes, expected {want['bytes']}")
-        if _sha256(p) != want["sha256"]:
-            raise CheckpointError(f"{p} is corrupted: its SHA-256 does not match the manifest")
+        if size != files[f]["bytes"]:
+            raise CheckpointError(f"{p} is truncated or altered: {size} bytes, expected {files[f]['bytes']}")
+    with ThreadPoolExecutor(_hash_workers()) as pool:
+        sums = list(pool.map(lambda n: _sha256(Path(path) / n), names))
+    for f, h in zip(names, sums):
+        if h != files[f]["sha256"]:
+            raise CheckpointError(f"{Path(path) / f} is corrupted: its SHA-256 does not match the manifest")
+
+
+def verify(path: Path) -> dict:
+    """Checks a checkpoint of either kind (single-process or sharded): the sealed manifest, then every
+    file's size and SHA-256. Returns the manifest; raises CheckpointError naming what is wrong."""
+    meta = _read_meta(path)
+    if meta["format"] in (FORMAT, 1) and set(meta["files"]) != set(FILES):
+        raise CheckpointError(f"{Path(path) / 'meta.json'} does not list this checkpoint's files")
+    if meta["format"] == SHARDED_FORMAT:
+        present = {f.name for f in Path(path).iterdir() if f.name != "meta.json"}
+        extra = sorted(present - set(meta["files"]))
+        if extra:
+            raise CheckpointError(f"{Path(path) / extra[0]} is not in the manifest (another run's file?)")
+    check_files(path, meta["files"])
     return meta
 
 

@@ -3,10 +3,13 @@ the model and of HybridAdamW's state (fp32 masters, ``exp_avg``, ``exp_avg_sq``,
 resume reads them back at the same world size or another (DCP reshards on load).
 
 A checkpoint is ``<out>/checkpoints/step_NNNNNNNN/`` (DCP's files and ``meta.json``), written as
-:mod:`hytrain.checkpoint` writes its own: into a hidden temporary directory, flushed, renamed into
-place by rank 0 after every rank has finished, and only then pointed to by ``latest``. A rank that
-dies during a save leaves a stale temporary directory; the last good checkpoint and the pointer are
-never touched. ``export_safetensors`` writes the full weights for inference (one file, rank 0).
+:mod:`hytrain.checkpoint` writes its own: into a hidden temporary directory, flushed, sealed by a
+manifest with the size and SHA-256 of every file (shards and ``.metadata``) and of itself, renamed
+into place by rank 0 after every rank has finished, and only then pointed to by ``latest``. A rank
+that dies during a save leaves a stale temporary directory; the last good checkpoint and the pointer
+are never touched. A load verifies every file first, each rank a share of them, and refuses the
+checkpoint on every rank in one line naming the first bad file. ``export_safetensors`` writes the
+full weights for inference (one file, rank 0).
 """
 
 from __future__ import annotations
@@ -18,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError, _fsync, publish
-
-FORMAT = "dcp-1"
+from .checkpoint import SHARDED_FORMAT as FORMAT
+from .checkpoint import CheckpointError, _fsync, _read_meta, check_files, digests, publish, write_meta
 
 
 def _dist():
@@ -67,27 +69,26 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -
     if _rank() == 0:
         for f in tmp.iterdir():
             _fsync(f)
-        meta = {"format": FORMAT, "step": step, "world_size": _world(), "extra": extra or {}}
-        (tmp / "meta.json").write_text(json.dumps(meta, default=str))
-        _fsync(tmp / "meta.json")
+        names = [f.name for f in tmp.iterdir() if f.is_file()]
+        meta = {"format": FORMAT, "step": step, "world_size": _world(), "extra": extra or {},
+                "files": digests(tmp, names)}
+        write_meta(tmp, meta)
         publish(root, tmp, final, keep)
     _barrier()
     return final
 
 
 def resolve(out, spec: str = "latest") -> Path:
-    if spec == "latest":
-        pointer = Path(out) / "checkpoints" / "latest"
-        if not pointer.is_file():
-            raise CheckpointError(f"no checkpoint under {Path(out) / 'checkpoints'}")
-        return pointer.parent / pointer.read_text().strip()
-    return Path(spec)
+    """As :func:`hytrain.checkpoint.resolve` (``latest``: the newest complete checkpoint)."""
+    from .checkpoint import resolve as _resolve
+
+    return _resolve(out, spec)
 
 
 def is_sharded_checkpoint(path) -> bool:
     """Whether ``path`` holds a checkpoint written by :func:`save` (not one of ``hytrain.checkpoint``)."""
     try:
-        return json.loads((Path(path) / "meta.json").read_text()).get("format") == FORMAT
+        return json.loads((Path(path) / "meta.json").read_text()).get("format") in (FORMAT, "dcp-1")
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -98,14 +99,8 @@ def load(path, model, opt) -> dict:
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    try:
-        meta = json.loads((path / "meta.json").read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is incomplete: meta.json is missing (an interrupted save?)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path / 'meta.json'} is corrupted: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a hytrain sharded checkpoint (format {FORMAT})")
+    _verify_shared(path)
+    meta = _read_meta(path)
     state = _state(model, opt)
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -114,6 +109,27 @@ def load(path, model, opt) -> dict:
     model.load_state_dict(state["model"])
     opt.load_sharded_state_dict(state["optim"])
     return {"step": int(meta["step"]), "world_size": int(meta["world_size"]), "extra": meta.get("extra", {})}
+
+
+def _verify_shared(path: Path) -> None:
+    """Every rank checks a share of the files (all of them without a process group); a failure on
+    any rank is raised on every rank, with the first message."""
+    error = None
+    try:
+        meta = _read_meta(path)
+        if meta["format"] not in (FORMAT, "dcp-1"):
+            raise CheckpointError(f"{path} is not a hytrain sharded checkpoint (format {FORMAT})")
+        names = sorted(meta["files"])
+        check_files(path, meta["files"], names[_rank()::_world()])
+    except CheckpointError as e:
+        error = str(e)
+    d = _dist()
+    if d is not None:
+        errors = [None] * _world()
+        d.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def export_safetensors(path, model) -> None:

@@ -1,0 +1,136 @@
+"""Checkpoint integrity on the CPU: every file of both kinds of checkpoint (single-process and sharded,
+the latter through torch.distributed.checkpoint in one process) is covered by the sealed manifest, a
+damaged or edited file is refused before anything is loaded, in one line naming it; ``latest`` finds
+the newest complete checkpoint; ``hytrain verify`` checks a checkpoint offline."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hytrain
+from hytrain import checkpoint as ckpt
+from hytrain import dist_checkpoint
+from hytrain.models import LlamaConfig, LlamaModel
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                  max_seq_len=32)
+
+
+def trained(steps=2):
+    torch.manual_seed(0)
+    model = LlamaModel(CFG)
+    opt = hytrain.HybridAdamW(model.parameters(), workers=1, model=model)
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(steps):
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def save(kind, out, step):
+    model, opt = trained()
+    if kind == "sharded":
+        return dist_checkpoint.save(out, step, model, opt, {"note": 1})
+    return ckpt.save(out, step, model, opt, None, {})
+
+
+def load(kind, path):
+    model, opt = trained(0)
+    if kind == "sharded":
+        return dist_checkpoint.load(path, model, opt)
+    return ckpt.load(path, model, opt, None)
+
+
+def flip(path, offset=None):
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i:i + 8] = bytes(255 - b for b in data[i:i + 8])
+    path.write_bytes(bytes(data))
+
+
+def files_of(path):
+    return sorted(f.name for f in path.iterdir() if f.name != "meta.json")
+
+
+@pytest.mark.parametrize("kind", ["single", "sharded"])
+def test_every_file_is_covered(tmp_path, kind):
+    path = save(kind, tmp_path / "run", 7)
+    meta = ckpt.verify(path)
+    assert meta["step"] == 7 and sorted(meta["files"]) == files_of(path)
+    if kind == "sharded":
+        assert any(f.endswith(".distcp") for f in meta["files"]) and ".metadata" in meta["files"]
+    for name in files_of(path):
+        for damage in ("flip", "truncate", "delete"):
+            path = save(kind, tmp_path / f"{name}-{damage}", 7)
+            f = path / name
+            if damage == "flip":
+                flip(f)
+            elif damage == "truncate":
+                f.write_bytes(f.read_bytes()[:-3])
+            else:
+                f.unlink()
+            with pytest.raises(ckpt.CheckpointError, match=name.replace(".", r"\.")) as e:
+                load(kind, path)
+            assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["single", "sharded"])
+def test_an_edited_manifest_is_refused(tmp_path, kind):
+    path = save(kind, tmp_path / "run", 50)
+    meta = json.loads((path / "meta.json").read_text())
+    meta["step"] = 10
+    (path / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ckpt.CheckpointError, match="meta.json was altered"):
+        load(kind, path)
+    (path / "meta.json").write_bytes(b"\xff\xfe garbage")
+    with pytest.raises(ckpt.CheckpointError, match="meta.json is corrupted"):
+        load(kind, path)
+
+
+def test_a_stray_file_in_a_sharded_checkpoint_is_refused(tmp_path):
+    path = save("sharded", tmp_path / "run", 3)
+    (path / "__9_0.distcp").write_bytes(b"from another run")
+    with pytest.raises(ckpt.CheckpointError, match="not in the manifest"):
+        ckpt.verify(path)
+
+
+def test_the_round_trip_still_loads(tmp_path):
+    for kind in ("single", "sharded"):
+        path = save(kind, tmp_path / kind, 4)
+        got = load(kind, path)
+        assert (got if kind == "single" else got["step"]) == 4
+
+
+def test_latest_is_the_newest_complete_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    first = save("single", out, 10)
+    second = save("single", out, 20)
+    root = out / "checkpoints"
+    assert ckpt.resolve(out, "latest") == second
+    # A kill after the rename, before the pointer: the pointer still names step 10.
+    (root / "latest").write_text(first.name + "\n")
+    assert ckpt.resolve(out, "latest") == second
+    # An incomplete newer directory is passed over.
+    (second / "optimizer.pt").write_bytes(b"x")
+    assert ckpt.resolve(out, "latest") == first
+    # A damaged pointer: said once, and the scan decides.
+    (root / "latest").write_bytes(b"\xff\x00" * 3000)
+    assert ckpt.resolve(out, "latest") == first
+    (root / "latest").write_text("../../etc\n")
+    assert ckpt.resolve(out, "latest") == first
+
+
+def test_hytrain_verify(tmp_path):
+    out = tmp_path / "run"
+    path = save("sharded", out, 5)
+    ok = subprocess.run([sys.executable, "-m", "hytrain", "verify", str(out)], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0 and "OK, sharded checkpoint of step 5" in ok.stdout, ok.stderr
+    flip(path / ".metadata", 10)
+    bad = subprocess.run([sys.executable, "-m", "hytrain", "verify", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and ".metadata" in bad.stderr
