@@ -177,7 +177,10 @@ def resolve(out: str | os.PathLike, spec: str) -> Path:
                 return cand
         if named is not None and named.is_dir():
             return named
-        raise CheckpointError(f"--resume latest: no complete checkpoint under {root}")
+        if not found:
+            raise CheckpointError(f"--resume latest: no checkpoint under {root}")
+        raise CheckpointError(f"--resume latest: no complete checkpoint under {root} "
+                              f"({len(found)} incomplete: check them with hytrain verify)")
     path = Path(spec)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -206,6 +209,11 @@ def _read_meta(path: Path) -> dict:
         raise CheckpointError(f"{meta_path} has no valid step")
     meta.setdefault("files", {})
     return meta
+
+
+def manifest_step(path: Path) -> int:
+    """The step a checkpoint holds, from its sealed manifest (files not checked)."""
+    return int(_read_meta(path)["step"])
 
 
 def check_files(path: Path, files: dict, names=None) -> None:

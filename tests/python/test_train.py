@@ -123,7 +123,7 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
         time.sleep(0.2)
     p.send_signal(signal.SIGTERM)
     stdout, stderr = p.communicate(timeout=120)
-    assert p.returncode == 0, stderr
+    assert p.returncode == 128 + signal.SIGTERM, stderr  # not finished: a scheduler requeues it
     assert "stopped by signal" in stdout
     last = metrics(out)[-1]["step"]
     assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == last
@@ -214,3 +214,55 @@ def test_activation_checkpointing_is_the_same_forward():
         assert torch.equal(a.grad, b.grad)
     with pytest.raises(ValueError, match="exceeds max_seq_len 16"):
         recomputed(torch.zeros(1, 17, dtype=torch.long))
+
+
+# ---- the job under faults ---------------------------------------------------------------------------
+
+def test_a_finished_run_resumed_says_so_and_touches_nothing(tmp_path):
+    out = tmp_path / "run"
+    assert main(["--steps", "3", "--eval-every", "0", "--out", str(out), *FAST]) == 0
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "3", "--out", str(out), "--resume",
+                        "latest", *FAST], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "already reached step 3" in r.stdout, r.stderr
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_one_run_per_output_directory(tmp_path):
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", "100000", "--eval-every", "0",
+                          "--out", str(out), *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        second = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "5", "--out", str(out),
+                                 *FAST], capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr
+        assert f"pid {p.pid}" in second.stderr and "in use by another run" in second.stderr
+        assert second.stderr.count("\n") == 1
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=120)
+    assert not (out / "hytrain.lock").exists()  # released at the end
+
+
+def test_a_stale_lock_is_taken_over(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    import socket
+    (out / "hytrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": 0}))
+    r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "2", "--eval-every", "0", "--out",
+                        str(out), *FAST], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "taking over" in r.stderr, r.stderr
+
+
+def test_a_closed_stdout_does_not_stop_training(tmp_path):
+    out = tmp_path / "run"
+    cmd = (f"{sys.executable} -m hytrain train --steps 6 --eval-every 2 --out {out} {' '.join(FAST)} | head -c 1")
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert metrics(str(out))[-1]["step"] == 6
+    assert ckpt.resolve(out, "latest").name == "step_00000006"

@@ -34,6 +34,7 @@ from ..pool import PinnedPool, parse_bytes
 from .data import batch_at, load_corpus
 from .metrics import Metrics, Power, evaluate
 from .models import build_model
+from .lock import RunLock
 from .options import DTYPES, ConfigError, add_arguments, resolve_options
 from .ranks import PeerFailure, Ranks, launch, under_torchrun
 
@@ -52,6 +53,28 @@ def pick_device(spec: str) -> torch.device:
     return dev
 
 
+class _Say:
+    """print() for the main process's messages; a closed stdout (``hytrain train | head``, a dead log
+    pipe) is reported once on stderr and training goes on."""
+
+    def __init__(self):
+        self.broken = False
+
+    def __call__(self, *a, **k):
+        if self.broken:
+            return
+        try:
+            print(*a, **k)
+        except (BrokenPipeError, OSError) as e:
+            self.broken = True
+            try:
+                sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- for the rest of the run
+                print(f"hytrain train: standard output is closed ({type(e).__name__}); training goes on, "
+                      "messages are dropped (see metrics.jsonl)", file=sys.stderr, flush=True)
+            except OSError:
+                pass
+
+
 def lr_lambda(args):
     def f(step):
         if step < args.warmup:
@@ -63,7 +86,7 @@ def lr_lambda(args):
 
 def run(args) -> int:
     ranks = Ranks.join(args.device, args.timeout) if under_torchrun() else Ranks()
-    say = print if ranks.main else (lambda *a, **k: None)
+    say = _Say() if ranks.main else (lambda *a, **k: None)
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -72,6 +95,17 @@ def run(args) -> int:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"cannot write to the output directory {out}: {e}") from None
+    lock = RunLock(out) if ranks.main else None
+    if lock is not None:
+        lock.acquire()  # before anything is written: one run per --out
+    try:
+        return _run(args, ranks, say, out)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(args, ranks, say, out) -> int:
     device = ranks.device(args.device) or pick_device(args.device)
     if args.batch_size % ranks.world:
         raise ConfigError(f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
@@ -85,6 +119,12 @@ def run(args) -> int:
     if resume:
         resume_dir = ckpt.resolve(out, resume)
         sharded_ckpt = dist_checkpoint.is_sharded_checkpoint(resume_dir)
+        done = ckpt.manifest_step(resume_dir)
+        if done >= args.steps:  # a finished run: its files stay as they are
+            say(f"hytrain train: the run in {out} already reached step {done} (--steps {args.steps}): "
+                f"nothing to do (raise --steps to train further)", flush=True)
+            ranks.close()
+            return 0
         if ranks.distributed and not sharded_ckpt:
             raise ConfigError(f"{resume_dir} was written by a single-process run; a run on several processes "
                               "resumes from its own (sharded) checkpoints")
@@ -148,6 +188,7 @@ def run(args) -> int:
     tokens_per_step = args.batch_size * args.seq_len
     history, t_start = [], time.perf_counter()
     step = start
+    stopped = 0  # the signal that stopped the run (on any rank), else 0
     try:
         while step < args.steps:
             t0 = time.perf_counter()
@@ -163,7 +204,7 @@ def run(args) -> int:
             # step time and whether it was signalled to stop: the ranks stop at the same step).
             mine = [float(loss.detach()), float(sched_stats.get("k", 0)),
                     float(sched_stats.get("gpu_wait_frac", math.nan)), time.perf_counter() - t0,
-                    1.0 if stop["signal"] else 0.0]
+                    float(stop["signal"] or 0)]
             every = ranks.gather(mine, device)
             loss_v = sum(r[0] for r in every) / ranks.world
             stopping = any(r[4] for r in every)
@@ -204,9 +245,10 @@ def run(args) -> int:
                 else:
                     ckpt.save(out, step, model, opt, sched, config, keep=args.keep)
             if stopping:
-                by = stop["signal"] if stop["signal"] else "(sent to another rank)"
+                stopped = int(max(r[4] for r in every))
+                by = stop["signal"] if stop["signal"] else f"{stopped} (sent to another rank)"
                 say(f"\nstopped by signal {by} after step {step}; checkpoint saved "
-                    f"(resume with --resume latest --out {out})", flush=True)
+                    f"(resume with --resume latest --out {out}); exit status {128 + stopped}", flush=True)
                 break
     finally:
         for s, h in old.items():
@@ -220,7 +262,9 @@ def run(args) -> int:
                      ranks)
     say(json.dumps(summary), flush=True)
     ranks.close()
-    return 0
+    # A stop by signal is not a finished run: 128 + the signal's number, as a shell reports it, so
+    # that a scheduler requeues it (--resume latest continues).
+    return 128 + stopped if stopped else 0
 
 
 def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks) -> dict | None:

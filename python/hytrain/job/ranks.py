@@ -8,6 +8,7 @@ the figures rank 0 records for every rank."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -93,7 +94,26 @@ def launch(args, argv: list[str]) -> int:
                           f"number of processes ({nproc})")
     cmd = torchrun_command(args, argv, nproc)
     print("hytrain train: " + " ".join(cmd[1:]), flush=True)
-    return subprocess.call(cmd)
+    child = subprocess.Popen(cmd)
+
+    def forward(signum, _frame):  # a scheduler signals the launcher: every rank must hear it
+        try:
+            child.send_signal(signum)
+        except OSError:
+            pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            try:
+                rc = child.wait()
+                break
+            except KeyboardInterrupt:
+                continue
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 128 - rc if rc < 0 else rc
 
 
 class Ranks:

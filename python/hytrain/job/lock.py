@@ -1,0 +1,98 @@
+"""One writer per run directory: ``<out>/hytrain.lock``, taken by the job's main process before it
+writes anything, released when it ends.
+
+The lock holds the holder's host, pid, start time and torchrun run id. A second run on the same
+``--out`` is refused at once, naming the holder. A lock whose holder is gone -- a process on this host
+that no longer exists, or an earlier attempt of the same torchrun job (a restart, possibly on another
+node) -- is stale: it is taken over with a message. A lock held from another host by another job is
+refused with what to do if that run is over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .options import ConfigError
+
+NAME = "hytrain.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    return True
+
+
+class RunLock:
+    def __init__(self, out: Path):
+        self.path = Path(out) / NAME
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
+                   "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+        self.held = False
+
+    def _holder(self) -> dict | None:
+        try:
+            holder = json.loads(self.path.read_bytes()[:4096].decode("utf-8"))
+            return holder if isinstance(holder, dict) else {}
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}  # damaged: stale
+
+    def _stale(self, h: dict) -> str | None:
+        """Why the holder ``h`` is gone (None: it may be alive)."""
+        if not h or not isinstance(h.get("pid"), int):
+            return "an unreadable lock"
+        if h.get("run_id") and h.get("run_id") == self.me["run_id"]:
+            return f"an earlier attempt of this job (pid {h['pid']} on {h.get('host')})"
+        if h.get("host") == self.me["host"] and not _alive(h["pid"]):
+            return f"a run that ended without releasing it (pid {h['pid']}, no longer running)"
+        return None
+
+    def acquire(self) -> None:
+        body = json.dumps(self.me).encode()
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:
+                    continue  # released meanwhile
+                why = self._stale(holder)
+                if why is None:
+                    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
+                    hint = ("" if holder.get("host") == self.me["host"] else
+                            f"; if that run is over, delete {self.path}")
+                    raise ConfigError(f"{self.path.parent} is in use by another run (pid {holder['pid']} on "
+                                      f"{holder.get('host')}, started {when}): wait for it or use another "
+                                      f"--out{hint}")
+                print(f"hytrain train: taking over {self.path} from {why}", file=sys.stderr, flush=True)
+                tmp = self.path.with_name(f".{NAME}.{os.getpid()}")
+                tmp.write_bytes(body)
+                os.replace(tmp, self.path)
+                if self._holder() == self.me:
+                    self.held = True
+                    return
+                continue
+            with os.fdopen(fd, "wb") as f:
+                f.write(body)
+            self.held = True
+            return
+        raise ConfigError(f"could not take {self.path}: another run is starting on the same --out")
+
+    def release(self) -> None:
+        if self.held and self._holder() == self.me:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+        self.held = False
