@@ -210,3 +210,36 @@ def test_two_agents_rendezvous_as_two_nodes(tmp_path):
     assert all(len(r["k_ranks"]) == 2 for r in b)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in metrics(one)]),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(tmp_path):
+    """A scheduler that signals only the launcher: torchrun and every rank hear it, every rank stops
+    after the same step and saves, nothing is left running, the exit status says the run did not
+    finish, and --resume latest continues it."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
+                             "--eval-every", "0", "--out", str(out), *FAST], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            m = out / "metrics.jsonl"
+            if m.exists() and len(m.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.1)
+        family = _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stdout[-3000:] + stderr[-6000:]
+    assert "stopped by signal" in stdout
+    time.sleep(0.5)
+    assert not [p for p in family if os.path.exists(f"/proc/{p}") and _is_worker(p)]  # no orphans
+    last = metrics(out)[-1]["step"]
+    assert int((out / "checkpoints" / "latest").read_text().split("_")[1]) == last
+    more = ok("--nproc", "2", "--steps", str(last + 2), "--eval-every", "0", "--out", str(out), "--resume",
+              "latest", *FAST)
+    assert f"at step {last}" in more.stdout

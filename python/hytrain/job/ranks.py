@@ -95,10 +95,12 @@ def launch(args, argv: list[str]) -> int:
     cmd = torchrun_command(args, argv, nproc)
     print("hytrain train: " + " ".join(cmd[1:]), flush=True)
     child = subprocess.Popen(cmd)
+    forwarded = []
 
     def forward(signum, _frame):  # a scheduler signals the launcher: every rank must hear it
+        forwarded.append(signum)
         try:
-            child.send_signal(signum)
+            child.send_signal(signum)  # torchrun passes it to the ranks and waits for them
         except OSError:
             pass
 
@@ -113,6 +115,8 @@ def launch(args, argv: list[str]) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    if forwarded and rc != 0:
+        return 128 + forwarded[0]  # stopped by the signal (the ranks saved): not finished
     return 128 - rc if rc < 0 else rc
 
 
