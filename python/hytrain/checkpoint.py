@@ -90,6 +90,38 @@ def _rng_state() -> dict:
     return out
 
 
+def state_bytes(model, opt) -> int:
+    """About what a checkpoint of this model and optimizer takes on disk (weights and optimizer
+    state; metadata only, nothing is copied)."""
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
+    for p in (p for g in opt.param_groups for p in g["params"]):
+        per = 8 + (4 if p.dtype != torch.float32 or p.device.type == "cuda" else 0)
+        total += p.numel() * per
+    return total + (1 << 20)
+
+
+def bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).is_dir() else 0
+
+
+def check_room(root: Path, needed: int, what: str) -> None:
+    """Refuses a save (or a run) the disk cannot hold, before anything is written."""
+    probe = Path(root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise CheckpointError(f"{what} needs about {needed / 1e9:.3f} GB but the disk holding {root} has "
+                              f"{free / 1e9:.3f} GB free")
+
+
+def _failed_save(tmp: Path, final: Path, needed: int, e: OSError):
+    shutil.rmtree(tmp, ignore_errors=True)  # a partial save never stays to fill the disk
+    why = e.strerror or str(e)
+    return CheckpointError(f"saving {final} failed: {why} (about {needed / 1e9:.3f} GB needed); the last good "
+                           "checkpoint is kept and the run stops")
+
+
 def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, keep: int = 2) -> Path:
     from safetensors.torch import save_file
 
@@ -98,18 +130,23 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
     name = f"step_{step:08d}"
     final, tmp = root / name, root / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    own = getattr(model, "saved_module", model)  # a wrapper saves what it wraps, under its names
-    opt.synchronize()  # the last step's updates may still be landing (they overlap the next forward)
-    weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in own.state_dict().items()}
-    save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
-    torch.save(opt.state_dict(), tmp / "optimizer.pt")
-    torch.save({"scheduler": sched.state_dict() if sched is not None else None, "rng": _rng_state()},
-               tmp / "trainer.pt")
-    for f in FILES:
-        _fsync(tmp / f)
-    meta = {"format": FORMAT, "step": step, "data_position": step, "config": config, "files": digests(tmp, FILES)}
-    write_meta(tmp, meta)
+    needed = state_bytes(model, opt)
+    check_room(root, needed, f"checkpoint {final}")
+    try:
+        tmp.mkdir()
+        own = getattr(model, "saved_module", model)  # a wrapper saves what it wraps, under its names
+        opt.synchronize()  # the last step's updates may still be landing (they overlap the next forward)
+        weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in own.state_dict().items()}
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        torch.save({"scheduler": sched.state_dict() if sched is not None else None, "rng": _rng_state()},
+                   tmp / "trainer.pt")
+        for f in FILES:
+            _fsync(tmp / f)
+        meta = {"format": FORMAT, "step": step, "data_position": step, "config": config, "files": digests(tmp, FILES)}
+        write_meta(tmp, meta)
+    except OSError as e:
+        raise _failed_save(tmp, final, needed, e) from None
     return publish(root, tmp, final, keep)
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from .checkpoint import SHARDED_FORMAT as FORMAT
-from .checkpoint import CheckpointError, _fsync, _read_meta, check_files, digests, publish, write_meta
+from .checkpoint import (CheckpointError, _failed_save, _fsync, _read_meta, check_files, check_room, digests, publish,
+                         state_bytes, write_meta)
 
 
 def _dist():
@@ -58,21 +59,31 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -
     root = Path(out) / "checkpoints"
     name = f"step_{step:08d}"
     final, tmp = root / name, root / f".{name}.tmp"
+    needed = state_bytes(model, opt)  # the whole checkpoint (global sizes)
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        check_room(root, needed, f"checkpoint {final}")  # (a refusal here fails the others at the barrier)
         tmp.mkdir()
     _barrier()
     opt.synchronize()  # the last step's updates may still be landing (they overlap the next forward)
-    dcp.save(_state(model, opt), checkpoint_id=str(tmp))
+    try:
+        dcp.save(_state(model, opt), checkpoint_id=str(tmp))
+    except Exception as e:  # DCP gathers every rank's failure (a full disk) and raises on all of them
+        err = e if isinstance(e, OSError) else OSError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise _failed_save(tmp, final, needed, err) if _rank() == 0 else CheckpointError(
+            f"saving {final} failed on some rank; the last good checkpoint is kept") from None
     _barrier()  # every rank's shards are written
     if _rank() == 0:
-        for f in tmp.iterdir():
-            _fsync(f)
-        names = [f.name for f in tmp.iterdir() if f.is_file()]
-        meta = {"format": FORMAT, "step": step, "world_size": _world(), "extra": extra or {},
-                "files": digests(tmp, names)}
-        write_meta(tmp, meta)
+        try:
+            for f in tmp.iterdir():
+                _fsync(f)
+            names = [f.name for f in tmp.iterdir() if f.is_file()]
+            meta = {"format": FORMAT, "step": step, "world_size": _world(), "extra": extra or {},
+                    "files": digests(tmp, names)}
+            write_meta(tmp, meta)
+        except OSError as e:
+            raise _failed_save(tmp, final, needed, e) from None
         publish(root, tmp, final, keep)
     _barrier()
     return final

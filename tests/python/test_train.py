@@ -266,3 +266,65 @@ def test_a_closed_stdout_does_not_stop_training(tmp_path):
     assert r.returncode == 0, r.stderr
     assert metrics(str(out))[-1]["step"] == 6
     assert ckpt.resolve(out, "latest").name == "step_00000006"
+
+
+@pytest.mark.parametrize("extra,toml,message", [
+    (["--device", "tpu"], None, "--device must be auto, cpu or cuda"),
+    (["--pin-limit", "lots"], None, "--pin-limit must be a byte count"),
+    (["--workers", "100000"], None, "--workers 100000 is more than 4 threads per core"),
+    (["--seq-len", "20000000"], None, "--seq-len 20000000 is longer than the data allows"),
+    ([], "lr = true", "lr must be a number, got True"),
+    ([], "out = 5", "out must be a string, got 5"),
+    ([], "resume = 5", "resume must be a string, got 5"),
+    ([], "steps = true", "steps must be an integer, got True"),
+])
+def test_user_errors_are_one_line_with_exit_2(tmp_path, capsys, extra, toml, message):
+    args = ["--out", str(tmp_path / "x"), *FAST, *extra]
+    if toml is not None:
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(toml + "\n")
+        args = ["--config", str(cfg), *args]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x" / "metrics.jsonl").exists()
+
+
+def test_a_full_disk_stops_the_run_with_the_last_good_checkpoint(tmp_path):
+    """The second save fails as on a full disk (an injected ENOSPC): the partial directory is removed,
+    the message names the path and the bytes, the run stops (exit 2), and the first checkpoint is
+    intact and resumable."""
+    out = tmp_path / "run"
+    code = textwrap.dedent(f"""
+        import errno, sys, torch
+        from hytrain.job import main
+        real, calls = torch.save, [0]
+        def save(obj, f, *a, **k):
+            calls[0] += 1
+            if calls[0] > 2:  # the first checkpoint's two torch.save calls go through
+                raise OSError(errno.ENOSPC, "No space left on device", str(f))
+            return real(obj, f, *a, **k)
+        torch.save = save
+        sys.exit(main(["--steps", "4", "--save-every", "2", "--eval-every", "0", "--out", {str(out)!r},
+                       *{FAST!r}]))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr
+    assert "step_00000004 failed: No space left on device" in r.stderr and "GB needed" in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    root = out / "checkpoints"
+    assert not list(root.glob(".*.tmp"))
+    assert ckpt.resolve(out, "latest").name == "step_00000002"
+    ckpt.verify(root / "step_00000002")
+    assert main(["--steps", "4", "--eval-every", "0", "--out", str(out), "--resume", "latest", *FAST]) == 0
+
+
+def test_a_disk_too_small_for_keep_plus_one_is_refused_at_start(tmp_path, capsys, monkeypatch):
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1000))
+    assert main(["--steps", "2", "--out", str(tmp_path / "x"), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "--keep 2 (3 checkpoints" in err and "GB free" in err, err

@@ -131,7 +131,15 @@ def _run(args, ranks, say, out) -> int:
         if not sharded_ckpt:
             ckpt.verify(resume_dir)  # a corrupted checkpoint is refused before anything is built
     train_data, val_data, desc = load_corpus(args.data, args.max_data_bytes)
+    shortest = min(len(train_data), len(val_data))
+    if args.seq_len + 1 > shortest:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the data allows: a sequence needs "
+                          f"{args.seq_len + 1} bytes, the {'validation' if len(val_data) < len(train_data) else 'training'} "
+                          f"split has {shortest} (--data {args.data}, --max-data-bytes {args.max_data_bytes})")
     model, n_params, model_cfg = build_model(args, device, dtype)
+    limit = model_cfg.get("max_position_embeddings")
+    if isinstance(limit, int) and args.seq_len > limit:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than {args.model}'s context ({limit} positions)")
     vocab = model_cfg.get("vocab_size", 256)
     if vocab < 256:
         raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the byte alphabet (256)")
@@ -158,6 +166,11 @@ def _run(args, ranks, say, out) -> int:
                       # only through the model's forward and the checkpoints, which wait for the
                       # updates: the fence for every other path (1-4 % on L3B) is not needed.
                       release_grads=True, fence=False)
+    if ranks.main:  # the newest checkpoint is written before the oldest is pruned: keep + 1 at once
+        each = ckpt.state_bytes(model, opt)
+        root = out / "checkpoints"
+        ckpt.check_room(root, (args.keep + 1) * each - ckpt.bytes_under(root),
+                        f"--keep {args.keep} ({args.keep + 1} checkpoints of about {each / 1e9:.3f} GB at once)")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     start = 0
     if resume_dir is not None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -95,10 +97,33 @@ def resolve_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
             raise ConfigError(f"{path}: unknown option(s) {', '.join(unknown)}; "
                               f"known: {', '.join(sorted(k.replace('_', '-') for k in known))}")
         defaults = {k.replace("-", "_"): v for k, v in data.items()}
+        for key, value in defaults.items():
+            _check_config_type(path, key, value, known[key])
         p.set_defaults(**defaults)
         args = p.parse_args(argv)
     check_options(args)
     return args
+
+
+def _check_config_type(path, key, value, action) -> None:
+    """A config file's value must have the type its flag would have parsed to (TOML's booleans are
+    not numbers, numbers are not paths)."""
+    name = key.replace("_", "-")
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
+        ok, want = isinstance(value, bool), "true or false"
+    elif action.type is int:
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif action.type is float:
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif action.type in (_k_option, _speculate_option):
+        ok = (isinstance(value, int) and not isinstance(value, bool)) or value in ("auto", "off") or value is False
+        want = "an integer or 'auto'" + (" or 'off'" if action.type is _speculate_option else "")
+    elif action.choices is not None:
+        ok, want = value in action.choices, "one of " + ", ".join(map(str, action.choices))
+    else:
+        ok, want = isinstance(value, str), "a string"
+    if not ok:
+        raise ConfigError(f"{path}: {name} must be {want}, got {value!r}")
 
 
 def _k_option(text):
@@ -127,11 +152,17 @@ def check_options(args) -> None:
         args.speculate = "off"
     if args.speculate not in ("auto", "off"):
         positive("speculate", 0)
-    if args.gpu_memory_limit is not None:
-        try:
-            parse_bytes("--gpu-memory-limit", args.gpu_memory_limit)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(str(e)) from None
+    for name in ("gpu_memory_limit", "pin_limit"):
+        if getattr(args, name) is not None:
+            try:
+                parse_bytes(f"--{name.replace('_', '-')}", getattr(args, name))
+            except (TypeError, ValueError) as e:
+                raise ConfigError(str(e)) from None
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(args.device)):
+        raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {args.device!r}")
+    cores = os.cpu_count() or 1
+    if args.workers > 4 * cores:
+        raise ConfigError(f"--workers {args.workers} is more than 4 threads per core ({cores} cores here)")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise ConfigError(f"--lr must be a positive number, got {args.lr}")
     if args.max_grad_norm < 0 or args.weight_decay < 0:
