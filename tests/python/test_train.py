@@ -328,3 +328,12 @@ def test_a_disk_too_small_for_keep_plus_one_is_refused_at_start(tmp_path, capsys
     assert main(["--steps", "2", "--out", str(tmp_path / "x"), *FAST]) == 2
     err = capsys.readouterr().err
     assert "--keep 2 (3 checkpoints" in err and "GB free" in err, err
+
+
+def test_an_unknown_model_is_refused_at_once_without_a_network(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    assert main(["--model", "no-such-org/no-such-model", "--steps", "1", "--out", str(tmp_path / "x"), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert time.time() - t0 < 20 and "is neither a preset" in err and err.count("\n") == 1, err
