@@ -10,6 +10,7 @@ import torch
 
 import hytrain
 from test_torch_contract import Net, batches, functional_forward, parts_forward
+from test_torch_contract import train as loop
 
 pytestmark = pytest.mark.gpu
 
@@ -33,25 +34,9 @@ def run_both(case, k, make=None, **kw):
     xs = [x.cuda().to(torch.bfloat16) for x in batches(5)]
     got = case(model, opt, xs)
     want = case(ref, ref_opt, xs)
-    torch.cuda.synchronize()
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), (name, (a.float() - b.float()).abs().max().item())
     return got, want
-
-
-def loop(model, opt, xs, *, forward=None, before_step=None, after_step=None, zero=None):
-    out = []
-    for i, x in enumerate(xs):
-        loss = model(x) if forward is None else forward(model, x)
-        loss.float().backward()
-        if before_step is not None:
-            before_step(i)
-        opt.step()
-        if after_step is not None:
-            out.append(after_step(i))
-        (zero or opt.zero_grad)()
-    opt.synchronize()
-    return out
 
 
 @pytest.mark.parametrize("k", KS)
@@ -129,7 +114,5 @@ def test_refused_step_changes_nothing_on_the_gpu(k):
     opt.clip_grad_norm_(1.0)
     with pytest.raises(RuntimeError, match="non-finite"):
         opt.step()
-    opt.synchronize()
-    torch.cuda.synchronize()
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     del opt

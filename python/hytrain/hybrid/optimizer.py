@@ -501,8 +501,7 @@ class HybridAdamW(HostState, Hooks, Residency, Scheduling, Launch, Speculation, 
             fresh = {b: self._grads(b) for b in range(len(self._blocks)) if not rt.submitted(b) or b in changed}
             # Hyperparameters changed since the hand-offs (an lr set between backward and step()):
             # held passes are released with the new ones, speculative results are redone.
-            stale = self._groups_stale()
-            self._sync_groups()
+            stale = self._sync_groups()
             if self._meter is not None:
                 self._meter.launched()
             clipped = mult != 1.0 or bool(changed)

@@ -247,17 +247,17 @@ class HostState:
         return tuple((float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]),
                       float(g["weight_decay"]), bool(g.get("maximize", False))) for g in self.param_groups)
 
-    def _sync_groups(self):
-        """Gives the table the param groups' hyperparameters when they changed (an LR schedule)."""
+    def _sync_groups(self) -> bool:
+        """Gives the table the param groups' hyperparameters when they changed (an LR schedule).
+        Returns whether the table had other values before (passes built since were built with
+        those: in step(), an lr set between backward and step())."""
         now = self._group_values()
-        if now != self._groups_set:
-            self._table.set_groups([native().GroupHyper(*v) for v in now])
-            self._groups_set = now
-
-    def _groups_stale(self) -> bool:
-        """Whether the hyperparameters changed since the table last had them (the passes handed off
-        during backward were built with those)."""
-        return self._groups_set is not None and self._group_values() != self._groups_set
+        if now == self._groups_set:
+            return False
+        stale = self._groups_set is not None
+        self._table.set_groups([native().GroupHyper(*v) for v in now])
+        self._groups_set = now
+        return stale
 
     def _sync_host(self, b):
         """Copies a GPU-resident block's master weights and states into its host state."""
