@@ -95,8 +95,14 @@ def cmd_verify(args) -> int:
 
     path = Path(args.path)
     try:
-        if not (path / "meta.json").exists() and (path / "checkpoints").is_dir():
-            path = ckpt.resolve(path, "latest")  # a run's directory: its newest complete checkpoint
+        if not path.is_dir():
+            raise ckpt.CheckpointError(f"{path} is not a directory")
+        if not (path / "meta.json").exists():
+            run_files = ("checkpoints", "metrics.jsonl", "config.json", "hytrain.lock")
+            if (path / "checkpoints").is_dir():
+                path = ckpt.resolve(path, "latest")  # a run's directory: its newest complete checkpoint
+            elif any((path / f).exists() for f in run_files):
+                raise ckpt.CheckpointError(f"{path} is a run directory without checkpoints (no {path / 'checkpoints'})")
         t0 = time.perf_counter()
         meta = ckpt.verify(path)
     except ckpt.CheckpointError as e:

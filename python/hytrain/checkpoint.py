@@ -115,8 +115,9 @@ def check_room(root: Path, needed: int, what: str) -> None:
                               f"{free / 1e9:.3f} GB free")
 
 
-def _failed_save(tmp: Path, final: Path, needed: int, e: OSError):
-    shutil.rmtree(tmp, ignore_errors=True)  # a partial save never stays to fill the disk
+def _failed_save(tmp: Path, final: Path, needed: int, e: OSError, remove: bool = True):
+    if remove:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial save never stays to fill the disk
     why = e.strerror or str(e)
     return CheckpointError(f"saving {final} failed: {why} (about {needed / 1e9:.3f} GB needed); the last good "
                            "checkpoint is kept and the run stops")
@@ -164,9 +165,22 @@ def publish(root: Path, tmp: Path, final: Path, keep: int) -> Path:
     _fsync(root)
     done = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in done[:-keep] if keep > 0 else []:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+        if old != final:  # renamed first: a kill while removing leaves no half checkpoint under its name
+            trash = root / f".{old.name}.trash"
+            try:
+                os.rename(old, trash)
+            except OSError:
+                continue
+    sweep(root)
     return final
+
+
+def sweep(root: Path) -> None:
+    """Removes what killed saves and prunes left behind (``.step_*.tmp``, ``.step_*.trash``); called
+    by a run's start and by every publish, when no save is in progress (one writer per run)."""
+    root = Path(root)
+    for left in [*root.glob(".step_*.trash"), *root.glob(".step_*.tmp")] if root.is_dir() else []:
+        shutil.rmtree(left, ignore_errors=True)
 
 
 def _pointer(root: Path) -> Path | None:
@@ -293,8 +307,12 @@ def load(path: Path, model, opt, sched) -> int:
     weights = load_file(str(Path(path) / "model.safetensors"))
     try:
         getattr(model, "saved_module", model).load_state_dict(weights, strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: the weights do not fit this model: {e}") from None
+    except RuntimeError as e:  # torch lists every mismatch (tens of lines): the count and the first
+        lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
+        first = lines[0] if lines else str(e).strip()
+        more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+        raise CheckpointError(f"{path} was written for a different model: {first}{more} (resume with the "
+                              "model and options the run was started with)") from None
     opt.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location="cpu", weights_only=True))
     trainer = torch.load(Path(path) / "trainer.pt", map_location="cpu", weights_only=True)
     if sched is not None and trainer["scheduler"] is not None:

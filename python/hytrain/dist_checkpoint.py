@@ -69,10 +69,10 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -
     opt.synchronize()  # the last step's updates may still be landing (they overlap the next forward)
     try:
         dcp.save(_state(model, opt), checkpoint_id=str(tmp))
-    except Exception as e:  # DCP gathers every rank's failure (a full disk) and raises on all of them
-        err = e if isinstance(e, OSError) else OSError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        raise _failed_save(tmp, final, needed, err) if _rank() == 0 else CheckpointError(
-            f"saving {final} failed on some rank; the last good checkpoint is kept") from None
+    except (Exception, _CheckpointException) as e:  # DCP gathers every rank's failure (a full disk) and raises on all
+        cause = _cause(e)
+        err = cause if isinstance(cause, OSError) else OSError(f"{type(cause).__name__}: {_first_line(cause)}")
+        raise _failed_save(tmp, final, needed, err, remove=_rank() == 0) from None  # rank 0 cleans up
     _barrier()  # every rank's shards are written
     if _rank() == 0:
         try:
@@ -115,11 +115,36 @@ def load(path, model, opt) -> dict:
     state = _state(model, opt)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP raises several kinds for missing or unreadable shards
-        raise CheckpointError(f"{path}: could not be read ({type(e).__name__}: {e})") from None
+    except (Exception, _CheckpointException) as e:  # several kinds, for shards and for a model that differs
+        cause = _cause(e)
+        if isinstance(cause, (ValueError, KeyError, RuntimeError)) and any(
+                w in str(cause) for w in ("mismatch", "Missing key", "missing", "Unexpected key")):
+            raise CheckpointError(f"{path} was written for a different model: {_first_line(cause)} (resume with "
+                                  "the model and options the run was started with)") from None
+        raise CheckpointError(f"{path}: could not be read ({type(cause).__name__}: {_first_line(cause)})") from None
     model.load_state_dict(state["model"])
     opt.load_sharded_state_dict(state["optim"])
     return {"step": int(meta["step"]), "world_size": int(meta["world_size"]), "extra": meta.get("extra", {})}
+
+
+try:  # DCP's summary of every rank's failure derives from BaseException, not Exception
+    from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
+except ImportError:  # pragma: no cover - torch without torch.distributed
+    class _CheckpointException(Exception):
+        pass
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's summary (``failures``: rank -> (exception, stack))."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return e
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:300]
 
 
 def _verify_shared(path: Path) -> None:

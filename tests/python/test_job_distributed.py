@@ -6,6 +6,7 @@ launcher's options checked before anything starts."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hytrain import checkpoint as ckpt
 from hytrain.job.options import ConfigError
 from hytrain.job.ranks import resolve_nproc, torchrun_command
 from test_distributed import _env
@@ -101,7 +103,8 @@ def _is_worker(pid):
         cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
     except OSError:
         return False
-    return b"hytrain" in cmd and b"torch.distributed.run" not in cmd and b"--nproc" not in cmd
+    return (b"hytrain" in cmd and b"torch.distributed.run" not in cmd and b"hytrain.job.torchrun" not in cmd
+            and b"--nproc" not in cmd)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
@@ -243,3 +246,153 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(tmp_path):
     more = ok("--nproc", "2", "--steps", str(last + 2), "--eval-every", "0", "--out", str(out), "--resume",
               "latest", *FAST)
     assert f"at step {last}" in more.stdout
+
+
+def _one_error_line(stderr: str, *words) -> str:
+    """The launcher's stderr holds exactly one error line (no rank's traceback, no torchrun report)."""
+    lines = [ln for ln in stderr.splitlines() if "error" in ln.lower() or "Traceback" in ln]
+    assert len(lines) == 1 and "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-6000:]
+    assert all(w in lines[0] for w in words), lines[0]
+    return lines[0]
+
+
+def test_an_error_every_rank_hits_is_shown_once_without_torchrun_report(tmp_path):
+    proc = job("--nproc", "2", "--steps", "2", "--out", str(tmp_path / "x"), "--resume", str(tmp_path / "none"), *FAST)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    _one_error_line(proc.stderr, "hytrain train: error:", "does not exist")
+    assert "OMP_NUM_THREADS" not in proc.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_a_rank_killed_without_restarts_is_named_once_and_the_others_stop(tmp_path):
+    """kill -9 of one rank: the launcher names that rank and its signal in one line (not the peer's
+    gloo error, not torchrun's report), exits 128 + 9, and nothing is left running."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
+                             "--eval-every", "0", "--out", str(out), *FAST], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline, victim = time.monotonic() + 240, None
+        while time.monotonic() < deadline and proc.poll() is None and victim is None:
+            m = out / "metrics.jsonl"
+            workers = sorted(p for p in _descendants(proc.pid) if _is_worker(p))
+            if m.exists() and len(m.read_text().splitlines()) >= 2 and len(workers) == 2:
+                victim = workers[-1]
+                os.kill(victim, signal.SIGKILL)
+            time.sleep(0.1)
+        family = _descendants(proc.pid)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert victim is not None
+    assert proc.returncode == 128 + signal.SIGKILL, stderr[-4000:]
+    line = _one_error_line(stderr, f"(pid {victim}) was killed by signal 9 (SIGKILL)")
+    assert "Connection" not in stderr, line
+    time.sleep(0.5)
+    assert not [p for p in family if os.path.exists(f"/proc/{p}") and _is_worker(p)]
+
+
+def test_a_lost_peer_in_a_collective_of_torch_is_a_peer_failure():
+    from hytrain.job.ranks import PeerFailure, as_peer_failure
+
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:51858. This is typically caused by a remote worker crashing.")
+    peer = as_peer_failure(gloo, 1)
+    assert isinstance(peer, PeerFailure) and "rank 1" in str(peer) and "Connection closed by peer" in str(peer)
+    assert "\n" not in str(peer)
+    assert as_peer_failure(ValueError("a bad option"), 0) is None
+    assert as_peer_failure(RuntimeError("size mismatch"), 0) is None
+    if hasattr(torch.distributed, "DistBackendError"):
+        assert isinstance(as_peer_failure(torch.distributed.DistBackendError("x"), 0), PeerFailure)
+
+
+_FULL_DISK = """
+import errno, os, torch
+_real = torch.save
+def _save(obj, f, *a, **k):  # a disk that fills up once the flag file exists (rank 1 only)
+    if os.environ.get("RANK") == "1" and os.path.exists(os.environ["FULL_DISK_FLAG"]):
+        raise OSError(errno.ENOSPC, "No space left on device", str(getattr(f, "name", f)))
+    return _real(obj, f, *a, **k)
+torch.save = _save
+"""
+
+
+def _mount_tmpfs(where: Path, size: str) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                           capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def _run_until_disk_full(out: Path, fill, extra_env=None):
+    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
+                             "--save-every", "3", "--keep", "1", "--eval-every", "0", "--out", str(out), *FAST],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**_env(), **(extra_env or {})})
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "checkpoints" / "latest").is_file():
+                fill()
+                break
+            time.sleep(0.05)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, stdout, stderr
+
+
+def _after_full_disk(out: Path, rc: int, stderr: str, *words):
+    assert rc == 2, stderr[-4000:]
+    _one_error_line(stderr, "hytrain train: error:", *words)
+    root = out / "checkpoints"
+    assert not list(root.glob(".step_*")), list(root.iterdir())  # no partial directory fills the disk
+    last = ckpt.resolve(out, "latest")
+    ckpt.verify(last)  # the last good checkpoint is intact
+    return last
+
+
+def test_a_disk_that_fills_under_torchrun_stops_every_rank_with_the_last_checkpoint_intact(tmp_path):
+    """A write that fails on one rank (an injected ENOSPC inside DCP's save on rank 1): every rank
+    stops, one line names the checkpoint and the bytes, the partial directory is gone, and the last
+    good checkpoint verifies and resumes."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_FULL_DISK)
+    flag = tmp_path / "full"
+    env = _env()
+    env = {"PYTHONPATH": str(site) + os.pathsep + env.get("PYTHONPATH", ""), "FULL_DISK_FLAG": str(flag)}
+    out = tmp_path / "run"
+    rc, _, stderr = _run_until_disk_full(out, flag.touch, env)
+    last = _after_full_disk(out, rc, stderr, "No space left on device", "GB needed")
+    flag.unlink()
+    step = int(last.name.split("_")[1])
+    more = ok("--nproc", "2", "--steps", str(step + 1), "--eval-every", "0", "--out", str(out), "--resume",
+              "latest", *FAST)
+    assert f"at step {step}" in more.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="mounts a small tmpfs")
+def test_a_real_small_disk_under_torchrun(tmp_path):
+    """The same on a real file system that fills: a 48 MB tmpfs (where this machine lets a test mount
+    one), filled by another writer once the first checkpoint is there."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "48m"):
+        pytest.skip("this machine does not allow mounting a tmpfs")
+    try:
+        out = disk / "run"
+
+        def fill():
+            free = shutil.disk_usage(disk).free
+            with open(disk / "ballast", "wb") as f:
+                f.write(b"\0" * max(0, free - (1 << 20)))
+
+        rc, _, stderr = _run_until_disk_full(out, fill)
+        _after_full_disk(out, rc, stderr, "GB free")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=20)

@@ -111,6 +111,69 @@ def test_kill_during_save_keeps_the_last_good_checkpoint(tmp_path):
     assert main(["--steps", "3", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
 
 
+def test_kill_while_old_checkpoints_are_pruned(tmp_path):
+    """SIGKILL halfway through removing the oldest checkpoint (--keep 1): the new checkpoint is whole
+    and found by latest, the half-removed one is out of sight (renamed before its removal) and the
+    next run removes it."""
+    out = str(tmp_path / "run")
+    assert main(["--steps", "2", "--save-every", "1", "--keep", "2", "--eval-every", "0", "--out", out, *FAST]) == 0
+    code = textwrap.dedent(f"""
+        import os, shutil, signal, torch
+        from pathlib import Path
+        from hytrain import checkpoint as ckpt
+        from hytrain.models import LlamaConfig, LlamaModel
+        import hytrain
+        model = LlamaModel(LlamaConfig())
+        opt = hytrain.HybridAdamW(model.parameters(), workers=1)
+        real = shutil.rmtree
+        def dying(path, *a, **k):  # a prune removes one file, then the process is killed
+            if not str(path).endswith(".trash"):
+                return real(path, *a, **k)
+            files = sorted(p for p in Path(path).iterdir())
+            files[0].unlink()
+            os.kill(os.getpid(), signal.SIGKILL)
+        shutil.rmtree = dying
+        ckpt.save({out!r}, 3, model, opt, None, {{}}, keep=1)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    root = tmp_path / "run" / "checkpoints"
+    assert ckpt.resolve(out, "latest").name == "step_00000003"
+    ckpt.verify(root / "step_00000003")
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000003"]  # the others out of sight
+    assert list(root.glob(".step_*.trash"))  # what the kill left
+    # A kill of a prune that removed in place (no rename) leaves a half checkpoint older than latest:
+    (root / "step_00000001").mkdir()
+    (root / "step_00000001" / "meta.json").write_text("{")
+    assert ckpt.resolve(out, "latest").name == "step_00000003"
+    assert main(["--steps", "4", "--keep", "1", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004"]
+
+
+def test_resuming_with_another_model_is_one_line(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["--steps", "1", "--eval-every", "0", "--out", out, *FAST]) == 0
+    capsys.readouterr()
+    assert main(["--steps", "2", "--model", "small", "--out", out, "--resume", "latest", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "was written for a different model" in err and "more)" in err and err.count("\n") == 1, err
+
+
+def test_a_failing_metrics_sink_is_reported_once_and_training_goes_on(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full (every write fails with ENOSPC)")
+    (out / "metrics.jsonl").symlink_to("/dev/full")
+    r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "4", "--eval-every", "2", "--out",
+                        str(out), *FAST], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "metrics.jsonl" in ln]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "training goes on" in lines[0], r.stderr
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    ckpt.verify(ckpt.resolve(out, "latest"))
+
+
 def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     out = str(tmp_path / "run")
     p = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", "100000", "--eval-every", "0",

@@ -36,7 +36,7 @@ from .metrics import Metrics, Power, evaluate
 from .models import build_model
 from .lock import RunLock
 from .options import DTYPES, ConfigError, add_arguments, resolve_options
-from .ranks import PeerFailure, Ranks, launch, under_torchrun
+from .ranks import LAUNCHED, PeerFailure, Ranks, as_peer_failure, launch, report_failure, under_torchrun
 
 
 def pick_device(spec: str) -> torch.device:
@@ -100,6 +100,11 @@ def run(args) -> int:
         lock.acquire()  # before anything is written: one run per --out
     try:
         return _run(args, ranks, say, out)
+    except Exception as e:  # gloo's and NCCL's own words for a lost peer, raised in FSDP's collectives
+        peer = as_peer_failure(e, ranks.rank) if ranks.distributed else None
+        if peer is None or peer is e:
+            raise
+        raise peer from e
     finally:
         if lock is not None:
             lock.release()
@@ -169,6 +174,7 @@ def _run(args, ranks, say, out) -> int:
     if ranks.main:  # the newest checkpoint is written before the oldest is pruned: keep + 1 at once
         each = ckpt.state_bytes(model, opt)
         root = out / "checkpoints"
+        ckpt.sweep(root)  # what a killed save or prune left
         ckpt.check_room(root, (args.keep + 1) * each - ckpt.bytes_under(root),
                         f"--keep {args.keep} ({args.keep + 1} checkpoints of about {each / 1e9:.3f} GB at once)")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
@@ -313,11 +319,30 @@ def main(argv=None) -> int:
             return launch(args, argv)
         return run(args)
     except (ConfigError, ckpt.CheckpointError) as e:
-        print(f"hytrain train: error: {e}", file=sys.stderr)
-        return 2
+        return _failed(2, f"hytrain train: error: {e}", "user")
     except PeerFailure as e:
-        print(f"hytrain train: error: {e}", file=sys.stderr)
-        return 1
+        return _failed(1, f"hytrain train: error: {e}", "peer")
     except native().PoolExhaustedError as e:
-        print(f"hytrain train: error: {e} (lower the model size or raise --pin-limit)", file=sys.stderr)
-        return 2
+        return _failed(2, f"hytrain train: error: {e} (lower the model size or raise --pin-limit)", "user")
+    except Exception as e:
+        if not (under_torchrun() and os.environ.get(LAUNCHED)):
+            raise  # a plain job shows its traceback as Python does
+        return _failed(1, f"hytrain train: error: {type(e).__name__}: {e}", "bug", e)
+
+
+def _failed(code: int, line: str, kind: str, exc: BaseException | None = None) -> int:
+    """Reports a failure; a rank of a process group then leaves at once, without the interpreter's
+    teardown: the group's threads may still be blocked in a collective with a peer, and destroying
+    them at exit can abort the process (``terminate called without an active exception``), which
+    would replace the exit status that says what happened."""
+    report_failure(line, kind, exc)
+    import torch.distributed as dist
+
+    if under_torchrun() and dist.is_available() and dist.is_initialized():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    return code

@@ -4,6 +4,7 @@ NVML when nvidia-ml-py is installed, and the validation loss."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -65,8 +66,17 @@ class Power:
 
 
 class Metrics:
+    """metrics.jsonl, and TensorBoard when installed. A sink that fails (a full disk, a file system
+    gone read-only) is reported once on stderr and dropped: training goes on, and its checkpoints say
+    for themselves whether the disk still holds them."""
+
     def __init__(self, out: Path):
-        self.file = open(out / "metrics.jsonl", "a")
+        self.path = out / "metrics.jsonl"
+        self.file = None
+        try:
+            self.file = open(self.path, "a")
+        except OSError as e:
+            self._drop("file", e)
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -75,9 +85,32 @@ class Metrics:
         except Exception:  # TensorBoard not installed
             self.tb = None
 
+    def _drop(self, which: str, e: BaseException) -> None:
+        name = self.path if which == "file" else "TensorBoard"
+        print(f"hytrain train: writing {name} failed ({type(e).__name__}: {e}); training goes on without it",
+              file=sys.stderr, flush=True)
+        sink = getattr(self, which)
+        setattr(self, which, None)
+        try:
+            if sink is not None:
+                sink.close()
+        except Exception:  # closing flushes, which fails the same way
+            pass
+
     def write(self, rec: dict) -> None:
-        self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
+        if self.file is not None:
+            try:
+                self.file.write(json.dumps(rec) + "\n")
+                self.file.flush()
+            except OSError as e:
+                self._drop("file", e)
+        if self.tb is not None:
+            try:
+                self._tensorboard(rec)
+            except Exception as e:  # its writer thread reports a failed disk at the next call
+                self._drop("tb", e)
+
+    def _tensorboard(self, rec: dict) -> None:
         if self.tb is not None:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and k != "step":
@@ -88,9 +121,13 @@ class Metrics:
                             self.tb.add_scalar(f"{k[:-6]}/rank{r}", x, rec["step"])
 
     def close(self):
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
+        for which in ("file", "tb"):
+            sink = getattr(self, which)
+            if sink is not None:
+                try:
+                    sink.close()
+                except Exception as e:
+                    self._drop(which, e)
 
 
 @torch.no_grad()

@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+import traceback
 
 import torch
 
@@ -20,6 +22,59 @@ from .options import ConfigError
 
 class PeerFailure(RuntimeError):
     """A collective of the job failed: another rank died, or hung past ``--timeout``."""
+
+
+# Set by ``hytrain train --nproc`` for its ranks: a failure goes to torchrun's error file, and the
+# launcher prints the first one once (``hytrain.job.torchrun``).
+LAUNCHED = "HYTRAIN_LAUNCHER"
+
+# What gloo and NCCL say when a peer process is gone or a collective timed out.
+_PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
+               "Timed out", "timed out", "NCCL communicator was aborted", "ProcessGroupGloo", "ProcessGroupNCCL",
+               "gloo/transport")
+
+
+def as_peer_failure(e: BaseException, rank: int) -> PeerFailure | None:
+    """The job's PeerFailure for an error of the process group raised outside the job's own
+    collectives (FSDP's all-gathers in forward and backward, the checkpoints' barriers), else None."""
+    if isinstance(e, PeerFailure):
+        return e
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", ())
+    if isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_SIGNS)):
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return PeerFailure(f"rank {rank}: the process group failed -- a peer process died or hung past "
+                           f"--timeout ({type(e).__name__}: {first})")
+    return None
+
+
+def tell_launcher(line: str, kind: str, rank: int, callstack: str = "") -> bool:
+    """Under ``hytrain train --nproc``: writes this rank's failure (``kind``: user, peer or bug) to
+    torchrun's error file, for the launcher to print once. Returns whether this rank should print it
+    as well: outside that launcher, or while torchrun has restarts left (the group goes on, so the
+    launcher would say nothing), where rank 0 speaks for a user's error and every rank for its own."""
+    from .torchrun import error_file_payload
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not (path and os.environ.get(LAUNCHED)):
+        return True
+    try:
+        with open(path, "w") as f:
+            f.write(error_file_payload(line, kind, callstack, time.time()))
+    except OSError:
+        return True
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return restarts_left and (kind != "user" or rank == 0)
+
+
+def report_failure(line: str, kind: str, exc: BaseException | None = None) -> None:
+    """A rank's (or a plain job's) failure: to the launcher (see :func:`tell_launcher`) and/or stderr."""
+    rank = int(os.environ.get("RANK", "0"))
+    callstack = "".join(traceback.format_exception(exc)) if kind == "bug" and exc is not None else ""
+    if tell_launcher(line, kind, rank, callstack):
+        print(callstack.rstrip() if callstack else line, file=sys.stderr, flush=True)
 
 
 def _collective(what, fn, rank):
@@ -69,6 +124,12 @@ def torchrun_command(args, argv: list[str], nproc: int) -> list[str]:
     return cmd + ["-m", "hytrain", "train", *_strip_launcher_flags(argv)]
 
 
+def _torchrun_wrapper(cmd: list[str]) -> list[str]:
+    """The same command through ``hytrain.job.torchrun``, which prints the ranks' first failure once."""
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    return [cmd[0], "-m", "hytrain.job.torchrun", *cmd[3:]]
+
+
 LAUNCHER_FLAGS = {"--nproc", "--nnodes", "--rdzv-endpoint", "--rdzv-id", "--max-restarts"}  # each takes a value
 
 
@@ -94,7 +155,10 @@ def launch(args, argv: list[str]) -> int:
                           f"number of processes ({nproc})")
     cmd = torchrun_command(args, argv, nproc)
     print("hytrain train: " + " ".join(cmd[1:]), flush=True)
-    child = subprocess.Popen(cmd)
+    # OMP_NUM_THREADS=1 is what torchrun gives each rank anyway (the job sets its own thread counts);
+    # setting it here spares its four-line banner saying so.
+    env = {"OMP_NUM_THREADS": "1", **os.environ, LAUNCHED: "1"}
+    child = subprocess.Popen(_torchrun_wrapper(cmd), env=env)
     forwarded = []
 
     def forward(signum, _frame):  # a scheduler signals the launcher: every rank must hear it

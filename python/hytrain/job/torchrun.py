@@ -1,0 +1,85 @@
+"""torchrun as ``hytrain train --nproc`` starts it: ``python -m hytrain.job.torchrun ARGS`` takes
+torchrun's arguments, runs its agent, and when the ranks fail prints the first failure once, in one
+line (a traceback only for an unexpected error), instead of every rank's message followed by
+torchrun's ``ChildFailedError`` report. Its exit status is the failed rank's (2 for an error a user
+caused, 1 otherwise, 128 + N for a rank killed by signal N)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+
+def _report(failure) -> dict:
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    return data.get("hytrain") if isinstance(data.get("hytrain"), dict) else {}
+
+
+def first_failure(failures: dict) -> tuple[int, object]:
+    """The failure to show: a user's error as the lowest rank words it (every rank usually meets the
+    same one, and rank 0 knows the most), else the earliest failure a rank reported itself that is not
+    a lost peer (a rank that saw another die reports later, as a peer failure), else a rank killed by
+    a signal, else the earliest of all."""
+    def when(item):
+        rank, f = item
+        return (_report(f).get("time", float(f.timestamp)), rank)
+
+    user = [(r, f) for r, f in failures.items() if _report(f).get("kind") == "user"]
+    if user:
+        return min(user, key=lambda item: item[0])
+    own = [(r, f) for r, f in failures.items() if _report(f) and _report(f).get("kind") != "peer"]
+    killed = [(r, f) for r, f in failures.items() if f.exitcode < 0]
+    for pool in (own, killed, list(failures.items())):
+        if pool:
+            return min(pool, key=when)
+    raise ValueError("no failure")
+
+
+def describe(rank: int, failure) -> tuple[str, int]:
+    """The line (or traceback) to print and the exit status for one rank's failure."""
+    rep = _report(failure)
+    if rep:
+        text = rep.get("line", "")
+        if rep.get("kind") == "bug" and rep.get("callstack"):
+            text = f"hytrain train: rank {rank} failed:\n{rep['callstack'].rstrip()}"
+        return text, int(failure.exitcode)
+    if failure.exitcode < 0:
+        return (f"hytrain train: error: rank {rank} (pid {failure.pid}) was killed by signal "
+                f"{-failure.exitcode} ({failure.signal_name()})"), 128 - failure.exitcode
+    return (f"hytrain train: error: rank {rank} (pid {failure.pid}) exited with status {failure.exitcode} "
+            "without a message"), int(failure.exitcode)
+
+
+def main(argv: list[str]) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # The agent's own report of each failed rank: replaced by the one line below.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        rank, failure = first_failure(e.failures)
+        text, code = describe(rank, failure)
+        others = len(e.failures) - 1
+        if others and _report(failure).get("kind") != "user":
+            text += f" ({others} other rank(s) stopped with it)"
+        print(text, file=sys.stderr, flush=True)
+        return code if 0 < code < 256 else 1
+    except SignalException as e:  # the launcher forwarded SIGTERM/SIGINT and the ranks were stopped
+        return 128 + int(e.sigval)
+    return 0
+
+
+def error_file_payload(line: str, kind: str, callstack: str, when: float) -> str:
+    """What a rank writes to torchrun's error file: torchrun's own fields (so that its report and
+    ``first failure`` still work) and hytrain's (the line, its kind: user, peer or bug)."""
+    return json.dumps({"message": {"message": line, "extraInfo": {"py_callstack": callstack or line,
+                                                                  "timestamp": str(int(when))}},
+                       "hytrain": {"line": line, "kind": kind, "callstack": callstack, "time": when}})
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
