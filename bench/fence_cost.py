@@ -63,12 +63,13 @@ def main():
     with count, torch.no_grad():
         model(x)
     plain = forward_s()
-    fence = opt._fence
-    opt._anything_in_flight = lambda: True  # the fence stays for the whole forward
+    engine = opt._engine
+    fence = engine.fence
+    engine.in_flight = lambda: True  # the fence stays for the whole forward
     torch._C._push_on_torch_function_stack(fence)
     fence._on_stack, fence._thread = True, threading.get_ident()
     fenced = forward_s()
-    del opt._anything_in_flight
+    del engine.in_flight
     fence.disarm(force=True)
     with _Nothing():
         nothing = forward_s()

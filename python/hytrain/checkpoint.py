@@ -72,10 +72,10 @@ def write_meta(path: Path, meta: dict) -> None:
     meta = dict(meta)
     meta["checksum"] = _meta_checksum(json.loads(json.dumps(meta, default=str)))
     (Path(path) / "meta.json").write_text(json.dumps(meta, indent=1, default=str))
-    _fsync(Path(path) / "meta.json")
+    fsync(Path(path) / "meta.json")
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -115,7 +115,7 @@ def check_room(root: Path, needed: int, what: str) -> None:
                               f"{free / 1e9:.3f} GB free")
 
 
-def _failed_save(tmp: Path, final: Path, needed: int, e: OSError, remove: bool = True):
+def failed_save(tmp: Path, final: Path, needed: int, e: OSError, remove: bool = True):
     if remove:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial save never stays to fill the disk
     why = e.strerror or str(e)
@@ -143,26 +143,26 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
         torch.save({"scheduler": sched.state_dict() if sched is not None else None, "rng": _rng_state()},
                    tmp / "trainer.pt")
         for f in FILES:
-            _fsync(tmp / f)
+            fsync(tmp / f)
         meta = {"format": FORMAT, "step": step, "data_position": step, "config": config, "files": digests(tmp, FILES)}
         write_meta(tmp, meta)
     except OSError as e:
-        raise _failed_save(tmp, final, needed, e) from None
+        raise failed_save(tmp, final, needed, e) from None
     return publish(root, tmp, final, keep)
 
 
 def publish(root: Path, tmp: Path, final: Path, keep: int) -> Path:
     """A complete checkpoint written in ``tmp`` (its manifest last) goes into place: flushed, renamed
     to ``final``, pointed to by ``latest`` (atomic replace), and all but the newest ``keep`` removed."""
-    _fsync(tmp)
+    fsync(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
     pointer = root / ".latest.tmp"
     pointer.write_text(final.name + "\n")
-    _fsync(pointer)
+    fsync(pointer)
     os.replace(pointer, root / "latest")
-    _fsync(root)
+    fsync(root)
     done = sorted(p for p in root.glob("step_*") if p.is_dir())
     for old in done[:-keep] if keep > 0 else []:
         if old != final:  # renamed first: a kill while removing leaves no half checkpoint under its name
@@ -204,7 +204,7 @@ def _complete(path: Path) -> bool:
     """A cheap completeness check (manifest sealed, every file there at its size); the checksums are
     verified when the checkpoint is loaded."""
     try:
-        meta = _read_meta(path)
+        meta = read_meta(path)
         for f, want in meta["files"].items():
             if (path / f).stat().st_size != want["bytes"]:
                 return False
@@ -238,7 +238,7 @@ def resolve(out: str | os.PathLike, spec: str) -> Path:
     return path
 
 
-def _read_meta(path: Path) -> dict:
+def read_meta(path: Path) -> dict:
     meta_path = Path(path) / "meta.json"
     try:
         raw = meta_path.read_bytes()
@@ -264,7 +264,7 @@ def _read_meta(path: Path) -> dict:
 
 def manifest_step(path: Path) -> int:
     """The step a checkpoint holds, from its sealed manifest (files not checked)."""
-    return int(_read_meta(path)["step"])
+    return int(read_meta(path)["step"])
 
 
 def check_files(path: Path, files: dict, names=None) -> None:
@@ -287,7 +287,7 @@ def check_files(path: Path, files: dict, names=None) -> None:
 def verify(path: Path) -> dict:
     """Checks a checkpoint of either kind (single-process or sharded): the sealed manifest, then every
     file's size and SHA-256. Returns the manifest; raises CheckpointError naming what is wrong."""
-    meta = _read_meta(path)
+    meta = read_meta(path)
     if meta["format"] in (FORMAT, 1) and set(meta["files"]) != set(FILES):
         raise CheckpointError(f"{Path(path) / 'meta.json'} does not list this checkpoint's files")
     if meta["format"] == SHARDED_FORMAT:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import SHARDED_FORMAT as FORMAT
-from .checkpoint import (CheckpointError, _failed_save, _fsync, _read_meta, check_files, check_room, digests, publish,
+from .checkpoint import (CheckpointError, failed_save, fsync, read_meta, check_files, check_room, digests, publish,
                          state_bytes, write_meta)
 
 
@@ -72,18 +72,18 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -
     except (Exception, _CheckpointException) as e:  # DCP gathers every rank's failure (a full disk) and raises on all
         cause = _cause(e)
         err = cause if isinstance(cause, OSError) else OSError(f"{type(cause).__name__}: {_first_line(cause)}")
-        raise _failed_save(tmp, final, needed, err, remove=_rank() == 0) from None  # rank 0 cleans up
+        raise failed_save(tmp, final, needed, err, remove=_rank() == 0) from None  # rank 0 cleans up
     _barrier()  # every rank's shards are written
     if _rank() == 0:
         try:
             for f in tmp.iterdir():
-                _fsync(f)
+                fsync(f)
             names = [f.name for f in tmp.iterdir() if f.is_file()]
             meta = {"format": FORMAT, "step": step, "world_size": _world(), "extra": extra or {},
                     "files": digests(tmp, names)}
             write_meta(tmp, meta)
         except OSError as e:
-            raise _failed_save(tmp, final, needed, e) from None
+            raise failed_save(tmp, final, needed, e) from None
         publish(root, tmp, final, keep)
     _barrier()
     return final
@@ -111,7 +111,7 @@ def load(path, model, opt) -> dict:
 
     path = Path(path)
     _verify_shared(path)
-    meta = _read_meta(path)
+    meta = read_meta(path)
     state = _state(model, opt)
     try:
         dcp.load(state, checkpoint_id=str(path))
@@ -152,7 +152,7 @@ def _verify_shared(path: Path) -> None:
     any rank is raised on every rank, with the first message."""
     error = None
     try:
-        meta = _read_meta(path)
+        meta = read_meta(path)
         if meta["format"] not in (FORMAT, "dcp-1"):
             raise CheckpointError(f"{path} is not a hytrain sharded checkpoint (format {FORMAT})")
         names = sorted(meta["files"])
@@ -180,6 +180,6 @@ def export_safetensors(path, model) -> None:
     if _rank() == 0:
         tmp = Path(str(path) + ".tmp")
         save_file(full, str(tmp))
-        _fsync(tmp)
+        fsync(tmp)
         os.replace(tmp, path)
     _barrier()

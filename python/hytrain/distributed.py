@@ -120,7 +120,6 @@ def bind_to_numa_node(local_rank: int | None = None, local_world: int | None = N
     step (the job does, under torchrun)."""
     import torch
 
-    from .hybrid.distributed import local_world_size
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     local_world = local_world_size() if local_world is None else local_world
@@ -134,3 +133,22 @@ def bind_to_numa_node(local_rank: int | None = None, local_world: int | None = N
     if set(cpus) != allowed:
         os.sched_setaffinity(0, cpus)
     return cpus
+
+
+def local_world_size() -> int:
+    """Processes on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def default_workers() -> int:
+    """CPU update threads for this process: the cores it may use, shared with the other processes of
+    the node (torchrun starts one per GPU; each gets its share, less one for its training thread).
+    Where the affinity already narrows the cores to this process's share, that share is used as is."""
+    cores = len(os.sched_getaffinity(0))
+    per_node = local_world_size()
+    total = os.cpu_count() or cores
+    share = cores if cores < total else cores // per_node
+    return max(1, share - 1)

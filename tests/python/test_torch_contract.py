@@ -152,13 +152,13 @@ def test_fence_leaves_the_stack_once_the_updates_landed():
     for x in batches(2):
         model(x).backward()
         opt.step()
-        assert opt._fence.armed and torch._C._len_torch_function_stack() == depth + 1
+        assert opt._engine.fence.armed and torch._C._len_torch_function_stack() == depth + 1
         opt.zero_grad()
         model.zero_grad()
-        assert opt._anything_in_flight()  # dropping .grad does not wait for the updates
+        assert opt._engine.in_flight()  # dropping .grad does not wait for the updates
     with torch.no_grad():
         model(batches(1)[0])  # the forward waits for every block, then the fence is taken off
-    assert not opt._fence.armed and torch._C._len_torch_function_stack() == depth
+    assert not opt._engine.fence.armed and torch._C._len_torch_function_stack() == depth
 
 
 @pytest.mark.parametrize("big", [False, True], ids=["torch", "race"])
@@ -334,7 +334,7 @@ def test_dropping_an_optimizer_with_updates_in_flight_waits():
     for x in batches(2):
         model(x).backward()
         opt.step()
-    assert opt._anything_in_flight()
+    assert opt._engine.in_flight()
     del opt
     gc.collect()
     model.zero_grad()

@@ -63,9 +63,11 @@ class Fence(TorchFunctionMode):
     flight, ``watch(b, tensors)`` for the gradients a block's update still reads, ``forget(b)`` once
     the block was waited for, ``disarm()`` at safe points (outside any torch function handler)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, engine_ref):
+        """``engine_ref``: a weak reference to the engine (its ``plan.block_of``, ``in_flight()`` and
+        ``fence_wait(blocks)``); the mode on the stack does not keep it alive."""
         super().__init__()
-        self._ref = weakref.ref(optimizer)
+        self._ref = engine_ref
         self._on_stack = False
         self._thread = None
         # id(gradient) -> (block, weak reference): gradients that an in-flight update reads. Weak: the
@@ -102,8 +104,8 @@ class Fence(TorchFunctionMode):
         the stack (a mode pushed above it since stays, in its order)."""
         if not self._on_stack or self._thread != threading.get_ident():
             return
-        opt = self._ref()
-        if not force and opt is not None and opt._anything_in_flight():
+        engine = self._ref()
+        if not force and engine is not None and engine.in_flight():
             return
         above = []
         found = False
@@ -124,13 +126,14 @@ class Fence(TorchFunctionMode):
         # Hot: every torch operation while armed. Parameters are found by identity, gradients by
         # identity checked against a weak reference (an id may be reused once a gradient is freed).
         if func not in _METADATA:
-            opt = self._ref()
-            if opt is not None:
-                hit = _blocks_in(args, opt._block_of, self._grads, None)
+            engine = self._ref()
+            if engine is not None:
+                block_of = engine.plan.block_of
+                hit = _blocks_in(args, block_of, self._grads, None)
                 if kwargs:
-                    hit = _blocks_in(kwargs.values(), opt._block_of, self._grads, hit)
+                    hit = _blocks_in(kwargs.values(), block_of, self._grads, hit)
                 if hit is not None:
-                    opt._fence_wait(hit)
+                    engine.fence_wait(hit)
         return func(*args, **(kwargs or {}))
 
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The torch.optim contract on a GPU machine, in stages (each one call, the machine kept warm between):
+# A change measured against an earlier version on a GPU machine, in stages (each one call or all in one,
+# the machine kept warm between):
 #   build   installs this tree, and the tree given in $BEFORE (a source tree of an earlier version, e.g.
 #           from `git archive`) into /tmp/before, for the before/after benchmark in one run
 #   tests   the GPU tests (pytest -m gpu)
 #   l3b     train_bench L3B ($REPS times, default 1) at 27.1 GB (DeepSpeed ZeRO-Offload's reserved peak on an H200): the earlier
 #           version's hytrain_auto, then this one's hytrain_auto and hytrain_nofence
 #   l7b     train_bench L7B at 75 GB: the earlier version's hytrain_auto, then this one's
+#   host    bench/host_overhead.py (the optimizer's per-step Python cost), the earlier version's, then this one's
 # Logs go to $OUT (or ./device-out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +38,13 @@ for stage in "$@"; do
         python3 bench/train_bench.py --workloads "$stage" --modes "$modes" --l7b-modes "$modes" "${caps[@]}" \
           --iters "$iters" --no-profile --skip-nocap 2>&1 | grep -E '^\{|Error' \
           | tee -a "$out/${stage}_after.txt" | cut -c1-300
+      done ;;
+    host)
+      for rep in $(seq "${REPS:-1}"); do
+        if [ -d /tmp/before ]; then
+          PYTHONPATH=/tmp/before python3 bench/host_overhead.py 2>&1 | tail -2 | tee -a "$out/host_before.txt" | cut -c1-300
+        fi
+        python3 bench/host_overhead.py 2>&1 | tail -2 | tee -a "$out/host_after.txt" | cut -c1-300
       done ;;
   esac
 done

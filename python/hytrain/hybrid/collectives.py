@@ -1,12 +1,10 @@
-"""What HybridAdamW needs of torch.distributed when its parameters are sharded by FSDP2
+"""The optimizer's collectives: what HybridAdamW needs of torch.distributed when its parameters are sharded by FSDP2
 (``torch.distributed.fsdp.fully_shard``): the process group the shards are spread over, and the few
 small collectives that keep the ranks' steps exact -- the global gradient norm (each rank has the
 squared norm of its own shards) and GradScaler's overflow flag (a step is skipped on every rank or
 on none). Nothing here runs for unsharded parameters."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -85,22 +83,3 @@ def agree_min(value: int, group) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return int(t[0])
-
-
-def local_world_size() -> int:
-    """Processes on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun)."""
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
-def default_workers() -> int:
-    """CPU update threads for this process: the cores it may use, shared with the other processes of
-    the node (torchrun starts one per GPU; each gets its share, less one for its training thread).
-    Where the affinity already narrows the cores to this process's share, that share is used as is."""
-    cores = len(os.sched_getaffinity(0))
-    per_node = local_world_size()
-    total = os.cpu_count() or cores
-    share = cores if cores < total else cores // per_node
-    return max(1, share - 1)

@@ -1,0 +1,385 @@
+"""The engine under HybridAdamW: it owns the parts and the native ``BlockRuntime`` (each block's phase
+in a step and its placement, kept once, natively) and runs a step through them --
+
+* ``plan`` (:class:`BlockPlan`): parameters, groups, blocks; fixed;
+* ``store`` (:class:`StateStore`): the state, staging, placement and moves, shadows;
+* ``intake`` (:class:`GradientIntake`): gradient hooks, checks, the global norm, clips;
+* ``launcher`` (:class:`Launcher`): the native engine and pipeline, GPU updates, waits;
+* ``planner`` (:class:`Planner`): measurements, the k-split scheduler, where speculation starts;
+* ``fence`` (:class:`Fence`): any other read or write of an in-flight block waits for it;
+
+and the model's forward hooks, which wait for each block just before it is used."""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from .._native import native
+from ..blocks import repeated_layers
+from ..trace import Timeline
+from . import collectives
+from .fence import Fence
+from .intake import GradientIntake
+from .launcher import Launcher
+from .plan import BlockPlan
+from .planner import Planner
+from .store import StateStore
+
+
+def _weak(ref, name, *args):
+    """A hook calling ``engine.name(*args)`` through a weak reference (nothing once it is gone).
+    Under torch.compile it runs as it is, outside the graph (a graph break)."""
+    @torch.compiler.disable
+    def hook(*_):
+        engine = ref()
+        if engine is not None:
+            getattr(engine, name)(*args)
+    return hook
+
+
+class Engine:
+    """``groups``: the optimizer's param groups (read at every step); ``state``: its state dict."""
+
+    def __init__(self, groups, state, settings):
+        self.groups, self.settings = groups, settings
+        self.plan = plan = BlockPlan(groups, model=settings.model, blocks=settings.blocks,
+                                     bucket_elements=settings.bucket_elements)
+        if settings.gpu_blocks > len(plan):
+            raise ValueError(f"gpu_blocks={settings.gpu_blocks} but there are only {len(plan)} blocks")
+        # FSDP2-sharded parameters: each rank holds the state of its own shards; the norm and the
+        # overflow flag are agreed over this group.
+        self.shard_group = collectives.shard_group(plan.params)
+        self.fence = Fence(weakref.ref(self))
+        self._state = state
+        self._make_parts()
+        self.timeline = None
+        self.steps = 0  # steps taken
+        self.loss_scaling = False
+        self.last_clipped = True  # whether the last step's multiplier differed from 1 (or none yet)
+        self.speculation_counts = {"adopted": 0, "redone": 0}  # speculated block updates, so far
+        self.pending = None  # parameter -> state entry, loaded when the state is created
+        self._model_hooks = []
+
+    def _make_parts(self):
+        """The runtime and the parts over the plan, as before any state exists."""
+        plan, settings = self.plan, self.settings
+        self.rt = native().BlockRuntime([len(b) for b in plan.blocks], settings.accumulation_steps)
+        self.store = StateStore(plan, settings, self.rt, self._state, self.wait_blocks)
+        self.intake = GradientIntake(plan, settings, self.rt, self.store, self.shard_group, self._arrived)
+        self.launcher = Launcher(plan, settings, self.rt, self.store, self.intake, self.fence, self.groups)
+        self.planner = Planner(plan, settings, self.rt, self.store)
+
+    @property
+    def bound(self) -> bool:
+        return self.store.bound is not None
+
+    # -- creation and teardown --------------------------------------------------------------------------
+
+    def bind(self):
+        """Creates the state, the native engine and pipeline, forward hooks and the planner for the
+        device and dtype the parameters have now. On failure nothing is left half made."""
+        s, store = self.settings, self.store
+        try:
+            store.create(self.groups)
+            self.loss_scaling = any(p.dtype == torch.float16 for p in self.plan.params)
+            self.timeline = Timeline(store.device if store.cuda else None) if s.trace else None
+            self.launcher.start(self.timeline)
+            if store.cuda:
+                store.migrate(s.gpu_blocks)
+                store.settle()
+            measured = s.model is not None and self._install_forward_hooks(s.model)
+            self.planner.start(measured=measured, pipeline=self.launcher.pipeline, shard_group=self.shard_group)
+            self.launcher.meter = self.planner.meter
+        except BaseException:  # nothing half made: the parts as before the first step
+            self._remove_model_hooks()
+            store.clear()
+            self.launcher.stop()
+            self.intake.close()
+            self._make_parts()
+            self.timeline = None
+            raise
+        store.note_weight_versions(sharded=self.shard_group is not None)
+        if self.pending:
+            pending, self.pending = self.pending, None
+            try:
+                store.load_entries(pending, reset_missing=False, sharded=self.shard_group is not None)
+            except BaseException:
+                self.pending = pending
+                raise
+
+    def carry(self) -> dict:
+        """Parameter -> state entry (host copies) of every parameter with state, or loaded for later."""
+        out = dict(self.pending or {})
+        if self.bound:
+            self.host_current()
+            for p in self.plan.params:
+                out[p] = {k: v.detach().clone() for k, v in self._state[p].items()}
+        return out
+
+    def take(self, carried) -> dict:
+        """Entries of :meth:`carry` are loaded when the state is created; returns those of
+        parameters without state here."""
+        mine = self.plan.index_of
+        self.pending = {p: e for p, e in carried.items() if id(p) in mine} or None
+        return {p: e for p, e in carried.items() if id(p) not in mine}
+
+    def close(self):
+        """Waits for what is in flight, then removes every hook and drops the state."""
+        self.synchronize()
+        self.fence.disarm(force=True)
+        self.intake.close()
+        self._remove_model_hooks()
+        self.store.clear()
+        self.launcher.stop()
+        self.timeline = None
+
+    def _remove_model_hooks(self):
+        hooks, self._model_hooks = self._model_hooks, []
+        for h in hooks:
+            h.remove()
+
+    def _install_forward_hooks(self, model) -> bool:
+        """Just-in-time waits: head blocks (and optimizer parameters outside the model) before the
+        model's forward, each repeated layer's blocks before that layer, tail blocks after the last
+        layer (before anything after it can use them). And the model's ``state_dict()`` (a checkpoint
+        save outside any forward) waits for every update in flight. A compiled model (torch.compile)
+        waits for every block at its entrance: hooks inside a compiled graph are not reliably run.
+        Whatever these hooks do not cover, the fence does (fence.py). Returns whether each layer
+        waits for its own blocks (and can be measured)."""
+        ref, plan = weakref.ref(self), self.plan
+        inner = getattr(model, "_orig_mod", model)
+        self._model_hooks.append(inner.register_state_dict_pre_hook(_weak(ref, "synchronize")))
+        layers = None if plan.compiled else repeated_layers(inner)
+        n = len(plan)
+        if layers is None:
+            everything = list(range(n))
+            self._model_hooks.append(model.register_forward_pre_hook(
+                _weak(ref, "before_forward", everything, everything[:1]), prepend=True))
+            return not plan.compiled
+        layer_ids = [sorted({plan.block_of[id(p)] for p in child.parameters() if id(p) in plan.block_of})
+                     for child in layers]
+        in_layers = {b for ids in layer_ids for b in ids}
+        first_layer = min(in_layers) if in_layers else n
+        head = [b for b in range(n) if b not in in_layers and b < first_layer]
+        tail = [b for b in range(n) if b not in in_layers and b > first_layer]
+        model_params = {id(p) for p in model.parameters()}
+        outside = [b for b in tail if not any(id(p) in model_params for p in plan.blocks[b])]
+        tail = [b for b in tail if b not in outside]
+        if self.shard_group is not None:
+            # FSDP2 all-gathers a unit's shards in its own pre-forward hook: the waits run before it
+            # (prepend), and the tail, which belongs to the root's unit, is waited for with the head.
+            head, tail = head + tail, []
+        self._model_hooks.append(model.register_forward_pre_hook(
+            _weak(ref, "before_forward", head + outside, head), prepend=True))
+        for child, ids in zip(layers, layer_ids):
+            self._model_hooks.append(child.register_forward_pre_hook(
+                _weak(ref, "before_forward", ids, ids), prepend=True))
+        if tail:
+            self._model_hooks.append(layers[len(layers) - 1].register_forward_hook(
+                _weak(ref, "before_forward", tail, tail)))
+        return True
+
+    # -- during backward and forward --------------------------------------------------------------------
+
+    def early_handoff(self) -> bool:
+        """On CUDA after the first step, without loss scaling: each block's gradients leave the GPU
+        during backward; the updates wait for step(), or run speculatively beside the state and are
+        checked there."""
+        return self.store.cuda and self.settings.overlap and self.steps > 0 and not self.loss_scaling
+
+    def speculation_allowed(self) -> bool:
+        """Whether the next backward may speculate: clipping on CUDA, and the last step did not clip."""
+        return self.settings.speculate is not False and self.early_handoff() and not self.last_clipped
+
+    def _arrived(self, b, complete):
+        if complete:
+            if self.timeline is not None:
+                self.timeline.mark("backward", b)
+            meter = self.planner.meter
+            if meter is not None:
+                meter.backward_done(b, self.store.resident_bytes if self.planner.scheduler is not None else None)
+            # Nothing is applied before step(): the multiplier, the gradients (which the loop may
+            # still clip or rescale) and the hyperparameters (which it may still change) are known
+            # only then. What can start is the copy out, and speculative updates beside the state.
+            if self.early_handoff():
+                start = self.planner.spec_from
+                spec = (not self.rt.on_gpu(b) and start is not None and b >= start and not self.last_clipped
+                        and self.store.has_shadows(b))
+                self.launcher.hand_off(b, spec)
+        self.launcher.release_landed()
+
+    def before_forward(self, wait_for, marks):
+        meter = self.planner.meter
+        meter = meter if (meter is not None and torch.is_grad_enabled() and not self.rt.any_arrived()) else None
+        before = None
+        if meter is not None:
+            meter.start(True)
+            before = meter.before_wait()
+        self.wait_blocks(wait_for)
+        if meter is not None:
+            meter.after_wait(marks, before)
+        if self.timeline is not None and torch.is_grad_enabled():
+            for b in marks:
+                self.timeline.mark("forward", b)
+        if self.fence.armed:
+            self.fence.disarm()  # off the stack once every block has been waited for
+
+    # -- the step -----------------------------------------------------------------------------------------
+
+    def drop_held(self):
+        self.launcher.drop_held(sharded=self.shard_group is not None)
+
+    def step(self, grad_scale, found_inf) -> None:
+        """Everything after the face's checks: every gradient checked, then every update started
+        (and waited for without overlap). A step that raises leaves every weight and state as it
+        was, with nothing in flight."""
+        rt, intake, launcher, store = self.rt, self.intake, self.launcher, self.store
+        try:
+            if not self.bound:
+                self.bind()
+            if found_inf is not None and self.shard_group is not None:  # skipped on all ranks or none
+                found_inf = collectives.all_reduce(found_inf.detach().clone(), self.shard_group, op="max")
+            if grad_scale is not None or found_inf is not None:
+                if not self.loss_scaling and rt.any_submitted():
+                    self.drop_held()
+                    raise RuntimeError("a GradScaler started driving HybridAdamW after updates had begun "
+                                       "overlapping backward; create the optimizer with loss scaling in use "
+                                       "from the first step")
+                self.loss_scaling = True
+            if found_inf is not None and float(found_inf) != 0.0:
+                self.drop_held()
+                return  # overflow: skip the step entirely, state untouched (torch's behaviour)
+            mult = intake.multiplier(grad_scale)
+            if not math.isfinite(mult):
+                self.drop_held()
+                raise RuntimeError(f"the gradient multiplier is {mult} (non-finite gradient norm)")
+            phases = native().BlockPhase
+            changed = intake.changed_blocks(launcher.staged)
+            rewritten = self._follow_weight_writes() - changed  # speculated from masters now refreshed
+            # Every gradient this step reads is checked before anything is applied: a refused step
+            # leaves every parameter and state as it was.
+            fresh = {b: intake.grads(b) for b in range(len(self.plan)) if not rt.submitted(b) or b in changed}
+            # Hyperparameters changed since the hand-offs (an lr set between backward and step()):
+            # held passes are released with the new ones, speculative results are redone.
+            stale = store.sync_groups(self.groups)
+            if self.planner.meter is not None:
+                self.planner.meter.launched()
+            clipped = mult != 1.0 or bool(changed)
+            if mult == 1.0 and not stale:
+                self._adopt(keep=changed | rewritten)
+            # Forward order (the next forward needs block 0 first), offloaded blocks first so that
+            # their copies start before the GPU updates queue up on the compute stream.
+            for b in rt.launch_order():
+                phase = rt.phase(b)
+                if phase == phases.held:
+                    if b in changed:
+                        launcher.restage(b, mult, fresh[b])
+                    else:
+                        launcher.release(b, mult)
+                elif not rt.submitted(b):
+                    launcher.launch(b, mult, release=False, pairs=fresh[b])
+            for b in rt.in_phase(phases.speculated):  # after the GPU updates: these may wait on the host
+                if b in changed:
+                    launcher.restage(b, mult, fresh[b])
+                else:
+                    launcher.redo(b, mult)
+                    self.speculation_counts["redone"] += 1
+            self.steps += 1
+            self.last_clipped = clipped
+            self.planner.after_step(early_copies=self.early_handoff(), speculation_allowed=self.speculation_allowed())
+            if not self._model_hooks or not self.settings.overlap:
+                self.synchronize()
+            rt.end_step()
+        except BaseException:
+            if self.bound:
+                self.drop_held()  # whatever was not released yet: as before the backward
+                try:
+                    self.synchronize()  # nothing is left in flight
+                except Exception:  # noqa: BLE001 -- the error being raised is the one to report
+                    pass
+            if self.planner.meter is not None:
+                self.planner.meter.current = None  # a step not taken is not measured
+            raise
+        finally:
+            rt.abandon_step()
+            intake.end_step()
+            if self.timeline is not None:
+                self.timeline.current.k = self.settings.gpu_blocks
+                self.timeline.next_iteration()
+        if self.settings.fence and self.in_flight():
+            self.fence.arm()  # updates outlive step(): any other path to the weights waits for them
+
+    def _adopt(self, keep=()):
+        """The multiplier is 1: the speculative states are the step's result; the old ones become
+        the shadows (the passes still writing them are waited for before anything reads them).
+        Blocks in ``keep`` (their gradients changed after the hand-off) stay speculated to be restaged."""
+        rt = self.rt
+        adopted = [b for b in rt.in_phase(native().BlockPhase.speculated) if b not in keep]
+        self.speculation_counts["adopted"] += len(adopted)
+        for b in adopted:
+            self.store.adopt(b, rt.handed(b))
+            rt.launch(b)
+
+    def _follow_weight_writes(self) -> set:
+        """Weights the loop wrote since the last step (a rollback with ``model.load_state_dict``)
+        are what the next update starts from, as with torch's optimizers: each such parameter's fp32
+        master is refreshed from its weights. Returns the blocks whose speculative pass read the old
+        master (redone in step())."""
+        written = self.store.written_weights(sharded=self.shard_group is not None)
+        if not written:
+            return set()
+        speculated = set(self.rt.in_phase(native().BlockPhase.speculated))
+        self.synchronize()  # nothing in flight reads the masters being refreshed
+        self.store.refresh_masters(written)
+        return {self.plan.block_of[id(p)] for p in written} & speculated
+
+    # -- waits ----------------------------------------------------------------------------------------
+
+    def wait_blocks(self, ids):
+        self.launcher.wait_blocks(ids)
+
+    def in_flight(self) -> bool:
+        return self.bound and bool(self.rt.in_flight_blocks())
+
+    def fence_wait(self, blocks) -> None:
+        """The fence saw an operation on these blocks' parameters or gradients (see fence.py)."""
+        rt, held = self.rt, native().BlockPhase.held
+        self.wait_blocks(sorted(b for b in blocks if rt.in_flight(b) and rt.phase(b) != held))
+
+    def synchronize(self) -> None:
+        if not self.bound:
+            return
+        # Held blocks (between backward and step) have nothing to wait for until step() releases them.
+        held = native().BlockPhase.held
+        self.wait_blocks([b for b in self.rt.in_flight_blocks() if self.rt.phase(b) != held])
+        if self.store.cuda:
+            self.store.settle()
+        self.fence.disarm()
+
+    def host_current(self):
+        """Waits for updates in flight and copies GPU-resident blocks' states into their host state."""
+        self.synchronize()
+        self.store.host_current()
+
+    def set_gpu_blocks(self, k, wait):
+        if self.rt.any_submitted() or self.rt.any_arrived():
+            raise RuntimeError("set_gpu_blocks must be called between steps, not between backward and step()")
+        if not self.bound:
+            self.settings.gpu_blocks = k
+            return
+        if k and not self.store.cuda:
+            raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
+        if wait:
+            self.synchronize()
+        if self.store.cuda:
+            self.store.migrate(k)
+            if wait:
+                self.store.settle()
+
+    def residency(self) -> dict:
+        if not self.bound:
+            return {"gpu": [], "moving": [], "lent": {}}
+        return {"gpu": self.rt.resident(), "moving": sorted(self.store.moves), "lent": dict(self.store.lent)}

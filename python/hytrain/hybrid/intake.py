@@ -1,0 +1,232 @@
+"""Gradient intake: a post-accumulate-grad hook on every parameter counts its block's gradients (the
+native ``BlockRuntime``) and reports a complete block; each block's gradients checked before anything
+reads them; what the caller keeps of handed-off gradients (to see whether it changed them before
+``step()``); the global norm, and the clips asked for on this step's gradients (``clip_grad_norm_``)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+
+import torch
+
+from .._native import native
+from . import collectives
+from .common import local
+
+
+def sq_norm(grads):
+    """The squared 2-norm of some gradients as a 0-d float64 device tensor (no fp32 copies)."""
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    return torch.stack(norms).double().square().sum()
+
+
+def _grad_hook(ref, p):
+    """The parameters' hook reaches the intake through a weak reference: it does nothing once the
+    optimizer is gone and does not keep it alive."""
+    intake = ref()
+    if intake is not None:
+        intake.on_grad(p)
+
+
+def _before_more_gradients(ref, grad):
+    """A parameter's pre-accumulation hook while clips are pending (see :meth:`GradientIntake.clip`)."""
+    intake = ref()
+    if intake is not None:
+        intake.apply_pending_clips()
+
+
+class GradientIntake:
+    """``arrived(b, complete)`` is called for each gradient of a block once the state exists
+    (``complete``: the block's last gradient of the step's last micro-batch)."""
+
+    def __init__(self, plan, settings, rt, store, shard_group, arrived):
+        self.plan, self.settings, self.rt, self.store = plan, settings, rt, store
+        self.shard_group, self.arrived = shard_group, arrived
+        self.last_grad_norm = None  # the last step's global gradient norm (before clipping), when clipping
+        self._sq_parts = {}  # block -> squared gradient norm of a block handed off early (device scalar)
+        self._handed = {}  # id(p) -> (gradient, its version) handed off while the caller keeps .grad
+        self._norm = None  # this step's global gradient norm, once computed
+        self._chain = []  # max_norm of each clip_grad_norm_ call on this step's gradients
+        self._prehooks = []  # while clips are pending: hooks that apply them before more gradients
+        ref = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref))
+                       for p in plan.params]
+
+    def close(self):
+        self.remove_clip_prehooks()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def on_grad(self, p):
+        b = self.plan.block_of.get(id(p))
+        if b is None:
+            return  # a parameter that got its gradient hook before a rebuild dropped it
+        arrival, kinds = self.rt.arrive(b), native().Arrival
+        if arrival == kinds.late:
+            if not self.settings.release_grads:
+                return  # another backward into kept gradients: step() sees them changed and redoes the block
+            raise RuntimeError(
+                f"gradients arrived for block {b} after it was already updated in this step: call "
+                f"optimizer.step() after every {self.settings.accumulation_steps} backward pass(es) "
+                "(accumulation_steps)")
+        if self.store.bound is None:
+            return  # the first step is deferred: its state is created, and its updates run, in step()
+        self.arrived(b, arrival == kinds.complete)
+
+    def grads(self, b):
+        """The block's (parameter, gradient) pairs, gradients validated and contiguous: for
+        the local shards of sharded (FSDP2) parameters; a parameter whose shard on this rank is empty
+        has nothing to update here."""
+        out = []
+        for p in self.plan.blocks[b]:
+            if p.grad is None:
+                continue
+            g, w = local(p.grad), local(p)
+            if g.is_sparse or g.layout != torch.strided:
+                raise RuntimeError(f"HybridAdamW does not support sparse gradients (shape {tuple(p.shape)})")
+            self.store.check_bound(p)
+            if g.dtype != w.dtype or g.shape != w.shape or g.device != w.device:
+                raise RuntimeError(f"gradient of a parameter of shape {tuple(w.shape)} has dtype {g.dtype}, "
+                                   f"shape {tuple(g.shape)}, device {g.device}: it must match the parameter "
+                                   f"({w.dtype}, {w.device})")
+            if w.numel():
+                out.append((p, g if g.is_contiguous() else g.contiguous()))
+        return out
+
+    def handed_off(self, b, pairs) -> None:
+        """Block b's gradients leave during backward: with ``release_grads`` its share of the squared
+        norm is taken now (``.grad`` is released); otherwise the caller keeps ``.grad`` and its
+        identity and version are noted, so that step() can tell whether the caller changed it."""
+        if self.settings.release_grads:
+            if pairs:
+                self._sq_parts[b] = sq_norm([g for _, g in pairs])
+            return
+        for p in self.plan.blocks[b]:
+            if p.grad is not None:
+                g = local(p.grad)
+                self._handed[id(p)] = (g, g._version)
+
+    def changed_blocks(self, staged) -> set:
+        """Blocks handed off during backward that cannot be released as they are: the caller changed
+        their gradients since (``clip_grad_norm_``, unscaling, replacing or dropping ``.grad``; seen by
+        the gradients' identity and version counters), or replaced their parameters' storage (which the
+        staged weight copies would write; ``staged(b)``: the weights a block's pass writes). Parameters
+        moved to another device or dtype are refused."""
+        out = set()
+        rt, phases = self.rt, native().BlockPhase
+        release = self.settings.release_grads
+        for b in (*rt.in_phase(phases.held), *rt.in_phase(phases.speculated)):
+            ps = self.plan.of_handles(rt.handed(b))
+            for p in self.plan.blocks[b]:
+                self.store.check_bound(p)
+            weights = staged(b) if not rt.on_gpu(b) else None
+            if weights and any(w.data_ptr() != local(p).data_ptr() for w, p in zip(weights, ps)):
+                if release:
+                    raise RuntimeError(f"the parameters of block {b} were given new storage between backward "
+                                       "and step(): their update was staged for the old storage, and their "
+                                       "gradients are released (release_grads=True)")
+                out.add(b)
+                continue
+            if release:
+                continue
+            for p in self.plan.blocks[b]:
+                seen, g = self._handed.get(id(p)), (local(p.grad) if p.grad is not None else None)
+                if (seen is None) != (g is None) or (g is not None and (g is not seen[0] or g._version != seen[1])):
+                    out.add(b)
+                    break
+        return out
+
+    # -- the global norm and clipping -------------------------------------------------------------------
+
+    def global_norm(self) -> float | None:
+        """This step's global gradient 2-norm before any multiplier (None without gradients), computed
+        once: one squared norm per block -- taken at the hand-off for blocks whose gradients were
+        released, now for the others -- summed in block order, so that the result does not depend on
+        which blocks were handed off early (a resumed run's first step hands none off). With sharded
+        parameters the ranks' sums are added up."""
+        if self._norm is None:
+            parts = []
+            for b, blk in enumerate(self.plan.blocks):
+                part = self._sq_parts.get(b)
+                if part is None and not (self.settings.release_grads and self.rt.submitted(b)):
+                    grads = [g for g in (local(p.grad) for p in blk if p.grad is not None) if g.numel()]
+                    part = sq_norm(grads) if grads else None
+                if part is not None:
+                    parts.append(part)
+            if self.shard_group is not None:  # every rank's squared norm of its shards, summed
+                total = (torch.stack(parts).sum() if parts else
+                         torch.zeros((), dtype=torch.float64, device=local(self.plan.params[0]).device))
+                self._norm = math.sqrt(float(collectives.all_reduce(total, self.shard_group)))
+            elif parts:
+                self._norm = math.sqrt(float(torch.stack(parts).sum()))
+        return self._norm
+
+    def _chain_coef(self, norm) -> float:
+        """The factor of the clips asked for on this step's gradients (clip_grad_norm_ calls), applied
+        one after the other as torch's clip_grad_norm_ would have rescaled them."""
+        c = 1.0
+        for max_norm in self._chain:
+            c *= min(1.0, max_norm / (norm * c + 1e-6))
+        return c
+
+    def multiplier(self, grad_scale) -> float:
+        """The step's gradient multiplier: loss-scale unscaling times the clip factor (the loop's
+        clips, or ``max_grad_norm``)."""
+        inv = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+        if not self._chain and self.settings.max_grad_norm is None:
+            return inv
+        norm = self.global_norm()
+        if norm is None:
+            return inv
+        total = norm * inv
+        self.last_grad_norm = total
+        if not math.isfinite(total):
+            return total  # refused by step(): clipping by a non-finite norm would poison every weight
+        if self._chain:  # the loop clipped: its clips, not max_grad_norm, as torch would have
+            return inv * self._chain_coef(total)
+        return inv * min(1.0, self.settings.max_grad_norm / (total + 1e-6))
+
+    def clip(self, max_norm, error_if_nonfinite) -> float:
+        """A clip asked for (see HybridAdamW.clip_grad_norm_): returns the norm before it."""
+        self._norm = None  # gradients may have been added or changed since the last call
+        total = self.global_norm()
+        total = 0.0 if total is None else total
+        total *= self._chain_coef(total)  # clips asked for earlier on these same gradients
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"the total norm of the gradients is {total}: non-finite, so it cannot be clipped")
+        self._chain.append(float(max_norm))
+        if not self._prehooks:
+            ref = weakref.ref(self)
+            self._prehooks = [p.register_hook(functools.partial(_before_more_gradients, ref))
+                              for p in self.plan.params if p.requires_grad]
+        return total
+
+    def apply_pending_clips(self):
+        """More gradients are about to be accumulated into clipped ones: the clips asked for are
+        applied to ``.grad`` now, as torch's in-place clip_grad_norm_ would have done."""
+        if not self._chain:
+            return
+        self._norm = None
+        norm = self.global_norm()
+        coef = self._chain_coef(norm) if norm is not None and math.isfinite(norm) else 1.0
+        self._chain = []
+        self._norm = None
+        if coef != 1.0:
+            grads = [local(p.grad) for p in self.plan.params if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef)
+
+    def remove_clip_prehooks(self):
+        hooks, self._prehooks = self._prehooks, []
+        for h in hooks:
+            h.remove()
+
+    def end_step(self):
+        """What a step (taken or not) leaves behind: nothing of this step's gradients."""
+        self._sq_parts = {}
+        self._handed = {}
+        self._chain = []
+        self._norm = None

@@ -1,0 +1,248 @@
+"""The launcher: how a block's update starts on each path -- the native ``UpdateEngine`` (CPU
+parameters), the native ``OffloadPipeline`` (gradients to pinned memory, CPU update, weights back) or
+the fused CUDA AdamW (GPU-resident blocks) -- from the parameters' handles in the native
+``ParamTable``; hand-offs during backward, releases of held passes, speculative results redone,
+the waits before a block is used, and what a step not taken undoes. It keeps alive what the native
+side reads or writes until it is waited for."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from .._native import native
+from ..cpu_adam import simd_paths
+from .common import local
+
+
+class Launcher:
+
+    def __init__(self, plan, settings, rt, store, intake, fence, groups):
+        self.plan, self.settings, self.rt, self.store, self.intake = plan, settings, rt, store, intake
+        self.fence, self.groups = fence, groups
+        self.engine = None  # the native UpdateEngine (CPU workers), once the state exists
+        self.pipeline = None  # the native OffloadPipeline (CUDA parameters)
+        self.timeline = None
+        self.meter = None
+        self._alive = {}  # block -> what the workers read (CPU path) / the weights written (pipeline)
+        self._landing = collections.deque()  # (D2H ticket, gradients it reads) until the copy lands
+        self._pass_owner = {}  # block -> the timeline iteration its pass belongs to
+        self._meter_owner = {}  # block -> the measured iteration its pass belongs to
+
+    def start(self, timeline) -> None:
+        """The native engine (and pipeline, on CUDA) for the state just created."""
+        s = self.settings
+        self.engine = native().UpdateEngine(s.workers, s.slice_elements, simd_paths()["selected"])
+        if self.store.cuda:
+            # The weight copies gate the next forward: give them the higher priority.
+            self.pipeline = native().OffloadPipeline(self.engine, self.store.device.index, 0, -1)
+        self.timeline = timeline
+        if timeline is not None:
+            timeline.pipeline = self.pipeline
+
+    def stop(self) -> None:
+        self.engine = self.pipeline = self.timeline = self.meter = None
+        self._alive, self._landing = {}, collections.deque()
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.store.device).cuda_stream
+
+    def hand_off(self, b, speculative) -> None:
+        """Early hand-off of block b during backward: offloaded blocks are staged on hold (or
+        speculate), GPU-resident blocks copy their gradients into their update buffers."""
+        try:
+            pairs = self.intake.grads(b)
+        except (RuntimeError, TypeError, ValueError):
+            return  # not handed off: step() refuses the step before anything is applied
+        self.intake.handed_off(b, pairs)
+        release = self.settings.release_grads
+        if self.rt.on_gpu(b):
+            for p, g in pairs:
+                self.store.dev[id(p)]["grad"].copy_(g)
+            self.rt.hold(b, self.plan.handles(p for p, _ in pairs))
+            if release:
+                for p, _ in pairs:
+                    p.grad = None
+        else:
+            self.launch(b, 1.0, release=release, hold=not speculative, speculative=speculative)
+
+    def launch(self, b, grad_scale, *, release, hold=False, speculative=False, pairs=None):
+        """Starts block b's update with gradient multiplier ``grad_scale``. ``release`` drops the
+        parameters' ``.grad`` (the GPU memory returns once the gradient copy has landed). ``hold``
+        (offloaded blocks): copy the gradients out now, update on :meth:`release`.
+        ``speculative`` (offloaded blocks): the new state goes to the block's shadows and the new
+        weights come from the shadow staging; the gradients stay in staging (see :meth:`redo`).
+        The parameters are stepped by their handles in the native table; what crosses is the
+        multiplier and the gradients' and weights' addresses of the moment."""
+        if pairs is None:
+            pairs = self.intake.grads(b)
+        rt, store = self.rt, self.store
+        if self.timeline is not None:
+            self._pass_owner[b] = self.timeline.current
+        if self.meter is not None and store.cuda and not rt.on_gpu(b):
+            self._meter_owner[b] = self.meter.current
+        handles = self.plan.handles(p for p, _ in pairs)
+        if pairs and not rt.on_gpu(b):
+            store.sync_groups(self.groups)
+        if not store.cuda:
+            self.engine.submit(b, store.table, handles, [g.data_ptr() for _, g in pairs],
+                               [local(p).data_ptr() for p, _ in pairs], float(grad_scale))
+            # The workers read the gradients and write the weights: both stay alive until waited for.
+            self._alive[b] = [t for p, g in pairs for t in (g, local(p).detach())]
+            self.fence.watch(b, [g for _, g in pairs])
+            rt.set_in_flight(b)
+        elif rt.on_gpu(b):
+            self.gpu_update(b, pairs, grad_scale)
+        elif pairs:
+            store.migration_done(b, host=True)  # states that came down from the GPU have landed
+            self.pipeline.stage(b, store.table, handles, [g.data_ptr() for _, g in pairs],
+                                [local(p).data_ptr() for p, _ in pairs], float(grad_scale), self._stream(),
+                                hold=hold, speculative=speculative)
+            self._landing.append((self.pipeline.d2h_issued, [g for _, g in pairs]))
+            # The H2D copies write these weights: their storage stays alive until the pass is waited
+            # for, even if the caller replaces the parameters' data meanwhile.
+            self._alive[b] = [local(p).detach() for p, _ in pairs]
+            self.fence.watch(b, [g for _, g in pairs])  # the gradient copies still read them
+            rt.set_in_flight(b)
+        if pairs and hold:
+            rt.hold(b, handles)
+        elif pairs and speculative:
+            rt.speculate(b, handles)
+        else:
+            rt.launch(b)
+        if release and store.cuda:
+            for p, _ in pairs:
+                p.grad = None
+
+    def release(self, b, mult) -> None:
+        """A held block's update goes ahead with the step's multiplier (and hyperparameters)."""
+        if self.rt.on_gpu(b):
+            self.gpu_update(b, [(p, None) for p in self.plan.of_handles(self.rt.handed(b))], mult)
+        else:
+            self.pipeline.release(b, mult, self.store.table, self.rt.handed(b))
+        self.rt.launch(b)
+
+    def staged(self, b):
+        """The weights block b's pass in flight writes (None if none)."""
+        return self._alive.get(b)
+
+    def gpu_update(self, b, pairs, grad_scale):
+        """pairs: (parameter, gradient), or (parameter, None) when the gradient is already in the
+        parameter's update buffer (early hand-off)."""
+        store = self.store
+        store.migration_done(b, host=False)  # states that went up: the compute stream waits for them
+        groups = {}
+        for p, g in pairs:
+            d = store.dev[id(p)]
+            if g is not None:
+                d["grad"].copy_(g)
+            st = store.state[p]
+            st["step"] += 1
+            groups.setdefault((self.plan.group_index[id(p)], p.dtype, int(st["step"].item())), []).append(p)
+        timed = self.timeline is not None or self.meter is not None
+        first = False
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(store.device))
+        for (gi, dtype, step), ps in groups.items():
+            group = self.groups[gi]
+            fused, built = store.fused(ps, gi, dtype, bool(group["amsgrad"]))
+            first = first or built  # building the group's tables is not the update's cost: not measured
+            sign = -1.0 if group.get("maximize", False) else 1.0  # maximize: ascend
+            fused.step(step=step, lr=float(group["lr"]), betas=tuple(float(x) for x in group["betas"]),
+                       eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                       grad_scale=sign * float(grad_scale))
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(store.device))
+            if self.timeline is not None:
+                self.timeline.gpu_update(b, start, end)
+            if self.meter is not None and not first:
+                self.meter.gpu_update(b, start, end)
+
+    def drop_held(self, *, sharded):
+        """A step that cannot be taken: held updates are cancelled, speculative ones dropped (their
+        blocks get back the weights of their untouched state), and step counts restored, so that the
+        states and weights are as before the backward."""
+        rt, phases, table = self.rt, native().BlockPhase, self.store.table
+        for b in rt.in_phase(phases.held):
+            if not rt.on_gpu(b):
+                self.pipeline.cancel(b)
+                table.retreat(rt.handed(b))
+            rt.drop(b)
+        for b in rt.in_phase(phases.speculated):
+            self.wait_blocks([b])  # the compute stream now follows the speculative weight copies
+            ps = self.plan.of_handles(rt.handed(b))
+            for p in ps:
+                local(p).copy_(self.store.state[p]["master"], non_blocking=True)  # the weights are its rounding
+            self.store.note_weight_versions(ps, sharded=sharded)
+            table.retreat(rt.handed(b))
+            rt.drop(b)
+
+    def restage(self, b, mult, pairs=None):
+        """Block b's gradients changed after its hand-off: its held pass is cancelled, or its
+        speculative one dropped (it wrote only the shadows), and the block is updated from the
+        gradients there now (the new copies wait for the old pass on the device)."""
+        rt = self.rt
+        if pairs is None:
+            pairs = self.intake.grads(b)
+        if rt.on_gpu(b):
+            self.gpu_update(b, pairs, mult)
+            rt.launch(b)
+            return
+        if rt.phase(b) == native().BlockPhase.held:
+            self.pipeline.cancel(b)
+        self.store.table.retreat(rt.handed(b))
+        self.launch(b, mult, release=False, pairs=pairs)
+
+    def redo(self, b, mult):
+        """Clipping fired: block b is updated again from its untouched state with the multiplier;
+        the gradients are still in staging. (The pipeline lets the speculative pass finish first.)"""
+        rt = self.rt
+        handles = list(rt.handed(b))
+        ps = self.plan.of_handles(handles)
+        if self.timeline is not None:
+            self._pass_owner[b] = self.timeline.current
+        if self.meter is not None:
+            self._meter_owner[b] = self.meter.current
+        self.store.sync_groups(self.groups)
+        self.pipeline.stage(b, self.store.table, handles, [0] * len(ps), [local(p).data_ptr() for p in ps],
+                            float(mult), self._stream(), redo=True)
+        self._alive[b] = [local(p).detach() for p in ps]
+        rt.set_in_flight(b)
+        rt.launch(b)  # (until here a failure leaves it to drop_held)
+
+    def release_landed(self):
+        if not self._landing:
+            return
+        done = self.pipeline.d2h_completed
+        while self._landing and self._landing[0][0] <= done:
+            self._landing.popleft()
+
+    def wait_blocks(self, ids):
+        rt, up, cuda = self.rt, [], self.store.cuda
+        for b in ids:
+            if not rt.in_flight(b):
+                continue
+            try:
+                if cuda:
+                    self.pipeline.wait_ready(b, self._stream())
+                else:
+                    self.engine.wait(b)
+            finally:
+                self._alive.pop(b, None)
+                self.fence.forget(b)
+                if rt.landed(b):  # k rose while its pass was in flight: its states go up now
+                    up.append(b)
+            owner = self._pass_owner.pop(b, None)
+            info = None
+            if owner is not None:
+                info = self.pipeline.last_pass(b) if cuda else self.engine.timing(b)
+                owner.passes[b] = info
+            metered = self._meter_owner.pop(b, None)
+            if metered is not None:
+                metered.passes[b] = info if info is not None else self.pipeline.last_pass(b)
+        for b in up:
+            self.store.to_gpu(b)
+        self.release_landed()

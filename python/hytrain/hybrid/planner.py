@@ -1,0 +1,172 @@
+"""The planner: the measurements (compute-stream events, through the ``Meter``), the native
+``KSplitScheduler`` fed with them after each step (block sizes, the GPU memory budget, a start-up
+probe of the GPU AdamW's rate), its decision -- k, and from which block offloaded blocks speculate
+in the next backward -- and the shadows that speculation needs, taken from the state store."""
+
+from __future__ import annotations
+
+import torch
+
+from .._native import native
+from ..cuda_adam import CudaAdamW
+from ..meter import Meter
+from . import collectives
+
+
+class Planner:
+
+    def __init__(self, plan, settings, rt, store):
+        self.plan, self.settings, self.rt, self.store = plan, settings, rt, store
+        self.meter = None
+        self.scheduler = None
+        self.spec_from = None  # blocks >= this (offloaded, with shadows) speculate in the next backward
+        self.prediction = None  # the scheduler's simulated iteration for the k in use
+        self.summary = {}  # the last measured iteration's figures
+        self.gpu_memory_limit = None
+        self._agree_group = None  # sharded with k chosen each step: the ranks agree on k
+        self._nonstate_peak = 0
+
+    def start(self, *, measured, pipeline, shard_group) -> None:
+        """At the state's creation: on CUDA with per-layer forward hooks (``measured``) the meter,
+        and with one micro-batch per step the scheduler."""
+        store, s = self.store, self.settings
+        if not (store.cuda and measured):
+            return
+        # Iterations are numbered from the first, which ran before the state existed.
+        meter = Meter(store.device, pipeline, len(self.plan), first_index=1)
+        if s.accumulation_steps != 1:
+            self.attach(meter)
+            return
+        # Fixed k too: its predictions are what a run is checked against.
+        numel, weight, state_bytes = self.plan.sizes()
+        scheduler = native().KSplitScheduler(numel, weight, state_bytes, every=s.schedule_every, deferred=True)
+        limit = s.gpu_memory_request
+        if limit is None:
+            total = torch.cuda.get_device_properties(store.device).total_memory
+            fraction = 1.0
+            getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            if getter is not None:
+                try:
+                    fraction = float(getter(store.device))
+                except (RuntimeError, TypeError):
+                    fraction = 1.0
+            limit = int(total * fraction)
+        self.attach(meter, scheduler, limit)
+        self._probe_gpu_rate()
+        if shard_group is not None and s.auto:
+            self._agree_group = collectives.host_group(shard_group)
+
+    def attach(self, meter, scheduler=None, gpu_memory_limit=None) -> None:
+        """The meter whose iterations feed the scheduler (and the scheduler, with the GPU memory it
+        budgets within); :meth:`start` makes them on CUDA, a test gives recorded ones."""
+        self.meter, self.scheduler, self.gpu_memory_limit = meter, scheduler, gpu_memory_limit
+        if scheduler is not None:
+            scheduler.memory_budget = 0.0  # nothing resident until a step's peak has been seen
+
+    def _probe_gpu_rate(self):
+        """alpha's GPU side before any block runs there: the fused AdamW on 4 M scratch elements."""
+        n, device = 1 << 22, self.store.device
+        dtype = self.plan.blocks[0][0].dtype
+        t = [torch.zeros(n, device=device) for _ in range(3)]
+        g = torch.full((n,), 1e-3, dtype=dtype, device=device)
+        w = torch.empty(n, dtype=dtype, device=device) if dtype != torch.float32 else None
+        fused = CudaAdamW([t[0]], [t[1]], [t[2]], [g], weights=[w] if w is not None else None)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fused.step(step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        start.record()
+        for i in range(3):
+            fused.step(step=2 + i, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        end.record()
+        end.synchronize()
+        self.scheduler.observe_rate(native().Phase.gpu, start.elapsed_time(end) / 1e3 / 3 / n)
+
+    def after_step(self, *, early_copies, speculation_allowed) -> None:
+        """After a step's launches: feed the last complete iteration's costs, refresh the memory
+        budget, let the scheduler pick k for the next step (migrations start now), and set where
+        speculation starts (``speculation_allowed``: whether the next backward may speculate)."""
+        if self.meter is not None:
+            self._schedule(self.meter.end_iteration(), early_copies, speculation_allowed)
+        if self.scheduler is None or self.settings.speculate != "auto":
+            self.speculate_from(self.speculation_floor(speculation_allowed), speculation_allowed)
+
+    def _schedule(self, record, early_copies, allowed):
+        s, sched = self.settings, self.scheduler
+        summary = self.meter.harvest(record, sched) if record is not None else None
+        if summary is not None:
+            self.summary = {k: v for k, v in summary.items() if k != "nonstate_peak_bytes"}
+        if sched is None:
+            return
+        sched.deferred = True  # updates are applied in step(), never during backward
+        sched.overlap = s.overlap
+        sched.early_copies = early_copies
+        sched.speculative_min = self.speculation_floor(allowed)
+        sched.speculative_fixed = s.speculate != "auto"  # predictions as the run does
+        if not s.auto:
+            if sched.ready():
+                self.prediction = sched.predict(s.gpu_blocks)
+                self._speculate_as_predicted(allowed)
+            return
+        k = s.gpu_blocks
+        if summary is not None:
+            # The most memory seen in use apart from resident states, sampled as each block's
+            # gradients completed (backward is where activations and gradients meet), plus a margin
+            # for what falls between samples (the loss, temporary buffers).
+            self._nonstate_peak = max(self._nonstate_peak, summary["nonstate_peak_bytes"])
+            margin = (1 << 30) + self.gpu_memory_limit // 20
+            sched.memory_budget = float(max(0, self.gpu_memory_limit - self._nonstate_peak - margin))
+            k = sched.decide(s.gpu_blocks)
+        if self._agree_group is not None:
+            # Sharded: each rank decides from its own measurements, and all take the smallest k --
+            # within every rank's memory budget, and every rank's migration falls in the same step
+            # (a step is as slow as its slowest rank). Every rank takes part every step, decision or
+            # not (a rank whose iteration was not measured offers its current k).
+            k = collectives.agree_min(k, self._agree_group)
+        if k != s.gpu_blocks:
+            self.store.migrate(k)
+        if summary is not None and sched.ready():
+            self.prediction = sched.last_prediction()
+            self._speculate_as_predicted(allowed)
+
+    def _speculate_as_predicted(self, allowed):
+        if self.settings.speculate == "auto":
+            self.speculate_from(self.prediction["speculative_from"], allowed)
+
+    def speculation_floor(self, allowed):
+        """The lowest block from which every offloaded block has, or could get, shadows (None: not
+        even the last block, or speculation not ``allowed`` in the next backward)."""
+        if not allowed:
+            return None
+        speculate = self.settings.speculate
+        plan = self.store.shadow_plan(0 if speculate == "auto" else speculate)
+        return plan[-1][0] if plan else None
+
+    def speculate_from(self, start, allowed) -> None:
+        """Blocks >= start speculate in the next backward. Their shadows are borrowed from GPU-resident
+        blocks of the same shapes where there are such, else allocated (from the last block down;
+        where neither is possible, the start rises). Allocation is slow the first time
+        (page-locking), so the iteration it falls in is not measured."""
+        self.spec_from = None
+        if start is None or not allowed:
+            return
+        allocated = False
+        store = self.store
+        for b, donor in store.shadow_plan(start):
+            if donor is not None:
+                store.borrow(b, donor)
+            elif not store.has_shadows(b):
+                allocated = True
+                if not store.allocate_shadows(b):
+                    break  # the pool's capacity: speculation starts above this block
+            self.spec_from = b
+        if allocated and self.meter is not None:
+            self.meter.pending = None  # the allocation stalled this iteration: not a measurement
+
+    def stats(self) -> dict:
+        out = {"k": self.settings.gpu_blocks, "speculative_from": self.spec_from, **self.summary}
+        p = self.prediction
+        if p is not None:
+            out["predicted_iter_s"] = p["iter_s"]
+            out["predicted_gpu_idle_s"] = p["gpu_idle_s"]
+        if self.scheduler is not None and self.settings.auto:
+            out["state_budget_bytes"] = self.scheduler.memory_budget
+        return out

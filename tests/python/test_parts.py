@@ -1,0 +1,172 @@
+"""HybridAdamW's parts, each built and checked on its own on the CPU: the block plan from a module,
+the state store from a list of parameters and a pool, the gradient intake's norm and clips, the
+planner from recorded costs."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import hytrain
+from hytrain._native import native
+from hytrain.blocks import detect_blocks
+from hytrain.hybrid.intake import GradientIntake
+from hytrain.hybrid.plan import BlockPlan
+from hytrain.hybrid.planner import Planner
+from hytrain.hybrid.settings import settings
+from hytrain.hybrid.store import StateStore
+from hytrain.models import LlamaConfig, LlamaModel
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2, num_kv_heads=2,
+                  max_seq_len=32)
+
+
+def make_settings(**kw):
+    base = dict(max_grad_norm=None, release_grads=None, accumulation_steps=1, gpu_blocks="auto", schedule_every=1,
+                gpu_memory_limit=None, speculate="auto", host_memory_limit=None, fence=True, overlap=True,
+                workers=1, slice_elements=1 << 18, trace=False, pool=None, model=None, blocks=None,
+                bucket_elements=4 << 20)
+    base.update(kw)
+    return settings(**base)
+
+
+def groups_of(params, **kw):
+    return [dict(params=list(params), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
+                 maximize=False, **kw)]
+
+
+def test_the_block_plan_from_a_module():
+    torch.manual_seed(0)
+    model = LlamaModel(CFG)
+    frozen = model.embed.weight if hasattr(model, "embed") else next(model.parameters())
+    frozen.requires_grad_(False)
+    groups = groups_of(model.parameters())
+    plan = BlockPlan(groups, model=model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert plan.params == params and plan.frozen == [frozen]
+    assert plan.blocks == detect_blocks(model, params)
+    assert len(plan) == len(plan.blocks) >= CFG.num_layers
+    for i, p in enumerate(params):
+        assert plan.index(p) == i and plan.group(p) is groups[0]
+        assert any(q is p for q in plan.blocks[plan.block_of[id(p)]])
+    assert plan.of_handles(plan.handles(params[:3])) == params[:3]
+    numel, weight, state = plan.sizes()
+    assert sum(numel) == sum(p.numel() for p in params)
+    assert weight == [sum(p.numel() * 4 for p in b) for b in plan.blocks]
+    assert state == [sum(p.numel() * (8 + 4) for p in b) for b in plan.blocks]  # m, v, the gradient buffer
+    buckets = BlockPlan(groups, bucket_elements=1000)
+    assert [p for b in buckets.blocks for p in b] == params
+    with pytest.raises(ValueError, match="no parameter that requires gradients"):
+        BlockPlan(groups_of([nn.Parameter(torch.zeros(2), requires_grad=False)]))
+    with pytest.raises(ValueError, match="in no block"):
+        BlockPlan(groups, blocks=[params[:2]])
+
+
+def test_the_state_store_from_parameters_and_a_pool():
+    torch.manual_seed(1)
+    params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(7).to(torch.bfloat16))]
+    groups = groups_of(params, foreach=None, capturable=False, differentiable=False, fused=None)
+    plan = BlockPlan(groups, bucket_elements=1)
+    pool = hytrain.PinnedPool(1 << 22, pinned=False)
+    rt = native().BlockRuntime([len(b) for b in plan.blocks], 1)
+    state = {}
+    import collections
+    state = collections.defaultdict(dict)
+    store = StateStore(plan, make_settings(pool=pool), rt, state, wait=lambda ids: None)
+    store.create(groups)
+    assert store.device == torch.device("cpu") and not store.cuda and store.pool is pool
+    fp32, bf16 = (state[p] for p in params)
+    assert set(fp32) == {"step", "exp_avg", "exp_avg_sq"}  # fp32 on the CPU: the weight is its master
+    assert set(bf16) == {"step", "exp_avg", "exp_avg_sq", "master"}
+    assert torch.equal(bf16["master"], params[1].detach().float())
+    assert pool.stats()["in_use"] > 0
+    assert store.sync_groups(groups) is False and store.sync_groups(groups) is False
+    groups[0]["lr"] = 2e-3
+    assert store.sync_groups(groups) is True  # the table had other values
+    entry = {"exp_avg": torch.full((7,), 0.5), "exp_avg_sq": torch.full((7,), 0.25), "step": torch.tensor(3.0)}
+    store.load_entries({params[1]: entry}, reset_missing=True)
+    assert torch.equal(bf16["exp_avg"], entry["exp_avg"]) and float(bf16["step"]) == 3.0
+    assert float(fp32["step"]) == 0.0 and not fp32["exp_avg"].any()
+    with torch.no_grad():
+        params[1].add_(1)
+    assert store.written_weights() == [params[1]]
+    store.refresh_masters([params[1]])
+    assert torch.equal(bf16["master"], params[1].detach().float()) and store.written_weights() == []
+    params[0].data = params[0].data.double()
+    with pytest.raises(RuntimeError, match="Moving or casting"):
+        store.check_bound(params[0])
+    assert store.allocate_shadows(1) and store.has_shadows(1) and not store.has_shadows(0)
+    store.clear()
+    assert not state and store.bound is None
+
+
+def test_the_intake_norm_and_chained_clips():
+    torch.manual_seed(2)
+    params = [nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(6))]
+    groups = groups_of(params)
+    plan = BlockPlan(groups, bucket_elements=1)
+    rt = native().BlockRuntime([len(b) for b in plan.blocks], 1)
+    arrived = []
+    intake = GradientIntake(plan, make_settings(), rt, store=None, shard_group=None,
+                            arrived=lambda b, complete: arrived.append((b, complete)))
+    grads = [torch.randn(4), torch.randn(6)]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    norm = math.sqrt(sum(float(g.square().sum()) for g in grads))
+    assert intake.global_norm() == pytest.approx(norm)
+    assert intake.clip(norm / 2, False) == pytest.approx(norm)
+    assert intake.clip(norm / 4, False) == pytest.approx(norm / 2, rel=1e-5)  # the norm after the first clip
+    assert intake.multiplier(None) == pytest.approx(0.25, rel=1e-5) and intake.last_grad_norm == pytest.approx(norm)
+    intake.apply_pending_clips()  # more gradients are coming: the clips go into .grad
+    torch.testing.assert_close(params[0].grad, grads[0] * 0.25, rtol=1e-5, atol=1e-6)
+    intake.end_step()
+    assert intake.multiplier(2.0) == 0.5  # no clip asked for: the loss scale only
+    intake.close()
+
+
+class _RecordedMeter:
+    """A meter that hands the scheduler recorded per-block costs and a recorded memory peak."""
+
+    def __init__(self, costs, peak):
+        self.costs, self.peak, self.pending, self.current = costs, peak, None, None
+
+    def end_iteration(self):
+        return "recorded"
+
+    def harvest(self, record, scheduler):
+        for j, per_phase in enumerate(self.costs):
+            for phase, t in per_phase.items():
+                scheduler.observe(j, phase, t)
+        return {"iter_s": 0.1, "gpu_wait_frac": 0.2, "nonstate_peak_bytes": self.peak}
+
+
+class _Store:
+    cuda, device = True, torch.device("cpu")
+
+    def __init__(self):
+        self.moves = []
+
+    def migrate(self, k):
+        self.moves.append(k)
+
+
+def test_the_planner_from_recorded_costs():
+    L = 8
+    plan = BlockPlan(groups_of([nn.Parameter(torch.zeros(10**6)) for _ in range(L)]), bucket_elements=1)
+    s = make_settings(speculate=False)
+    store = _Store()
+    planner = Planner(plan, s, native().BlockRuntime([1] * L, 1), store)
+    P = native().Phase
+    costs = [{P.forward: 1e-3, P.backward: 2e-3, P.cpu: 8e-3, P.gpu: 0.5e-3, P.d2h: 0.4e-3, P.h2d: 0.4e-3}] * L
+    sched = native().KSplitScheduler(*plan.sizes(), every=1, deferred=True)
+    limit = 8 << 30
+    planner.attach(_RecordedMeter(costs, peak=2 << 30), sched, limit)
+    planner.after_step(early_copies=False, speculation_allowed=False)
+    margin = (1 << 30) + limit // 20
+    assert sched.memory_budget == float(limit - (2 << 30) - margin)
+    k = store.moves[-1]
+    assert 0 < k <= L and k == sched.last_prediction()["k"]
+    stats = planner.stats()
+    assert stats["iter_s"] == 0.1 and stats["predicted_iter_s"] == sched.last_prediction()["iter_s"]
+    assert stats["state_budget_bytes"] == sched.memory_budget and planner.spec_from is None
