@@ -12,7 +12,7 @@ from .cpu_adam import adamw_step, set_simd_path, simd_paths
 from .cuda_adam import CudaAdamW
 from .grad_norm import CudaGradNorm, clip_multiplier
 from .hybrid import HybridAdamW
-from .pool import PinnedPool
+from .pool import CapacityError, PinnedPool
 from . import integrations  # imports transformers or Lightning only when they are used
 
 __version__ = "0.1.0"
@@ -36,6 +36,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'hytrain' has no attribute {name!r}")
 
 
-__all__ = ["CopyStream", "CudaAdamW", "CudaGradNorm", "DeviceTimeoutError", "HybridAdamW", "PinnedPool",
+__all__ = ["CapacityError", "CopyStream", "CudaAdamW", "CudaGradNorm", "DeviceTimeoutError", "HybridAdamW", "PinnedPool",
            "PoolExhaustedError", "adamw_step", "build_info", "clip_multiplier", "cuda_available",
            "set_simd_path", "simd_paths", "__version__"]

@@ -36,6 +36,37 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_memory_bytes() -> int | None:
+    """Host memory this process can still take without swapping or being killed: the system's
+    ``MemAvailable``, less under a cgroup (v2 or v1) limit; None where neither can be read.
+    Page-locked memory cannot be swapped, so this bounds what a pool can pin."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            raw = open(limit_file).read().strip()
+            if raw != "max" and int(raw) < (1 << 60):
+                found.append(max(0, int(raw) - int(open(usage_file).read().strip())))
+            break
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
+class CapacityError(MemoryError):
+    """The optimizer state does not fit where it must live (host or GPU memory), found before
+    anything was allocated: the message names the bytes needed and available."""
+
+
 class PinnedPool:
     """A capacity-limited pool of (page-locked when possible) host memory.
 

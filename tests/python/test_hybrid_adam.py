@@ -330,3 +330,25 @@ def test_clipping_refuses_a_non_finite_norm_and_keeps_the_state():
             assert torch.equal(t, after["state"][i][key]), (i, key)
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     train(model, opt, data[1:])  # and training goes on
+
+
+def test_a_state_the_host_cannot_hold_is_refused_before_anything_is_allocated(monkeypatch):
+    from hytrain.hybrid import store
+
+    assert hytrain.pool.available_memory_bytes() > 0  # this machine tells
+    model, _ = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), model=model, workers=1)
+    x = batches(1)[0][0]
+    model(x, x).backward()
+    need = opt._engine.store.host_bytes()
+    per = 8 + (4 if next(model.parameters()).dtype != torch.float32 else 0)  # m, v (and an fp32 master)
+    assert need == sum(p.numel() for p in model.parameters()) * per
+    monkeypatch.setattr(store, "available_memory_bytes", lambda: need - 1)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(hytrain.CapacityError, match=r"M parameters needs \d+\.\d\d MiB of pinned host memory .* is \d+\.\d\d MiB"):
+        opt.step()
+    assert not opt.bound and len(opt.state) == 0
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    monkeypatch.setattr(store, "available_memory_bytes", lambda: need)
+    opt.step()  # exactly enough
+    assert opt.bound

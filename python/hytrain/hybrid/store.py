@@ -15,7 +15,7 @@ import torch
 from .. import _checks
 from .._native import native
 from ..cuda_adam import CudaAdamW
-from ..pool import PinnedPool
+from ..pool import CapacityError, PinnedPool, available_memory_bytes
 from .common import PARAM_DTYPES, STATE_KEYS, local
 
 _STATE_AND_MASTER = ("master", *STATE_KEYS)
@@ -28,6 +28,10 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def check_params(params) -> torch.device:
@@ -87,6 +91,7 @@ class StateStore:
         self.cuda = self.device.type == "cuda"
         if self.settings.gpu_blocks and not self.cuda:
             raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
+        self.check_room()
         pool = self.settings.pool
         self.pool = pool if pool is not None else PinnedPool(self._pool_bytes(), slab_bytes="256MiB")
         if self.cuda and not self.pool.page_locked:
@@ -103,6 +108,48 @@ class StateStore:
             self._stream = torch.cuda.Stream(self.device, priority=0)
         self.bound = {id(p): (w.device, w.dtype, w.shape) for p in plan.params for w in (local(p),)}
         self.amsgrad_bound = [bool(g["amsgrad"]) for g in param_groups]
+
+    def host_bytes(self) -> int:
+        """The pinned host bytes the state and staging take (shadows come later, within the host
+        limit): fp32 m and v (and max v), an fp32 master unless the weight is its own (fp32 on the
+        CPU), and on CUDA one staging buffer of the weight's dtype."""
+        total = 0
+        for p in self.plan.params:
+            per = 8 + (4 if self.plan.amsgrad(p) else 0)
+            if p.dtype != torch.float32 or self.cuda:
+                per += 4
+            if self.cuda:
+                per += p.element_size()
+            total += local(p).numel() * per
+        return total
+
+    def check_room(self) -> None:
+        """Refuses, before anything is allocated, a state that does not fit: in the host memory
+        this process can still take, and on the GPU the states of the first ``gpu_blocks`` blocks
+        when k is fixed."""
+        need = self.host_bytes()
+        n = sum(local(p).numel() for p in self.plan.params)
+        count = f"{n / 1e9:.2f} B" if n >= 10**9 else f"{n / 1e6:.2f} M"
+        # A given pool refuses what it cannot hold itself (PoolExhaustedError, nothing half made);
+        # the pool made here is bounded by what the host can still give.
+        room = available_memory_bytes() if self.settings.pool is None else None
+        where = "the host memory available to this process"
+        if room is not None and need > room:
+            raise CapacityError(
+                f"the optimizer state of {count} parameters needs {_size(need)} of pinned host memory "
+                f"(fp32 master, m and v{' and staging' if self.cuda else ''}), but {where} is "
+                f"{_size(room)}: use a host with more memory, shard the model over more processes "
+                "(--nproc / FSDP2), or train a smaller model")
+        k = self.settings.gpu_blocks
+        if self.cuda and k and not self.settings.auto:
+            on_gpu = sum(self._state_bytes[:k])
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            if on_gpu > free:
+                raise CapacityError(
+                    f"gpu_blocks={k} keeps {_size(on_gpu)} of optimizer states on the GPU, but "
+                    f"{_size(free)} of its memory is free: lower gpu_blocks, or use gpu_blocks='auto' "
+                    "(it keeps on the GPU what fits beside the activations)")
 
     def clear(self) -> None:
         """Drops the state (a failed creation, or a rebuild)."""

@@ -30,7 +30,7 @@ from .. import cuda_available
 from .._native import native
 from ..blocks import detect_blocks
 from ..hybrid import HybridAdamW
-from ..pool import PinnedPool, parse_bytes
+from ..pool import CapacityError, PinnedPool, parse_bytes
 from .data import batch_at, load_corpus
 from .metrics import Metrics, Power, evaluate
 from .models import build_model
@@ -324,6 +324,8 @@ def main(argv=None) -> int:
         return _failed(1, f"hytrain train: error: {e}", "peer")
     except native().PoolExhaustedError as e:
         return _failed(2, f"hytrain train: error: {e} (lower the model size or raise --pin-limit)", "user")
+    except CapacityError as e:
+        return _failed(2, f"hytrain train: error: {e}", "user")
     except Exception as e:
         if not (under_torchrun() and os.environ.get(LAUNCHED)):
             raise  # a plain job shows its traceback as Python does
