@@ -68,6 +68,8 @@ void bind_pool(py::module_& m) {
           py::arg("nbytes"))
       .def("stats", [](const PinnedPool& p) { return stats_dict(p.stats()); })
       .def("trim", &PinnedPool::trim)
+      .def("reserve", &PinnedPool::reserve, py::arg("slab_sizes"), py::arg("threads"),
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("kind", &PinnedPool::kind)
       .def_property_readonly("page_locked", &PinnedPool::page_locked)
       .def_property_readonly("alignment", &PinnedPool::alignment);

@@ -4,8 +4,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <exception>
+#include <thread>
 
 #include "hytrain/error.h"
 
@@ -159,6 +162,65 @@ std::size_t PinnedPool::trim_locked() {
 std::size_t PinnedPool::trim() {
   std::lock_guard<std::mutex> lock(mu_);
   return trim_locked();
+}
+
+std::size_t PinnedPool::reserve(const std::vector<std::size_t>& slab_sizes, int threads) {
+  std::vector<std::size_t> sizes;
+  std::size_t total = 0;
+  for (std::size_t b : slab_sizes) {
+    if (b == 0) continue;
+    sizes.push_back(round_up(b, page_size()));
+    total += sizes.back();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (reserved_ + total > capacity_) trim_locked();
+    if (reserved_ + total > capacity_) {
+      throw PoolExhausted("pinned pool exhausted: reserving " + gib(total) + " would exceed the capacity (" +
+                              gib(capacity_) + ", reserved " + gib(reserved_) + ")",
+                          __FILE__, __LINE__);
+    }
+    reserved_ += total;  // held for the slabs being made, so that concurrent allocations see them
+  }
+  std::vector<char*> bases(sizes.size(), nullptr);
+  std::atomic<std::size_t> next{0};
+  std::exception_ptr failure;
+  std::mutex failure_mu;
+  auto work = [&] {
+    for (std::size_t i = next++; i < sizes.size(); i = next++) {
+      try {
+        bases[i] = static_cast<char*>(allocator_->allocate(sizes[i]));
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(failure_mu);
+        if (!failure) failure = std::current_exception();
+        next = sizes.size();  // the others stop taking slabs
+      }
+    }
+  };
+  const int n = std::max(1, std::min<int>(threads, static_cast<int>(sizes.size())));
+  std::vector<std::thread> pool;
+  for (int t = 1; t < n; ++t) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  reserved_ -= total;
+  if (failure) {  // nothing reserved: the slabs made are given back
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      if (bases[i] != nullptr) allocator_->deallocate(bases[i], sizes[i]);
+    }
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+      throw PoolExhausted(allocator_->kind() + " host allocation of " + gib(total) + " in " +
+                              std::to_string(sizes.size()) + " slabs failed: " + e.what(),
+                          __FILE__, __LINE__);
+    }
+  }
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    slabs_.push_back(std::unique_ptr<Slab>(new Slab{bases[i], sizes[i], {{0, sizes[i]}}, 0}));
+  }
+  reserved_ += total;
+  return total;
 }
 
 std::size_t PinnedPool::largest_free_locked() const {

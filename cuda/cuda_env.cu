@@ -1,5 +1,11 @@
 // Device discovery and page-locked host memory. The runtime is linked statically and loads the driver
 // itself, so a build with CUDA still imports on a machine with no driver: available() is then false.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "cuda_check.h"
 #include "hytrain/cuda_env.h"
 
@@ -12,15 +18,39 @@ std::string version_string(int v) {
   return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
 }
 
-class CudaPinnedAllocator final : public HostAllocator {
+// Page-locked memory made the fast way: mmap (transparent huge pages advised), every page touched by
+// the calling thread, then cudaHostRegister. On an H100 host this pins 4.9 GB/s on one thread and
+// about 25 GB/s on 8-16 threads (bench/pin_rate.cu), where cudaHostAlloc gives 1.5-2.5 GB/s at any
+// thread count: the difference between a 7 B model's first step after 5 s or after a minute.
+// Registered with cudaHostRegisterPortable: usable by every device, as cudaHostAllocPortable was.
+class CudaRegisteredAllocator final : public HostAllocator {
  public:
   void* allocate(std::size_t bytes) override {
-    void* p = nullptr;
-    HYTRAIN_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocPortable));
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    HYTRAIN_CHECK(p != MAP_FAILED, "mmap of " + std::to_string(bytes) + " bytes failed: " +
+                                       std::strerror(errno));
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    // First touch here, on the thread that reserves the slab (and so on its NUMA node).
+    const long page = sysconf(_SC_PAGESIZE);
+    for (std::size_t off = 0; off < bytes; off += static_cast<std::size_t>(page)) {
+      static_cast<volatile char*>(p)[off] = 0;
+    }
+    const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      munmap(p, bytes);
+      HYTRAIN_THROW(std::string("cudaHostRegister of ") + std::to_string(bytes) + " bytes failed: " +
+                    cudaGetErrorString(e));
+    }
     return p;
   }
-  void deallocate(void* p, std::size_t) noexcept override { HYTRAIN_CUDA_CHECK_NOTHROW(cudaFreeHost(p)); }
-  std::string kind() const override { return "cuda-pinned"; }
+  void deallocate(void* p, std::size_t bytes) noexcept override {
+    HYTRAIN_CUDA_CHECK_NOTHROW(cudaHostUnregister(p));
+    munmap(p, bytes);
+  }
+  std::string kind() const override { return "cuda-registered"; }
   bool page_locked() const override { return true; }
 };
 
@@ -71,7 +101,7 @@ bool is_page_locked(const void* p) {
 
 std::unique_ptr<HostAllocator> make_pinned_allocator() {
   HYTRAIN_CHECK(available(), "page-locked CUDA host memory needs a usable GPU");
-  return std::make_unique<CudaPinnedAllocator>();
+  return std::make_unique<CudaRegisteredAllocator>();
 }
 
 }  // namespace cuda

@@ -98,10 +98,11 @@ class PinnedPool:
         elif pinned and not nat.cuda_available():
             raise ValueError("pinned=True needs CUDA compiled in and a usable GPU; use pinned='auto'")
         self._pool = nat.PinnedPool(capacity, slab, pinned, alignment)
+        self._slab = slab
 
     @property
     def kind(self) -> str:
-        """``"cuda-pinned"`` or ``"page-aligned"``."""
+        """``"cuda-registered"`` (page-locked) or ``"page-aligned"``."""
         return self._pool.kind
 
     @property
@@ -138,6 +139,27 @@ class PinnedPool:
     def stats(self) -> dict:
         """Bytes: capacity, reserved, in_use, peak_in_use, largest_free; counts: slabs, allocations."""
         return dict(self._pool.stats())
+
+    def reserve_for(self, nbytes, threads: int | None = None) -> int:
+        """Reserves, on ``threads`` threads at once (default: the usable cores, at most 16), the slabs
+        that allocations of these byte sizes will take: each request of a slab or more its own slab,
+        the smaller ones packed into slabs (one more for the tails). Page-locking is what makes a
+        large state slow to create, and it scales with threads (bench/pin_rate.cu). Returns the
+        bytes reserved; :meth:`trim` releases what the allocations left unused."""
+        page, small, slabs = os.sysconf("SC_PAGE_SIZE"), 0, []
+        for n in nbytes:
+            n = int(n)
+            if n <= 0:
+                continue
+            if -(-n // page) * page >= self._slab:
+                slabs.append(n)
+            else:
+                small += n
+        if small:
+            slabs += [self._slab] * (-(-small // self._slab) + 1)
+        if threads is None:
+            threads = min(16, len(os.sched_getaffinity(0)))
+        return self._pool.reserve(slabs, _checks.integer("threads", threads, lo=1))
 
     def trim(self) -> int:
         """Returns empty slabs to the system; returns the bytes released."""

@@ -89,6 +89,34 @@ TEST(capacity_is_enforced_with_a_clear_error) {
   pool.free(d);
 }
 
+TEST(reserve_makes_slabs_on_threads_that_allocations_then_use) {
+  auto pool = make_pool(64 * MiB, 8 * MiB);
+  // A request of its own slab (10 MiB, page-rounded), and two slabs for small requests.
+  const std::size_t got = pool.reserve({10 * MiB + 5, 8 * MiB, 8 * MiB, 0}, 3);
+  CHECK(got == 10 * MiB + 4096 + 16 * MiB);
+  PoolStats s = pool.stats();
+  CHECK(s.slabs == 3 && s.reserved == got && s.in_use == 0);
+  void* big = pool.allocate(10 * MiB + 5);  // best fit: the exact slab
+  std::vector<void*> small;
+  for (int i = 0; i < 15; ++i) small.push_back(pool.allocate(MiB));
+  for (void* p : small) std::memset(p, 0x5A, MiB);  // the reserved memory is usable
+  std::memset(big, 0x33, 10 * MiB + 5);
+  s = pool.stats();
+  CHECK(s.slabs == 3 && s.reserved == got);  // nothing allocated beyond the reservation
+  for (void* p : small) pool.free(p);
+  CHECK(pool.trim() == 16 * MiB);  // the small slabs, now empty
+  pool.free(big);
+  // Past the capacity: an error, and nothing reserved.
+  bool thrown = false;
+  try {
+    pool.reserve({40 * MiB, 40 * MiB}, 2);
+  } catch (const PoolExhausted& e) {
+    thrown = std::string(e.what()).find("exceed the capacity") != std::string::npos;
+  }
+  CHECK(thrown);
+  CHECK(pool.stats().reserved == 0);  // the empty slab was released trying to make room; nothing new
+}
+
 TEST(bad_frees_throw) {
   auto pool = make_pool(16 * MiB, 8 * MiB);
   void* a = pool.allocate(100);

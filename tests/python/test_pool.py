@@ -119,3 +119,20 @@ def test_page_aligned_pool_is_not_page_locked():
     t = pool.empty(1000)
     assert pool.kind == "page-aligned" and not pool.page_locked
     assert not hytrain.native().is_page_locked(t.data_ptr())
+
+
+def test_reserve_for_makes_the_slabs_the_allocations_take():
+    pool = hytrain.PinnedPool("64MiB", slab_bytes="8MiB", pinned=False)
+    sizes = [10 * 2**20 + 4, 2**20, 3 * 2**20, 2**20]  # one request of its own slab, small ones packed
+    got = pool.reserve_for(sizes, threads=2)
+    stats = pool.stats()
+    assert got == stats["reserved"] and stats["slabs"] == 1 + 2 and stats["in_use"] == 0
+    tensors = [pool.empty(n, torch.uint8) for n in sizes]
+    for t in tensors:
+        t.fill_(7)
+    assert pool.stats()["slabs"] == 3  # nothing beyond the reservation
+    assert pool.trim() == 8 * 2**20  # the spare slab for the tails
+    with pytest.raises(hytrain.PoolExhaustedError, match="exceed the capacity"):
+        pool.reserve_for([200 * 2**20])
+    with pytest.raises(ValueError):
+        pool.reserve_for(sizes, threads=0)

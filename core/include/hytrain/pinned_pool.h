@@ -60,6 +60,13 @@ class PinnedPool {
   // Releases slabs with nothing allocated in them; returns the bytes released.
   std::size_t trim();
 
+  // Reserves slabs of these sizes (each rounded up to a page) ahead of the allocations that will
+  // use them, on `threads` threads at once: page-locking is the slow part of making a large state,
+  // and it scales with threads where one allocation at a time does not. Throws PoolExhausted
+  // (nothing reserved) if they would exceed the capacity. Returns the bytes reserved. Allocation
+  // then carves these slabs best-fit as any other; trim() releases those left unused.
+  std::size_t reserve(const std::vector<std::size_t>& slab_sizes, int threads);
+
   PoolStats stats() const;
   std::string kind() const { return allocator_->kind(); }
   bool page_locked() const { return allocator_->page_locked(); }

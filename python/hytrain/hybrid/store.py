@@ -98,8 +98,12 @@ class StateStore:
             raise ValueError("CUDA parameters need a page-locked pool (PinnedPool(pinned=True or 'auto') "
                              "on a machine where pinning works)")
         self.table = native().ParamTable()  # each parameter's host buffers; handle = its index
+        if self.pool.page_locked:  # page-locking is the slow part: every slab at once, in parallel
+            self.pool.reserve_for(self._tensor_bytes())
         for p in plan.params:
             self._init_state(p)
+        if pool is None:
+            self.pool.trim()  # slabs the reservation made and the state did not need
         signatures = {}  # blocks that can lend each other host state have equal signatures
         self._signatures = [signatures.setdefault(
             tuple((tuple(local(p).shape), p.dtype, "max_exp_avg_sq" in self.state[p]) for p in blk),
@@ -173,6 +177,20 @@ class StateStore:
                     per += per - (4 if p.dtype == torch.float32 else 0)
             total += local(p).numel() * per + 6 * 256
         return total * 3 // 2 + (256 << 20)
+
+    def _tensor_bytes(self) -> list[int]:
+        """The byte size of every pool tensor :meth:`_init_state` makes, in order."""
+        out = []
+        for p in self.plan.params:
+            n = local(p).numel()
+            if not n:
+                continue
+            out += [4 * n] * (2 + (1 if self.plan.amsgrad(p) else 0))  # m, v, max v
+            if p.dtype != torch.float32 or self.cuda:
+                out.append(4 * n)  # master
+            if self.cuda:
+                out.append(p.element_size() * n)  # staging
+        return out
 
     def _init_state(self, p):
         """The parameter's host state, shaped like its local shard when it is sharded (FSDP2): each
