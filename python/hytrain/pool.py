@@ -152,11 +152,21 @@ class PinnedPool:
             if n <= 0:
                 continue
             if -(-n // page) * page >= self._slab:
-                slabs.append(n)
+                slabs.append(-(-n // page) * page)
             else:
                 small += n
-        if small:
-            slabs += [self._slab] * (-(-small // self._slab) + 1)
+        # Within the pool's room, as the allocations themselves would be: a speed-up, never a new
+        # way to fail (what does not fit is left to the allocations, which say so).
+        stats = self.stats()
+        room = stats["capacity"] - stats["reserved"] - sum(slabs)
+        if room < 0:
+            return 0
+        small += self._slab if small else 0  # the tails: a small request does not fit a slab's rest
+        while small > 0 and room >= page:
+            take = min(self._slab, -(-small // page) * page, room // page * page)
+            slabs.append(take)
+            small -= take
+            room -= take
         if threads is None:
             threads = min(16, len(os.sched_getaffinity(0)))
         return self._pool.reserve(slabs, _checks.integer("threads", threads, lo=1))

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 def test_pool_is_page_locked_and_copies_round_trip():
     pool = hytrain.PinnedPool("1GiB")
-    assert pool.kind == "cuda-pinned" and pool.page_locked
+    assert pool.kind == "cuda-registered" and pool.page_locked
     host = pool.empty(1 << 24, torch.float32)
     # Asked of the driver directly: torch's is_pinned() only recognises its own host allocations.
     assert hytrain.native().is_page_locked(host.data_ptr())

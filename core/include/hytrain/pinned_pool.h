@@ -25,7 +25,7 @@ class HostAllocator {
   virtual ~HostAllocator() = default;
   virtual void* allocate(std::size_t bytes) = 0;  // throws on failure
   virtual void deallocate(void* p, std::size_t bytes) noexcept = 0;
-  virtual std::string kind() const = 0;           // "cuda-pinned", "page-aligned", ...
+  virtual std::string kind() const = 0;           // "cuda-registered", "page-aligned", ...
   virtual bool page_locked() const = 0;
 };
 
