@@ -590,3 +590,54 @@ def test_bf16_weights_rolled_back_are_what_training_continues_from(with_model):
     for (name, a), b in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2, msg=name)
         assert (a.float() - b.float()).abs().max() <= 2 * a.float().abs().max() * 2 ** -8, name
+
+
+def test_step_right_after_step_waits_for_the_previous_update():
+    """A second step() (no gradients, or more after zero_grad) while the first step's CPU updates are
+    still running: it waits for them, and the result is torch's."""
+    model, opt, ref, ropt = pair(make=big_net, with_model=True, exact=True)
+    x = batches(1)[0]
+    for m, o in ((model, opt), (ref, ropt)):
+        m(x).backward()
+        o.step()
+        o.zero_grad()
+        o.step()  # nothing to update: torch does nothing either
+        m(x).backward()
+        o.step()
+        o.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_the_state_read_or_written_right_after_step_is_current():
+    """opt.state[p] right after step() is the state that step wrote, and a write to it is not lost
+    to the update still running (the fence waits for the block first)."""
+    model, opt, _, _ = pair(make=big_net, with_model=True)
+    x = batches(1)[0]
+    seen, wrote = [], []
+    for _ in range(3):
+        model(x).backward()
+        opt.step()
+        p = model.layers[0].up.weight
+        early = opt.state[p]["exp_avg"].clone()
+        opt.synchronize()
+        seen.append(torch.equal(early, opt.state[p]["exp_avg"]))
+        model(x).backward()
+        opt.step()
+        opt.state[p]["exp_avg"].zero_()
+        opt.synchronize()
+        wrote.append(not opt.state[p]["exp_avg"].any())
+        opt.zero_grad()
+    assert all(seen) and all(wrote)
+
+
+def test_pickling_or_copying_the_optimizer_is_refused_clearly():
+    import pickle
+
+    model, opt, _, _ = pair(with_model=True)
+    model(batches(1)[0]).backward()
+    opt.step()
+    for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="state_dict"):
+            copier(opt)
+    opt.step()  # the original goes on

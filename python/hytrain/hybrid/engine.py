@@ -310,7 +310,11 @@ class Engine:
                 self.timeline.current.k = self.settings.gpu_blocks
                 self.timeline.next_iteration()
         if self.settings.fence and self.in_flight():
-            self.fence.arm()  # updates outlive step(): any other path to the weights waits for them
+            # Updates outlive step(): any other path to the weights, the gradients they read or the
+            # optimizer's state (opt.state[p], read or written by the loop) waits for them.
+            for b in self.rt.in_flight_blocks():
+                self.fence.watch(b, [t for p in self.plan.blocks[b] for t in self._state[p].values()])
+            self.fence.arm()
 
     def _adopt(self, keep=()):
         """The multiplier is 1: the speculative states are the step's result; the old ones become

@@ -86,6 +86,8 @@ class Launcher:
         if pairs and not rt.on_gpu(b):
             store.sync_groups(self.groups)
         if not store.cuda:
+            if rt.in_flight(b):  # its previous update (a step() right after step()) finishes first
+                self.wait_blocks([b])
             self.engine.submit(b, store.table, handles, [g.data_ptr() for _, g in pairs],
                                [local(p).data_ptr() for p, _ in pairs], float(grad_scale))
             # The workers read the gradients and write the weights: both stay alive until waited for.

@@ -98,22 +98,23 @@ class HybridAdamW(torch.optim.Optimizer):
         self._engine = Engine(self.param_groups, self.state, self._settings)
 
     def _rebuild(self):
-        """The set of parameters changed (add_param_group, a frozen parameter that now has a
-        gradient): a new engine, with the state of every parameter that has one carried over (host
-        copies) and loaded when the state is created at the next step."""
+        """The set of parameters changed (add_param_group, an unfrozen parameter): a new engine, with
+        every state carried over (host copies) and loaded when the state is made at the next step."""
         carried = {**self._parked, **self._engine.carry()}
         self._engine.close()
         self._engine = Engine(self.param_groups, self.state, self._settings)
         self._parked = self._engine.take(carried)
 
-    def __del__(self):
-        # Work in flight reads and writes memory the engine keeps alive: wait for it, drop the hooks.
+    def __del__(self):  # work in flight uses memory the engine keeps alive: wait for it, drop the hooks
         try:
-            engine = getattr(self, "_engine", None)
-            if engine is not None:
-                engine.close()
+            if getattr(self, "_engine", None) is not None:
+                self._engine.close()
         except Exception:  # noqa: BLE001 -- nobody is left to report a failed update to
             pass
+
+    def __getstate__(self):
+        raise TypeError("a HybridAdamW cannot be pickled or copied: its state lives in pinned memory that "
+                        "native workers update; save optimizer.state_dict() and load it into a new HybridAdamW")
 
     # -- the views ------------------------------------------------------------------------------------
 
