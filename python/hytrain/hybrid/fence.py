@@ -19,7 +19,8 @@ nothing is in flight the mode leaves the stack at the next forward hook, ``step(
 without it.
 
 What it does not see: work on another thread (the mode stack is per thread), code under
-``torch._C.DisableTorchFunction``, and raw memory access (``data_ptr()`` handed to other libraries).
+``torch._C.DisableTorchFunction``, views of a parameter made before ``step()`` (another tensor object
+over the same memory), and raw memory access (``data_ptr()`` handed to other libraries).
 ``HybridAdamW(fence=False)`` drops it where the loop is known to touch parameters only through the
 model's forward (see ``docs/architecture.md`` for what it costs).
 """
