@@ -115,17 +115,8 @@ class StateStore:
 
     def host_bytes(self) -> int:
         """The pinned host bytes the state and staging take (shadows come later, within the host
-        limit): fp32 m and v (and max v), an fp32 master unless the weight is its own (fp32 on the
-        CPU), and on CUDA one staging buffer of the weight's dtype."""
-        total = 0
-        for p in self.plan.params:
-            per = 8 + (4 if self.plan.amsgrad(p) else 0)
-            if p.dtype != torch.float32 or self.cuda:
-                per += 4
-            if self.cuda:
-                per += p.element_size()
-            total += local(p).numel() * per
-        return total
+        limit): the tensors :meth:`_init_state` makes."""
+        return sum(self._tensor_bytes())
 
     def check_room(self) -> None:
         """Refuses, before anything is allocated, a state that does not fit: in the host memory
@@ -137,11 +128,10 @@ class StateStore:
         # A given pool refuses what it cannot hold itself (PoolExhaustedError, nothing half made);
         # the pool made here is bounded by what the host can still give.
         room = available_memory_bytes() if self.settings.pool is None else None
-        where = "the host memory available to this process"
         if room is not None and need > room:
             raise CapacityError(
                 f"the optimizer state of {count} parameters needs {_size(need)} of pinned host memory "
-                f"(fp32 master, m and v{' and staging' if self.cuda else ''}), but {where} is "
+                f"(fp32 master, m and v{' and staging' if self.cuda else ''}), but the host memory available to this process is "
                 f"{_size(room)}: use a host with more memory, shard the model over more processes "
                 "(--nproc / FSDP2), or train a smaller model")
         k = self.settings.gpu_blocks
