@@ -49,8 +49,9 @@ void bind_runtime(py::module_& m) {
       .def("add",
            [](ParamTable& t, std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
               std::uintptr_t max_exp_avg_sq, std::uintptr_t step, std::uintptr_t grad, int dtype,
-              std::uintptr_t copy, int64_t numel, int group, bool amsgrad) {
+              std::uintptr_t copy, int64_t numel, int group, bool amsgrad, bool on_host) {
              ParamEntry e;
+             e.on_host = on_host;
              e.state = slots(master, exp_avg, exp_avg_sq, max_exp_avg_sq);
              e.step = as_ptr<float>(step);
              e.grad = as_ptr<const void>(grad);
@@ -63,8 +64,22 @@ void bind_runtime(py::module_& m) {
            },
            py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("max_exp_avg_sq"),
            py::arg("step"), py::arg("grad"), py::arg("dtype"), py::arg("copy"), py::arg("numel"),
-           py::arg("group"), py::arg("amsgrad"))
+           py::arg("group"), py::arg("amsgrad"), py::arg("on_host") = true,
+           "Registers a parameter (on_host=False: its state is on the GPU; the host addresses are "
+           "ignored); returns its handle.")
       .def("__len__", &ParamTable::size)
+      .def("to_device", &ParamTable::to_device, py::arg("handle"),
+           "The parameter's state went to the GPU: its host slots, staging and shadows are dropped.")
+      .def("to_host",
+           [](ParamTable& t, int64_t h, std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
+              std::uintptr_t max_exp_avg_sq, std::uintptr_t grad, std::uintptr_t copy) {
+             t.to_host(h, slots(master, exp_avg, exp_avg_sq, max_exp_avg_sq), as_ptr<const void>(grad),
+                       as_ptr<void>(copy));
+           },
+           py::arg("handle"), py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+           py::arg("max_exp_avg_sq"), py::arg("grad"), py::arg("copy"),
+           "The parameter's state is in these host buffers again, with this staging.")
+      .def("on_host", &ParamTable::on_host, py::arg("handle"))
       .def("set_state",
            [](ParamTable& t, int64_t h, std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
               std::uintptr_t max_exp_avg_sq) { t.set_state(h, slots(master, exp_avg, exp_avg_sq, max_exp_avg_sq)); },

@@ -102,6 +102,8 @@ void bind_scheduler(py::module_& m) {
                     &KSplitScheduler::set_speculative_fixed,
                     "predictions speculate from exactly max(k, speculative_min) (a fixed start)")
       .def_property("memory_budget", &KSplitScheduler::memory_budget, &KSplitScheduler::set_memory_budget)
+      .def_property("min_k", &KSplitScheduler::min_k, &KSplitScheduler::set_min_k,
+                    "the smallest k decide() returns: the host holds only the states of blocks >= it")
       .def("observe", &KSplitScheduler::observe, py::arg("block"), py::arg("phase"), py::arg("seconds"))
       .def("observe_rate", &KSplitScheduler::observe_rate, py::arg("phase"), py::arg("seconds_per_unit"))
       .def("observe_overhead", &KSplitScheduler::observe_overhead, py::arg("before_launch_s"),

@@ -221,22 +221,24 @@ std::size_t KSplitScheduler::decide(std::size_t current) {
   if (!ready()) return current;
   const std::size_t L = blocks();
   const std::size_t cur = std::min(current, L);
-  const std::size_t kmax = max_k();
+  const std::size_t lo = std::min(min_k_, L);  // the host holds the states of blocks >= lo only
+  const std::size_t kmax = std::max(max_k(), lo);
   const std::vector<BlockCosts> c = costs();
   const StepShape s = shape();
-  if (!due && cur <= kmax) {  // not a deciding iteration: only the current k's prediction
+  const bool allowed = lo <= cur && cur <= kmax;
+  if (!due && allowed) {  // not a deciding iteration: only the current k's prediction
     last_ = best_for(c, cur, s);
     return cur;
   }
   std::vector<Prediction> preds;
   preds.reserve(L + 1);
   for (std::size_t k = 0; k <= L; ++k) preds.push_back(best_for(c, k, s));
-  std::size_t best = 0;
-  for (std::size_t k = 1; k <= kmax; ++k) {
+  std::size_t best = lo;
+  for (std::size_t k = lo + 1; k <= kmax; ++k) {
     if (preds[k].iter_s < preds[best].iter_s) best = k;
   }
   std::size_t chosen = best;
-  if (cur <= kmax && best != cur) {  // optional move: must pay for itself
+  if (allowed && best != cur) {  // optional move: must pay for itself
     double moved = 0;
     for (std::size_t j = std::min(cur, best); j < std::max(cur, best); ++j) moved += c[j].migrate;
     const double gain = preds[cur].iter_s * (1 - config_.hysteresis) - preds[best].iter_s;

@@ -26,14 +26,19 @@ int64_t ParamTable::add(const ParamEntry& e) {
   // numel 0: a sharded parameter whose shard on this rank is empty; it is registered (handles stay
   // the parameters' indices) but never stepped.
   if (e.numel < 0) HYTRAIN_THROW("ParamTable: a parameter needs numel >= 0");
-  if (e.numel > 0) check_slots(e.state, e.amsgrad, "a parameter");
+  if (e.numel > 0 && e.on_host) check_slots(e.state, e.amsgrad, "a parameter");
   if (!e.step) HYTRAIN_THROW("ParamTable: a parameter needs its step counter");
   if (e.group < 0) HYTRAIN_THROW("ParamTable: negative group index");
-  if (e.numel > 0 && e.grad_dtype != DType::f32 && !e.copy && e.grad) {
+  if (e.numel > 0 && e.on_host && e.grad_dtype != DType::f32 && !e.copy && e.grad) {
     HYTRAIN_THROW("ParamTable: a bf16/fp16 parameter with staging needs a weight staging buffer");
   }
   Row r;
   r.e = e;
+  if (!e.on_host) {  // nothing on the host to point at
+    r.e.state = StateSlots{};
+    r.e.grad = nullptr;
+    r.e.copy = nullptr;
+  }
   entries_.push_back(r);
   return static_cast<int64_t>(entries_.size()) - 1;
 }
@@ -53,12 +58,39 @@ const ParamEntry& ParamTable::entry(int64_t handle) const { return row(handle).e
 
 void ParamTable::set_state(int64_t handle, const StateSlots& s) {
   Row& r = row(handle);
+  if (!r.e.on_host) HYTRAIN_THROW("ParamTable: set_state() of handle " + std::to_string(handle) + ", whose state is on the GPU");
   check_slots(s, r.e.amsgrad, "a state");
   r.e.state = s;
 }
 
+void ParamTable::to_device(int64_t handle) {
+  Row& r = row(handle);
+  r.e.state = StateSlots{};
+  r.e.grad = nullptr;
+  r.e.copy = nullptr;
+  r.shadow = StateSlots{};
+  r.shadow_copy = nullptr;
+  r.has_shadow = false;
+  r.e.on_host = false;
+}
+
+void ParamTable::to_host(int64_t handle, const StateSlots& s, const void* grad, void* copy) {
+  Row& r = row(handle);
+  if (r.e.numel > 0) check_slots(s, r.e.amsgrad, "a state");
+  if (r.e.numel > 0 && r.e.grad_dtype != DType::f32 && grad && !copy) {
+    HYTRAIN_THROW("ParamTable: a bf16/fp16 parameter with staging needs a weight staging buffer");
+  }
+  r.e.state = s;
+  r.e.grad = grad;
+  r.e.copy = copy;
+  r.e.on_host = true;
+}
+
+bool ParamTable::on_host(int64_t handle) const { return row(handle).e.on_host; }
+
 void ParamTable::set_shadow(int64_t handle, const StateSlots& s, void* copy) {
   Row& r = row(handle);
+  if (!r.e.on_host) HYTRAIN_THROW("ParamTable: a shadow for handle " + std::to_string(handle) + ", whose state is on the GPU");
   check_slots(s, r.e.amsgrad, "a shadow");
   if (r.e.grad_dtype != DType::f32 && !copy) {
     HYTRAIN_THROW("ParamTable: a bf16/fp16 parameter's shadow needs its own weight staging");
@@ -117,6 +149,9 @@ const GroupHyper& ParamTable::group_of(const Row& r) const {
 }
 
 UpdateJob ParamTable::job(const Row& r, const GroupHyper& g, double grad_scale, int64_t step) const {
+  if (!r.e.on_host && r.e.numel > 0) {
+    HYTRAIN_THROW("ParamTable: a host update of a parameter whose state is on the GPU");
+  }
   UpdateJob j;
   j.tensor.param = r.e.state.master;
   j.tensor.exp_avg = r.e.state.exp_avg;

@@ -199,6 +199,29 @@ TEST(less_gpu_memory_gives_smaller_k) {
   CHECK(s.max_k() == u.L);
 }
 
+// The host's floor: blocks below min_k have nowhere to live but the GPU, so decide() never goes
+// under it, even past the memory budget, and chooses freely above it.
+TEST(host_floor_bounds_k_from_below) {
+  Uniform u;
+  u.cpu = 1e-3;  // a fast CPU: unbounded, the best k is small
+  KSplitScheduler s = make(u);
+  feed(s, u);
+  const std::size_t free_k = s.decide(0);
+  CHECK(free_k + 3 < u.L);
+  const std::size_t floor = free_k + 3;
+  s.set_min_k(floor);
+  CHECK(s.min_k() == floor);
+  CHECK(s.decide(0) == floor);       // below the floor: must move up, hysteresis or not
+  CHECK(s.decide(floor) == floor);   // at the floor, where the unbounded optimum is below it
+  CHECK(s.decide(u.L) >= floor);
+  s.set_memory_budget(static_cast<double>(floor - 2) * u.state_bytes);  // the GPU holds fewer
+  CHECK(s.max_k() == floor - 2);
+  CHECK(s.decide(floor) == floor);   // the floor wins: those states cannot go to the host
+  CHECK(s.last_prediction().k == floor);
+  s.set_min_k(u.L + 5);              // past the last block: all of them
+  CHECK(s.decide(0) == u.L);
+}
+
 TEST(noise_does_not_make_k_oscillate) {
   Uniform u;
   u.cpu = 10e-3;

@@ -346,4 +346,54 @@ TEST(offload_passes_speculate_adopt_and_redo) {
 
 }  // namespace
 
+// A parameter whose state is on the GPU has nothing on the host: no pass is built for it, and it
+// gets state again (and is stepped from it, bit for bit) once placed back on the host.
+TEST(placement_on_the_gpu_and_back) {
+  std::mt19937 rng(23);
+  ParamTable t;
+  t.set_groups({kGroups[0], kGroups[1]});
+  Bf16Param p(1000, 1, true, rng);
+  ParamEntry e = p.entry();
+  e.on_host = false;
+  const int64_t h = t.add(e);
+  CHECK(!t.on_host(h));
+  CHECK(t.entry(h).state.master == nullptr && t.entry(h).grad == nullptr && t.entry(h).copy == nullptr);
+  const auto refused = [&](auto&& f) {
+    bool threw = false;
+    try {
+      f();
+    } catch (const Error&) { threw = true; }
+    return threw;
+  };
+  std::vector<uint16_t> dev_weight = p.weight;
+  CHECK(refused([&] { t.offload_pass({h}, {{p.grad.data(), dev_weight.data()}}, 1.0, false, true, true); }));
+  CHECK(refused([&] { t.cpu_jobs({h}, {{p.grad.data(), dev_weight.data()}}, 1.0); }));
+  CHECK(refused([&] { t.set_state(h, {p.s[0].data(), p.s[1].data(), p.s[2].data(), p.s[3].data()}); }));
+  CHECK(refused([&] { t.set_shadow(h, p.shadow(), p.shadow_copy.data()); }));
+  CHECK(p.step == 0);
+  // Back on the host: the slots are checked (amsgrad needs max_exp_avg_sq), then a pass runs.
+  CHECK(refused([&] { t.to_host(h, {p.s[0].data(), p.s[1].data(), p.s[2].data(), nullptr}, p.staging.data(),
+                                p.staging.data()); }));
+  CHECK(refused([&] { t.to_host(h, {p.s[0].data(), p.s[1].data(), p.s[2].data(), p.s[3].data()},
+                                p.staging.data(), nullptr); }));
+  CHECK(!t.on_host(h));
+  t.to_host(h, {p.s[0].data(), p.s[1].data(), p.s[2].data(), p.s[3].data()}, p.staging.data(), p.staging.data());
+  CHECK(t.on_host(h));
+  p.new_gradient(rng);
+  UpdateEngine engine(2, 1024, SimdPath::scalar);
+  OffloadPipeline pipe(engine, std::make_unique<HostCopyQueue>(), std::make_unique<HostCopyQueue>());
+  const PassPlan plan = t.offload_pass({h}, {{p.grad.data(), dev_weight.data()}}, 0.5, false, true, true);
+  pipe.stage(0, plan.d2h, plan.jobs, plan.h2d, 0, false);
+  t.advance({h});
+  pipe.wait_ready(0, 0);
+  p.reference(1, 0.5);
+  CHECK(p.state_matches(p.s));
+  CHECK(dev_weight == p.ref_weight);
+  CHECK(p.step == 1);
+  // To the GPU again: staging and shadows are forgotten; the step counter stays.
+  t.set_shadow(h, p.shadow(), p.shadow_copy.data());
+  t.to_device(h);
+  CHECK(!t.has_shadow(h) && !t.on_host(h) && t.entry(h).step == &p.step);
+}
+
 int main() { return hytest::run_all(); }

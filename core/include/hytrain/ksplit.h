@@ -148,6 +148,9 @@ class KSplitScheduler {
   void set_memory_budget(double bytes) { budget_ = bytes; }
   double memory_budget() const { return budget_; }
 
+  // The smallest k allowed: the blocks from it on are all the host can hold (0: no floor).
+  void set_min_k(std::size_t k) { min_k_ = k; }
+  std::size_t min_k() const { return min_k_; }
   // The largest k whose resident states fit the budget.
   std::size_t max_k() const;
   // Whether every cost the simulation needs is known (each phase measured or rated somewhere).
@@ -159,8 +162,9 @@ class KSplitScheduler {
   Prediction predict(std::size_t k) const;
   static Prediction simulate(const std::vector<BlockCosts>& costs, std::size_t k, const StepShape& shape);
 
-  // The k for the next iteration, given the k in use now. Applies `every`, the memory limit, and
-  // hysteresis; returns `current` unchanged while ready() is false.
+  // The k for the next iteration, given the k in use now. Applies `every`, the memory limit, the
+  // host's floor (min_k, which wins over the memory limit: those states have nowhere else to go),
+  // and hysteresis; returns `current` unchanged while ready() is false.
   std::size_t decide(std::size_t current);
   // The prediction behind the last decide() (iter_s 0 before any).
   const Prediction& last_prediction() const { return last_; }
@@ -181,6 +185,7 @@ class KSplitScheduler {
   double before_launch_ = 0, after_launch_ = 0;
   bool overhead_seen_ = false;
   double budget_ = -1;
+  std::size_t min_k_ = 0;
   std::int64_t iterations_ = 0;
   Prediction last_;
 };

@@ -45,6 +45,9 @@ struct ParamEntry {
   int64_t numel = 0;
   int group = 0;                    // index into the step's hyperparameter list
   bool amsgrad = false;
+  // false: the state lives on the GPU (a resident block); the host holds none of it, so the entry
+  // has no state slots or staging, and building a pass for it throws.
+  bool on_host = true;
 };
 
 // One param group's hyperparameters for a step.
@@ -74,8 +77,14 @@ class ParamTable {
   std::size_t size() const { return entries_.size(); }
   const ParamEntry& entry(int64_t handle) const;
 
-  // The parameter's state buffers moved (e.g. they were swapped with a donor's).
+  // The parameter's state buffers moved (e.g. a speculative result adopted by the caller).
   void set_state(int64_t handle, const StateSlots& s);
+  // Placement. to_device: the state went to the GPU; its host buffers, staging and shadows are
+  // gone (the entry keeps its step counter). to_host: the state is in these host buffers again,
+  // with this staging (gradient, and the bf16/fp16 weight copy).
+  void to_device(int64_t handle);
+  void to_host(int64_t handle, const StateSlots& s, const void* grad, void* copy);
+  bool on_host(int64_t handle) const;
   // Shadows for speculation: a second set of state buffers and their own weight staging.
   void set_shadow(int64_t handle, const StateSlots& s, void* copy);
   void clear_shadow(int64_t handle);
