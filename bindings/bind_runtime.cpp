@@ -150,16 +150,9 @@ void bind_runtime(py::module_& m) {
       .def("moved_up", &BlockRuntime::moved_up, py::arg("block"))
       .def("moved_down", &BlockRuntime::moved_down, py::arg("block"))
       .def("take_up", &BlockRuntime::take_up)
-      .def("plan_shadows", [](const BlockRuntime& r, int64_t lowest, const std::vector<bool>& has_shadow,
-                              const std::vector<int64_t>& signature, const std::vector<bool>& donor_ready,
-                              const std::vector<int64_t>& shadow_bytes, int64_t room) {
-        std::vector<std::pair<int64_t, int64_t>> out;
-        for (const ShadowChoice& c : r.plan_shadows(lowest, has_shadow, signature, donor_ready, shadow_bytes, room)) {
-          out.emplace_back(c.block, c.donor);
-        }
-        return out;
-      }, py::arg("lowest_start"), py::arg("has_shadow"), py::arg("signature"), py::arg("donor_ready"),
-         py::arg("shadow_bytes"), py::arg("room"), "[(block, donor or -1)] from the last block down");
+      .def("plan_shadows", &BlockRuntime::plan_shadows, py::arg("lowest_start"), py::arg("has_shadow"),
+           py::arg("shadow_bytes"), py::arg("room"),
+           "The blocks, from the last down, that have or can allocate shadows within `room` bytes.");
 }
 
 }  // namespace bindings

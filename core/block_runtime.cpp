@@ -253,38 +253,22 @@ std::vector<int64_t> BlockRuntime::take_up() {
   return out;
 }
 
-std::vector<ShadowChoice> BlockRuntime::plan_shadows(int64_t lowest_start, const std::vector<bool>& has_shadow,
-                                                     const std::vector<int64_t>& signature,
-                                                     const std::vector<bool>& donor_ready,
-                                                     const std::vector<int64_t>& shadow_bytes,
-                                                     int64_t room) const {
+std::vector<int64_t> BlockRuntime::plan_shadows(int64_t lowest_start, const std::vector<bool>& has_shadow,
+                                                const std::vector<int64_t>& shadow_bytes, int64_t room) const {
   const std::size_t n = phase_.size();
-  if (has_shadow.size() != n || signature.size() != n || donor_ready.size() != n || shadow_bytes.size() != n) {
+  if (has_shadow.size() != n || shadow_bytes.size() != n) {
     HYTRAIN_THROW("BlockRuntime::plan_shadows: every per-block list needs one entry per block");
   }
   if (lowest_start < 0) lowest_start = 0;
-  std::vector<bool> taken(n, false);
-  std::vector<ShadowChoice> plan;
+  std::vector<int64_t> plan;
   for (int64_t b = static_cast<int64_t>(n) - 1; b >= lowest_start; --b) {
     const std::size_t i = static_cast<std::size_t>(b);
     if (on_gpu_[i]) break;
-    ShadowChoice c{b, -1};
     if (!has_shadow[i]) {
-      // The highest ready donor of the same signature (as a stack of candidates, last first).
-      for (int64_t r = static_cast<int64_t>(n) - 1; r >= 0; --r) {
-        const std::size_t j = static_cast<std::size_t>(r);
-        if (on_gpu_[j] && donor_ready[j] && !taken[j] && signature[j] == signature[i]) {
-          c.donor = r;
-          taken[j] = true;
-          break;
-        }
-      }
-      if (c.donor < 0) {
-        room -= shadow_bytes[i];
-        if (room < 0) break;
-      }
+      room -= shadow_bytes[i];
+      if (room < 0) break;
     }
-    plan.push_back(c);
+    plan.push_back(b);
   }
   return plan;
 }

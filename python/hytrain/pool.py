@@ -32,6 +32,11 @@ def parse_bytes(name: str, value) -> int:
     return _checks.integer(name, value, lo=0)
 
 
+def format_bytes(n: int) -> str:
+    """``n`` bytes as GiB (MiB below one GiB), two decimals."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
 def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

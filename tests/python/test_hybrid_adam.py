@@ -296,7 +296,8 @@ def test_exhausted_pool_is_a_clear_error_at_the_first_step():
     x = batches(1)[0][0]
     model(x, x).backward()
     weights = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(hytrain.PoolExhaustedError, match="pinned pool exhausted"):
+    # Refused before anything is allocated, naming the bytes needed and the pool's room.
+    with pytest.raises(hytrain.CapacityError, match=r"needs 1\.\d\d MiB of pinned host memory .* is 1\.00 MiB"):
         opt.step()
     # Nothing half made: no state, the weights and gradients as they were, and training can go on
     # with an optimizer whose pool is large enough.
@@ -349,6 +350,13 @@ def test_a_state_the_host_cannot_hold_is_refused_before_anything_is_allocated(mo
         opt.step()
     assert not opt.bound and len(opt.state) == 0
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
-    monkeypatch.setattr(store, "available_memory_bytes", lambda: need)
+    # The host keeps a margin (1 GiB and 5 %) beside the state: exactly enough is need plus that.
+    enough = (need + (1 << 30)) * 20 // 19 - 2
+    while enough - (1 << 30) - enough // 20 < need:
+        enough += 1
+    monkeypatch.setattr(store, "available_memory_bytes", lambda: enough - 1)
+    with pytest.raises(hytrain.CapacityError):
+        opt.step()
+    monkeypatch.setattr(store, "available_memory_bytes", lambda: enough)
     opt.step()  # exactly enough
     assert opt.bound

@@ -74,7 +74,9 @@ def test_the_state_store_from_parameters_and_a_pool():
     import collections
     state = collections.defaultdict(dict)
     store = StateStore(plan, make_settings(pool=pool), rt, state, wait=lambda ids: None)
-    store.create(groups)
+    store.prepare()
+    assert store.host_floor() == 0  # the pool holds all of it
+    store.create(groups, 0)
     assert store.device == torch.device("cpu") and not store.cuda and store.pool is pool
     fp32, bf16 = (state[p] for p in params)
     assert set(fp32) == {"step", "exp_avg", "exp_avg_sq"}  # fp32 on the CPU: the weight is its master
@@ -99,6 +101,39 @@ def test_the_state_store_from_parameters_and_a_pool():
     assert store.allocate_shadows(1) and store.has_shadows(1) and not store.has_shadows(0)
     store.clear()
     assert not state and store.bound is None
+
+
+def test_the_host_floor_from_the_room_the_host_gives():
+    """The host holds the states of the blocks from its floor on; k never goes below it. Without
+    CUDA nothing can live elsewhere: a state the host cannot hold is refused before anything is made."""
+    params = [nn.Parameter(torch.randn(1000)) for _ in range(4)]
+    groups = groups_of(params, foreach=None, capturable=False, differentiable=False, fused=None)
+    plan = BlockPlan(groups, bucket_elements=1)
+    assert len(plan) == 4
+    per_block = 8 * 1000  # m and v, fp32, on the CPU (the fp32 weight is its own master)
+
+    def store_with(capacity):
+        pool = hytrain.PinnedPool(capacity, pinned=False)
+        rt = native().BlockRuntime([1] * 4, 1)
+        import collections
+        store = StateStore(plan, make_settings(pool=pool), rt, collections.defaultdict(dict), wait=lambda ids: None)
+        store.prepare()
+        return store, pool
+
+    store, pool = store_with(4 * per_block)
+    assert store.block_host_bytes() == [per_block] * 4 and store.host_floor() == 0
+    store, pool = store_with(4 * per_block - 1)
+    with pytest.raises(hytrain.CapacityError, match=r"needs 0\.03 MiB of pinned host memory .* is 0\.03 MiB"):
+        store.host_floor()
+    assert pool.stats()["in_use"] == 0 and not store.state
+    # As for CUDA parameters (their state has a master and staging too): the floor rises as the
+    # host's room shrinks, block by block from the first.
+    store.cuda = True
+    per_block = (8 + 4 + 4) * 1000
+    assert store.block_host_bytes() == [per_block] * 4
+    for capacity, floor in ((4 * per_block, 0), (4 * per_block - 1, 1), (2 * per_block, 2), (per_block - 1, 4)):
+        store.settings.pool = hytrain.PinnedPool(capacity, pinned=False)
+        assert store.host_floor() == floor == store.floor, capacity
 
 
 def test_the_intake_norm_and_chained_clips():
@@ -170,3 +205,24 @@ def test_the_planner_from_recorded_costs():
     stats = planner.stats()
     assert stats["iter_s"] == 0.1 and stats["predicted_iter_s"] == sched.last_prediction()["iter_s"]
     assert stats["state_budget_bytes"] == sched.memory_budget and planner.spec_from is None
+
+
+def test_the_planner_keeps_k_at_or_above_the_host_floor():
+    """A fast CPU: the best k is small. A host floor above it, or a GPU budget below it, leaves k
+    at the floor (those states have nowhere else to live)."""
+    L = 8
+    plan = BlockPlan(groups_of([nn.Parameter(torch.zeros(10**6)) for _ in range(L)]), bucket_elements=1)
+    P = native().Phase
+    costs = [{P.forward: 1e-3, P.backward: 2e-3, P.cpu: 0.5e-3, P.gpu: 0.5e-3, P.d2h: 0.4e-3, P.h2d: 0.4e-3}] * L
+    chosen = {}
+    for floor, limit in ((0, 8 << 30), (5, 8 << 30), (5, 3 << 30)):
+        store = _Store()
+        planner = Planner(plan, make_settings(speculate=False), native().BlockRuntime([1] * L, 1), store)
+        sched = native().KSplitScheduler(*plan.sizes(), every=1, deferred=True)
+        planner.attach(_RecordedMeter(costs, peak=2 << 30), sched, limit)
+        sched.min_k = floor
+        planner.after_step(early_copies=False, speculation_allowed=False)
+        chosen[floor, limit] = store.moves[-1] if store.moves else 0
+    assert chosen[0, 8 << 30] < 5
+    assert chosen[5, 8 << 30] == 5
+    assert chosen[5, 3 << 30] == 5  # the budget (3 GiB less 2 GiB and the margin) holds none of them

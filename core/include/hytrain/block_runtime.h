@@ -44,13 +44,6 @@ struct MigrationPlan {
   // (blocks to move up once their pass in flight is waited for are kept by the runtime: take_up)
 };
 
-// One step of a speculation plan: block, and the GPU-resident block whose idle host state it borrows
-// as shadows (-1: its own, existing or to be allocated).
-struct ShadowChoice {
-  int64_t block = 0;
-  int64_t donor = -1;
-};
-
 class BlockRuntime {
  public:
   // params: the parameters of each block (forward order); a block's gradients are complete after
@@ -102,15 +95,11 @@ class BlockRuntime {
   std::vector<int64_t> take_up();
 
   // ---- speculation ----
-  // From the last block down to lowest_start: each offloaded block that has shadows, or can borrow
-  // a donor's (a GPU-resident block of the same signature in `donor_ready`), or can allocate them
-  // within `room` bytes (shadow_bytes[b]); stops at the first GPU-resident block or the first that
-  // cannot. has_shadow, signature, shadow_bytes: per block; donor_ready: per block, a resident block
-  // whose host state nothing reads.
-  std::vector<ShadowChoice> plan_shadows(int64_t lowest_start, const std::vector<bool>& has_shadow,
-                                         const std::vector<int64_t>& signature,
-                                         const std::vector<bool>& donor_ready,
-                                         const std::vector<int64_t>& shadow_bytes, int64_t room) const;
+  // From the last block down to lowest_start: each offloaded block that has shadows, or can allocate
+  // them within `room` bytes (shadow_bytes[b]); stops at the first GPU-resident block or the first
+  // that cannot. has_shadow, shadow_bytes: per block.
+  std::vector<int64_t> plan_shadows(int64_t lowest_start, const std::vector<bool>& has_shadow,
+                                    const std::vector<int64_t>& shadow_bytes, int64_t room) const;
 
  private:
   void check(int64_t b) const;

@@ -19,6 +19,7 @@ import torch
 
 from .._native import native
 from ..blocks import repeated_layers
+from ..pool import CapacityError
 from ..trace import Timeline
 from . import collectives
 from .fence import Fence
@@ -83,15 +84,16 @@ class Engine:
         device and dtype the parameters have now. On failure nothing is left half made."""
         s, store = self.settings, self.store
         try:
-            store.create(self.groups)
+            store.prepare()
+            # Where each block's state lives from the start: the host holds what it can (the
+            # blocks from its floor on), the GPU the first k; checked on both sides first.
+            k = self.planner.initial_k(store.host_floor(), self.shard_group)
+            store.create(self.groups, k)
             self.loss_scaling = any(p.dtype == torch.float16 for p in self.plan.params)
             self.timeline = Timeline(store.device if store.cuda else None) if s.trace else None
             self.launcher.start(self.timeline)
-            if store.cuda:
-                store.migrate(s.gpu_blocks)
-                store.settle()
             measured = s.model is not None and self._install_forward_hooks(s.model)
-            self.planner.start(measured=measured, pipeline=self.launcher.pipeline, shard_group=self.shard_group)
+            self.planner.start(measured=measured, pipeline=self.launcher.pipeline)
             self.launcher.meter = self.planner.meter
         except BaseException:  # nothing half made: the parts as before the first step
             self._remove_model_hooks()
@@ -111,10 +113,10 @@ class Engine:
                 raise
 
     def carry(self) -> dict:
-        """Parameter -> state entry (host copies) of every parameter with state, or loaded for later."""
+        """Parameter -> state entry (copies) of every parameter with state, or loaded for later."""
         out = dict(self.pending or {})
         if self.bound:
-            self.host_current()
+            self.synchronize()
             for p in self.plan.params:
                 out[p] = {k: v.detach().clone() for k, v in self._state[p].items()}
         return out
@@ -363,11 +365,6 @@ class Engine:
             self.store.settle()
         self.fence.disarm()
 
-    def host_current(self):
-        """Waits for updates in flight and copies GPU-resident blocks' states into their host state."""
-        self.synchronize()
-        self.store.host_current()
-
     def set_gpu_blocks(self, k, wait):
         if self.rt.any_submitted() or self.rt.any_arrived():
             raise RuntimeError("set_gpu_blocks must be called between steps, not between backward and step()")
@@ -376,6 +373,9 @@ class Engine:
             return
         if k and not self.store.cuda:
             raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
+        if k < self.store.floor:
+            raise CapacityError(f"gpu_blocks={k}: the host can hold the states of blocks {self.store.floor} "
+                                f"to {len(self.plan) - 1} only (use gpu_blocks >= {self.store.floor})")
         if wait:
             self.synchronize()
         if self.store.cuda:
@@ -385,5 +385,5 @@ class Engine:
 
     def residency(self) -> dict:
         if not self.bound:
-            return {"gpu": [], "moving": [], "lent": {}}
-        return {"gpu": self.rt.resident(), "moving": sorted(self.store.moves), "lent": dict(self.store.lent)}
+            return {"gpu": [], "moving": []}
+        return {"gpu": self.rt.resident(), "moving": self.store.moving()}

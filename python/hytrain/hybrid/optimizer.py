@@ -41,10 +41,11 @@ class HybridAdamW(torch.optim.Optimizer):
         gpu_blocks: k, the number of leading blocks (forward order) updated on the GPU by the fused
             CUDA AdamW with their states resident there (CUDA parameters only; see
             :meth:`set_gpu_blocks`), or ``"auto"`` (the default): the native ``KSplitScheduler``
-            chooses k every ``schedule_every`` steps from costs measured on the compute stream, within
-            the GPU memory left for resident states, and the states migrate asynchronously. Auto needs
-            ``model`` (its forward hooks measure the forward) and ``accumulation_steps=1``; otherwise,
-            and on the CPU, it keeps k = 0.
+            starts with as many blocks on the GPU as fit beside the first step's peak, then chooses
+            k every ``schedule_every`` steps from costs measured on the compute stream (this needs
+            ``model`` and ``accumulation_steps=1``; otherwise k stays; k = 0 on the CPU). A resident
+            block's state is on the GPU only; k never goes below the blocks the host cannot hold,
+            and a state that fits on neither side raises :class:`hytrain.CapacityError` first.
         gpu_memory_limit: bytes of GPU memory the process may use (default: the device's memory, or
             its per-process fraction when set); the scheduler's budget for resident states is this
             less the largest non-state use seen, less a margin.
@@ -53,8 +54,8 @@ class HybridAdamW(torch.optim.Optimizer):
             ``"auto"`` (the default; the scheduler picks from which block on, where it shortens the
             iteration), an int s (blocks >= s, whenever the previous step did not clip; True: 0),
             or False. Each speculated parameter needs a second fp32 master, m and v (and staging for
-            its new weights) in pinned memory: borrowed from a GPU-resident block of the same shapes
-            where there is one (its host copy is idle), else allocated within ``host_memory_limit``.
+            its new weights) in pinned memory, allocated within ``host_memory_limit`` less what the
+            GPU-resident blocks would need back on the host.
         host_memory_limit: bytes of host memory the process may use before speculation stops
             allocating (default: 75 % of the machine's memory, which leaves room for the rest of
             the process, page cache and the system).
@@ -143,9 +144,9 @@ class HybridAdamW(torch.optim.Optimizer):
         return [list(b) for b in self._engine.plan.blocks]
 
     def residency(self) -> dict:
-        """Where the blocks' states are: ``gpu`` (resident blocks), ``moving`` (blocks whose states are
-        still in an asynchronous move), ``lent`` (speculating block -> the GPU-resident block whose idle
-        host state it borrows as shadows). Empty before the first step."""
+        """Where the blocks' states are: ``gpu`` (resident blocks: their state is on the GPU only),
+        ``moving`` (blocks whose states are still in an asynchronous move). Empty before the first
+        step."""
         return self._engine.residency()
 
     def schedule_stats(self) -> dict:
@@ -231,15 +232,15 @@ class HybridAdamW(torch.optim.Optimizer):
     # -- state ----------------------------------------------------------------------------------------
 
     def state_dict(self):
-        """torch's format, with CPU tensors (GPU-resident blocks are copied into their host state).
-        As with torch's optimizers the tensors are the optimizer's own buffers: save or copy them
-        before training goes on (a GPU-resident block's host buffers may serve as a speculating
-        block's shadows again from the step after next). Parameters without state (never stepped)
-        have no entry, as in torch. Before the first step: the settings, and the state loaded by
-        load_state_dict if any."""
+        """torch's format. As with torch's optimizers the tensors are the optimizer's own buffers,
+        where the state lives: pinned host tensors for blocks the CPU updates, GPU tensors for
+        GPU-resident blocks (as torch's AdamW keeps the state of CUDA parameters); save or copy them
+        before training goes on (a speculating block's buffers change places with its shadows).
+        Parameters without state (never stepped) have no entry, as in torch. Before the first step:
+        the settings, and the state loaded by load_state_dict if any."""
         engine = self._engine
         if engine.bound:
-            engine.host_current()
+            engine.synchronize()
         extra = dict(self._parked)
         if not engine.bound and engine.pending:
             extra.update(engine.pending)
@@ -247,8 +248,9 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def sharded_state_dict(self) -> dict:
         """The state for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``): ``{"state":
-        {index: {key: tensor}}, "param_groups": [...]}``. The tensors are the optimizer's own host
-        buffers; for sharded (FSDP2) parameters they are DTensors over the parameters' mesh, each
+        {index: {key: tensor}}, "param_groups": [...]}``. The tensors are the optimizer's own buffers
+        (host, or GPU for resident blocks); for sharded (FSDP2) parameters they are DTensors over the
+        parameters' mesh, each
         rank's buffer its own shard of the global tensor, so a save writes every rank's shard once
         and a load -- at this or another world size -- reads each rank's shard straight into its
         buffers. ``step`` is a plain (replicated) tensor. Call :meth:`load_sharded_state_dict` with
@@ -258,25 +260,23 @@ class HybridAdamW(torch.optim.Optimizer):
         if not engine.bound:
             check_group_values(self.param_groups)
             engine.bind()
-        engine.host_current()
+        engine.synchronize()
         return state_dicts.sharded(engine.plan.params, self.state, self.param_groups)
 
     def load_sharded_state_dict(self, state_dict) -> None:
         """Completes a resume from ``dcp.load(sd, ...)`` where ``sd`` came from
         :meth:`sharded_state_dict`: the tensors are normally the optimizer's buffers, filled in place
         (any that are not -- replaced in the dict -- are copied in after the same checks as
-        ``load_state_dict``); this applies the param groups' hyperparameters and refreshes the device
-        copies of GPU-resident blocks."""
+        ``load_state_dict``); this applies the param groups' hyperparameters."""
         engine = self._engine
         if isinstance(state_dict, dict) and "state" in state_dict and not engine.bound:
             raise RuntimeError("load_sharded_state_dict needs the dict of this optimizer's sharded_state_dict()")
         groups = state_dicts.load_sharded(state_dict, engine.plan.params, self.state, self.param_groups)
-        engine.store.refresh_device_copies()
         state_dicts.apply_groups(groups, self.param_groups, self.defaults)
 
     def load_state_dict(self, state_dict):
         """torch's semantics: the param groups' values are applied at once; the state is replaced --
-        each parameter's entry loaded into its host buffers (``exp_avg``, ``exp_avg_sq``, ``step``,
+        each parameter's entry loaded into its buffers (``exp_avg``, ``exp_avg_sq``, ``step``,
         and ``master`` when saved by HybridAdamW), and a parameter without an entry starts afresh,
         as torch's AdamW would. Before the first step the state is kept and loaded when it is
         created. Everything is checked before anything changes."""

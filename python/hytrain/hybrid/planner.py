@@ -10,6 +10,7 @@ import torch
 from .._native import native
 from ..cuda_adam import CudaAdamW
 from ..meter import Meter
+from ..pool import CapacityError, format_bytes
 from . import collectives
 
 
@@ -26,7 +27,68 @@ class Planner:
         self._agree_group = None  # sharded with k chosen each step: the ranks agree on k
         self._nonstate_peak = 0
 
-    def start(self, *, measured, pipeline, shard_group) -> None:
+    def initial_k(self, floor, shard_group) -> int:
+        """k for the state about to be created, at the first step, before any block has been
+        measured: fixed, the k asked for; auto, as many leading blocks as the GPU holds beside the
+        first iteration's peak of weights, gradients and activations (the scheduler moves k from
+        there once it has measured). Never below the host's ``floor``; a floor the GPU cannot hold
+        is refused here, before anything is allocated, naming the bytes on each side."""
+        store, s = self.store, self.settings
+        if not store.cuda:
+            return 0
+        state_bytes = self.plan.sizes()[2]
+        device = store.device
+        allocated = torch.cuda.memory_allocated(device)
+        peak = max(torch.cuda.max_memory_allocated(device), allocated)
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - allocated  # the allocator's unused reserve
+        if not s.auto:
+            k = s.gpu_blocks
+            if k < floor:
+                raise CapacityError(
+                    f"gpu_blocks={k} leaves the states of blocks {k} to {len(state_bytes) - 1} on the host, but "
+                    f"the host can hold those of blocks {floor} to {len(state_bytes) - 1} only: use "
+                    f"gpu_blocks >= {floor}, or 'auto'")
+            if sum(state_bytes[:k]) > free:
+                raise CapacityError(
+                    f"gpu_blocks={k} keeps {format_bytes(sum(state_bytes[:k]))} of optimizer states on the GPU, "
+                    f"but {format_bytes(max(free, 0))} of its memory is free: lower gpu_blocks, or use "
+                    "gpu_blocks='auto' (it keeps on the GPU what fits beside the activations)")
+            return k
+        limit = self.gpu_limit()
+        # Beside the weights and gradients (allocated now) and what the next iteration's
+        # activations take again, with the scheduler's margin.
+        room = min(free - (peak - allocated), limit - peak) - (1 << 30) - limit // 20
+        k, used = 0, 0
+        while k < len(state_bytes) and used + state_bytes[k] <= room:
+            used += state_bytes[k]
+            k += 1
+        self._nonstate_peak = peak
+        if shard_group is not None:  # the ranks agree (the smallest fit, the largest floor)
+            self._agree_group = collectives.host_group(shard_group)
+            k = collectives.agree_min(k, self._agree_group)
+            store.floor = floor = -collectives.agree_min(-floor, self._agree_group)
+        if sum(state_bytes[:floor]) > free:
+            raise store.gpu_refusal(floor, free)
+        return max(k, floor)
+
+    def gpu_limit(self) -> int:
+        """The GPU memory the run may use: ``gpu_memory_limit``, else the device's memory within the
+        process's memory fraction."""
+        s, device = self.settings, self.store.device
+        if s.gpu_memory_request is not None:
+            return s.gpu_memory_request
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = 1.0
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if getter is not None:
+            try:
+                fraction = float(getter(device))
+            except (RuntimeError, TypeError):
+                fraction = 1.0
+        return int(total * fraction)
+
+    def start(self, *, measured, pipeline) -> None:
         """At the state's creation: on CUDA with per-layer forward hooks (``measured``) the meter,
         and with one micro-batch per step the scheduler."""
         store, s = self.store, self.settings
@@ -40,28 +102,16 @@ class Planner:
         # Fixed k too: its predictions are what a run is checked against.
         numel, weight, state_bytes = self.plan.sizes()
         scheduler = native().KSplitScheduler(numel, weight, state_bytes, every=s.schedule_every, deferred=True)
-        limit = s.gpu_memory_request
-        if limit is None:
-            total = torch.cuda.get_device_properties(store.device).total_memory
-            fraction = 1.0
-            getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-            if getter is not None:
-                try:
-                    fraction = float(getter(store.device))
-                except (RuntimeError, TypeError):
-                    fraction = 1.0
-            limit = int(total * fraction)
-        self.attach(meter, scheduler, limit)
+        self.attach(meter, scheduler, self.gpu_limit())
+        scheduler.min_k = store.floor
         self._probe_gpu_rate()
-        if shard_group is not None and s.auto:
-            self._agree_group = collectives.host_group(shard_group)
 
     def attach(self, meter, scheduler=None, gpu_memory_limit=None) -> None:
         """The meter whose iterations feed the scheduler (and the scheduler, with the GPU memory it
         budgets within); :meth:`start` makes them on CUDA, a test gives recorded ones."""
         self.meter, self.scheduler, self.gpu_memory_limit = meter, scheduler, gpu_memory_limit
-        if scheduler is not None:
-            scheduler.memory_budget = 0.0  # nothing resident until a step's peak has been seen
+        if scheduler is not None:  # until a step's peak is measured: the first iteration's (or nothing)
+            scheduler.memory_budget = float(max(0, self._budget(self._nonstate_peak))) if self._nonstate_peak else 0.0
 
     def _probe_gpu_rate(self):
         """alpha's GPU side before any block runs there: the fused AdamW on 4 M scratch elements."""
@@ -112,8 +162,7 @@ class Planner:
             # gradients completed (backward is where activations and gradients meet), plus a margin
             # for what falls between samples (the loss, temporary buffers).
             self._nonstate_peak = max(self._nonstate_peak, summary["nonstate_peak_bytes"])
-            margin = (1 << 30) + self.gpu_memory_limit // 20
-            sched.memory_budget = float(max(0, self.gpu_memory_limit - self._nonstate_peak - margin))
+            sched.memory_budget = float(max(0, self._budget(self._nonstate_peak)))
             k = sched.decide(s.gpu_blocks)
         if self._agree_group is not None:
             # Sharded: each rank decides from its own measurements, and all take the smallest k --
@@ -127,6 +176,9 @@ class Planner:
             self.prediction = sched.last_prediction()
             self._speculate_as_predicted(allowed)
 
+    def _budget(self, nonstate_peak) -> int:
+        return self.gpu_memory_limit - nonstate_peak - (1 << 30) - self.gpu_memory_limit // 20
+
     def _speculate_as_predicted(self, allowed):
         if self.settings.speculate == "auto":
             self.speculate_from(self.prediction["speculative_from"], allowed)
@@ -138,22 +190,19 @@ class Planner:
             return None
         speculate = self.settings.speculate
         plan = self.store.shadow_plan(0 if speculate == "auto" else speculate)
-        return plan[-1][0] if plan else None
+        return plan[-1] if plan else None
 
     def speculate_from(self, start, allowed) -> None:
-        """Blocks >= start speculate in the next backward. Their shadows are borrowed from GPU-resident
-        blocks of the same shapes where there are such, else allocated (from the last block down;
-        where neither is possible, the start rises). Allocation is slow the first time
-        (page-locking), so the iteration it falls in is not measured."""
+        """Blocks >= start speculate in the next backward. Their shadows are allocated (from the last
+        block down, within the host headroom; where that ends, the start rises). Allocation is slow
+        the first time (page-locking), so the iteration it falls in is not measured."""
         self.spec_from = None
         if start is None or not allowed:
             return
         allocated = False
         store = self.store
-        for b, donor in store.shadow_plan(start):
-            if donor is not None:
-                store.borrow(b, donor)
-            elif not store.has_shadows(b):
+        for b in store.shadow_plan(start):
+            if not store.has_shadows(b):
                 allocated = True
                 if not store.allocate_shadows(b):
                     break  # the pool's capacity: speculation starts above this block

@@ -1,5 +1,5 @@
 """The optimizer's state dicts: torch's (``state_dict``/``load_state_dict``: parsed and checked before
-anything changes) and the one for ``torch.distributed.checkpoint`` (the host buffers themselves, as
+anything changes) and the one for ``torch.distributed.checkpoint`` (the buffers themselves, as
 DTensors over the parameters' mesh for FSDP2 shards)."""
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def with_entries(out, entries, param_groups) -> dict:
 
 
 def sharded(params, state, param_groups) -> dict:
-    """``{"state": {index: {key: tensor}}, "param_groups": [...]}`` over the host buffers."""
+    """``{"state": {index: {key: tensor}}, "param_groups": [...]}`` over the buffers (host, or GPU
+    for resident blocks)."""
     out = {}
     for i, p in enumerate(params):
         st = state[p]
@@ -114,13 +115,15 @@ def load_sharded(state_dict, params, state, param_groups) -> list:
 
 
 def _as_global(p, buf):
-    """The host buffer as a DTensor over the parameter's ranks (a mesh of host tensors: the buffer
-    itself is the local shard, nothing is copied)."""
+    """The buffer as a DTensor over the parameter's ranks (the buffer itself is the local shard,
+    nothing is copied): over a mesh of host tensors for a host buffer, the parameter's own mesh for
+    a GPU-resident block's."""
     if not is_sharded(p):
         return buf
     from torch.distributed.tensor import DTensor
 
-    out = DTensor.from_local(buf, host_mesh(p.device_mesh), p.placements, run_check=False,
+    mesh = p.device_mesh if buf.device.type == p.device_mesh.device_type else host_mesh(p.device_mesh)
+    out = DTensor.from_local(buf, mesh, p.placements, run_check=False,
                              shape=p.shape, stride=p.stride())
     assert out.to_local().data_ptr() == buf.data_ptr() or not buf.numel()
     return out

@@ -15,7 +15,7 @@ import torch
 from .. import _checks
 from .._native import native
 from ..cuda_adam import CudaAdamW
-from ..pool import CapacityError, PinnedPool, available_memory_bytes
+from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
 from .common import PARAM_DTYPES, STATE_KEYS, local
 
 _STATE_AND_MASTER = ("master", *STATE_KEYS)
@@ -28,10 +28,6 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def check_params(params) -> torch.device:
@@ -58,9 +54,9 @@ def check_params(params) -> torch.device:
 
 
 class StateStore:
-    """``state``: the optimizer's state dict (parameter -> {key: tensor}), filled by :meth:`create`.
-    ``wait``: waits for blocks' updates in flight (the launcher's), needed before a borrowed host
-    state is given back."""
+    """``state``: the optimizer's state dict (parameter -> {key: tensor}), filled by :meth:`create`:
+    pinned host tensors for the blocks the CPU updates, GPU tensors for GPU-resident blocks (the
+    host holds nothing of those). ``wait``: waits for blocks' updates in flight (the launcher's)."""
 
     def __init__(self, plan, settings, rt, state, wait):
         self.plan, self.settings, self.rt, self.state, self.wait = plan, settings, rt, state, wait
@@ -70,12 +66,12 @@ class StateStore:
         self.table = None
         self.bound = None  # id(p) -> (device, dtype, shape) the state was created for
         self.amsgrad_bound = None  # each group's amsgrad when the state was created
-        self.staging = {}  # id(p) -> (gradient staging, weight staging or None); CUDA parameters
+        self.staging = {}  # id(p) -> (gradient staging, weight staging or None); host-resident CUDA parameters
         self.dev = {}  # id(p) -> device master/exp_avg/exp_avg_sq/max_exp_avg_sq/grad (resident blocks)
         self.shadow = {}  # id(p) -> spare host master/exp_avg/exp_avg_sq[/max_exp_avg_sq]/copy
-        self.lent = {}  # block -> the GPU-resident block whose idle host state and staging are its shadows
         self.moves = {}  # block -> CUDA event: its states' asynchronous move has completed
-        self._signatures = []
+        self.floor = 0  # the host holds the states of blocks >= floor only: k never goes below it
+        self._leaving = {}  # block -> (event, host tensors) freed once its move to the GPU has read them
         self._fused = {}  # ((id, address) of each parameter) -> CudaAdamW
         self._groups_set = None  # the hyperparameters the table has
         self._versions = {}  # id(p) -> (address, version) of the weights after our last write
@@ -84,14 +80,17 @@ class StateStore:
 
     # -- creation -------------------------------------------------------------------------------------
 
-    def create(self, param_groups) -> None:
-        """Creates the state for the device and dtype the parameters have now."""
-        plan = self.plan
-        self.device = check_params(plan.params)
+    def prepare(self) -> None:
+        """The parameters' device, checked, before the state is placed."""
+        self.device = check_params(self.plan.params)
         self.cuda = self.device.type == "cuda"
         if self.settings.gpu_blocks and not self.cuda:
             raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
-        self.check_room()
+
+    def create(self, param_groups, k) -> None:
+        """Creates the state for the device and dtype the parameters have now: blocks < ``k`` on the
+        GPU (nothing of theirs on the host), the others in the pinned pool."""
+        plan = self.plan
         pool = self.settings.pool
         self.pool = pool if pool is not None else PinnedPool(self._pool_bytes(), slab_bytes="256MiB")
         if self.cuda and not self.pool.page_locked:
@@ -99,79 +98,104 @@ class StateStore:
                              "on a machine where pinning works)")
         self.table = native().ParamTable()  # each parameter's host buffers; handle = its index
         if self.pool.page_locked:  # page-locking is the slow part: every slab at once, in parallel
-            self.pool.reserve_for(self._tensor_bytes())
+            self.pool.reserve_for([n for b in range(k, len(plan)) for n in self._tensor_bytes(b)])
         for p in plan.params:
-            self._init_state(p)
+            self._init_state(p, on_gpu=plan.block_of[id(p)] < k)
         if pool is None:
             self.pool.trim()  # slabs the reservation made and the state did not need
-        signatures = {}  # blocks that can lend each other host state have equal signatures
-        self._signatures = [signatures.setdefault(
-            tuple((tuple(local(p).shape), p.dtype, "max_exp_avg_sq" in self.state[p]) for p in blk),
-            len(signatures)) for blk in plan.blocks]
+        up, _ = self.rt.migrate(k)  # nothing is in flight: the first k blocks are resident now
+        for b in up:
+            self.rt.moved_up(b)
+        self.settings.gpu_blocks = k
         if self.cuda:
             self._stream = torch.cuda.Stream(self.device, priority=0)
         self.bound = {id(p): (w.device, w.dtype, w.shape) for p in plan.params for w in (local(p),)}
         self.amsgrad_bound = [bool(g["amsgrad"]) for g in param_groups]
 
-    def host_bytes(self) -> int:
-        """The pinned host bytes the state and staging take (shadows come later, within the host
-        limit): the tensors :meth:`_init_state` makes."""
-        return sum(self._tensor_bytes())
+    def block_host_bytes(self) -> list[int]:
+        """Per block, the pinned host bytes its state and staging take while the CPU updates it."""
+        return [sum(self._tensor_bytes(b)) for b in range(len(self.plan))]
 
-    def check_room(self) -> None:
-        """Refuses, before anything is allocated, a state that does not fit: in the host memory
-        this process can still take, and on the GPU the states of the first ``gpu_blocks`` blocks
-        when k is fixed."""
-        need = self.host_bytes()
-        n = sum(local(p).numel() for p in self.plan.params)
-        count = f"{n / 1e9:.2f} B" if n >= 10**9 else f"{n / 1e6:.2f} M"
-        # A given pool refuses what it cannot hold itself (PoolExhaustedError, nothing half made);
-        # the pool made here is bounded by what the host can still give.
-        room = available_memory_bytes() if self.settings.pool is None else None
-        if room is not None and need > room:
+    def host_bytes(self) -> int:
+        """The pinned host bytes the state and staging of every block would take on the host."""
+        return sum(self.block_host_bytes())
+
+    def host_floor(self) -> int:
+        """The smallest k for which the host can hold the states of blocks >= k (the rest live on
+        the GPU), within the memory this process can still take (or the given pool's room). Without
+        CUDA every state lives on the host: one that does not fit is refused here, before anything
+        is allocated."""
+        per_block = self.block_host_bytes()
+        room = self.host_room()
+        if room is None:
+            self.floor = 0
+            return 0
+        k, rest = 0, sum(per_block)
+        while k < len(per_block) and rest > room:
+            rest -= per_block[k]
+            k += 1
+        if k and not self.cuda:
             raise CapacityError(
-                f"the optimizer state of {count} parameters needs {_size(need)} of pinned host memory "
-                f"(fp32 master, m and v{' and staging' if self.cuda else ''}), but the host memory available to this process is "
-                f"{_size(room)}: use a host with more memory, shard the model over more processes "
+                f"the optimizer state of {self._count()} parameters needs {format_bytes(sum(per_block))} of pinned "
+                f"host memory (fp32 master, m and v), but the host memory available to this process is "
+                f"{format_bytes(room)}: use a host with more memory, shard the model over more processes "
                 "(--nproc / FSDP2), or train a smaller model")
-        k = self.settings.gpu_blocks
-        if self.cuda and k and not self.settings.auto:
-            on_gpu = sum(self._state_bytes[:k])
-            free, _ = torch.cuda.mem_get_info(self.device)
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            if on_gpu > free:
-                raise CapacityError(
-                    f"gpu_blocks={k} keeps {_size(on_gpu)} of optimizer states on the GPU, but "
-                    f"{_size(free)} of its memory is free: lower gpu_blocks, or use gpu_blocks='auto' "
-                    "(it keeps on the GPU what fits beside the activations)")
+        self.floor = k
+        return k
+
+    def host_room(self) -> int | None:
+        """The bytes the state may take on the host: what this process can still take, less a
+        margin (1 GiB and 5 %: the page cache, the data, the allocator's slack), or the room left in
+        a pool given by the caller; None where the system does not tell."""
+        pool = self.settings.pool
+        if pool is not None:
+            stats = pool.stats()
+            return max(0, stats["capacity"] - stats["in_use"])
+        room = available_memory_bytes()
+        if room is None:
+            return None
+        return max(0, room - (1 << 30) - room // 20)
+
+    def gpu_refusal(self, k, free) -> CapacityError:
+        """The error for a state whose first k blocks must live on the GPU, where ``free`` bytes are
+        left for them: the bytes on each side."""
+        per_block = self.block_host_bytes()
+        on_gpu = sum(self._state_bytes[:k])
+        room = self.host_room()
+        return CapacityError(
+            f"the optimizer state of {self._count()} parameters does not fit: it needs "
+            f"{format_bytes(sum(per_block))} of pinned host memory (fp32 master, m and v and staging) for all "
+            f"{len(per_block)} blocks, the host can give {format_bytes(room or 0)}, so the first {k} blocks must "
+            f"keep theirs on the GPU ({format_bytes(on_gpu)}), but {format_bytes(max(0, free))} of GPU memory is left "
+            "beside the weights, gradients and activations: use a host with more memory or a larger "
+            "GPU, shard the model over more processes (--nproc / FSDP2), or train a smaller model")
+
+    def _count(self) -> str:
+        n = sum(local(p).numel() for p in self.plan.params)
+        return f"{n / 1e9:.2f} B" if n >= 10**9 else f"{n / 1e6:.2f} M"
 
     def clear(self) -> None:
         """Drops the state (a failed creation, or a rebuild)."""
         self.state.clear()
         self.pool = self.table = self.bound = self.amsgrad_bound = None
-        self.staging, self.dev, self.shadow, self.lent, self.moves, self._fused = {}, {}, {}, {}, {}, {}
+        self.staging, self.dev, self.shadow, self.moves, self._fused, self._leaving = {}, {}, {}, {}, {}, {}
         self._groups_set = None
         self._versions = {}
 
     def _pool_bytes(self) -> int:
-        """A capacity for the default pool: the state and staging bytes, plus room for the slabs'
-        fragmentation (the capacity is a limit; memory is reserved slab by slab as it is used)."""
-        total = 0
-        for p in self.plan.params:
-            per = 8 + (4 if self.plan.amsgrad(p) else 0)
-            if p.dtype != torch.float32 or self.cuda:
-                per += 4  # master
-            if self.cuda:
-                per += p.element_size()  # staging: the gradient lands there, the new weights replace it
-                if self.settings.speculate is not False:  # a capacity only: shadows are allocated when used
-                    per += per - (4 if p.dtype == torch.float32 else 0)
-            total += local(p).numel() * per + 6 * 256
-        return total * 3 // 2 + (256 << 20)
+        """A capacity for the default pool: the host bytes of the blocks from the floor on, as many
+        again for speculation shadows (a capacity only: shadows are allocated when used, within
+        ``host_memory_limit``), and room for the slabs' fragmentation (memory is reserved slab by
+        slab as it is used)."""
+        host = sum(self.block_host_bytes()[self.floor:])
+        if self.cuda and self.settings.speculate is not False:
+            host *= 2
+        return host * 3 // 2 + (256 << 20)
 
-    def _tensor_bytes(self) -> list[int]:
-        """The byte size of every pool tensor :meth:`_init_state` makes, in order."""
+    def _tensor_bytes(self, b) -> list[int]:
+        """The byte size of every pool tensor :meth:`_host_state` makes for block b's parameters."""
         out = []
-        for p in self.plan.params:
+        for p in self.plan.blocks[b]:
             n = local(p).numel()
             if not n:
                 continue
@@ -182,11 +206,48 @@ class StateStore:
                 out.append(p.element_size() * n)  # staging
         return out
 
-    def _init_state(self, p):
-        """The parameter's host state, shaped like its local shard when it is sharded (FSDP2): each
-        rank holds the master, m and v of its own shard only. A shard that is empty on this rank gets
-        empty state (nothing to update)."""
+    def _keys(self, p):
+        """The state's fp32 tensors (with the master for every CUDA or low-precision parameter)."""
+        keys = list(STATE_KEYS[:2]) + (["max_exp_avg_sq"] if self.plan.amsgrad(p) else [])
+        if p.dtype != torch.float32 or self.cuda:
+            keys.append("master")
+        return keys
+
+    def _init_state(self, p, *, on_gpu):
+        """The parameter's state, shaped like its local shard when it is sharded (FSDP2): each rank
+        holds the master, m and v of its own shard only. A shard that is empty on this rank gets
+        empty host state (nothing to update). On the GPU (``on_gpu``) the state is made there, from
+        the weights, with nothing on the host."""
         st = self.state[p]
+        w = local(p)
+        st["step"] = torch.zeros((), dtype=torch.float32)
+        if on_gpu and w.numel():
+            d = {key: torch.zeros(w.shape, dtype=torch.float32, device=self.device)
+                 for key in self._keys(p) if key != "master"}
+            d["master"] = w.detach().float() if p.dtype != torch.float32 else local(p)
+            d["grad"] = torch.empty_like(w)
+            self.dev[id(p)] = d
+            for key in self._keys(p):
+                st[key] = d[key]
+            handle = self.table.add(master=0, exp_avg=0, exp_avg_sq=0, max_exp_avg_sq=0, step=st["step"].data_ptr(),
+                                    grad=0, dtype=_checks.DTYPE_CODES[p.dtype], copy=0, numel=w.numel(),
+                                    group=self.plan.group_index[id(p)], amsgrad=self.plan.amsgrad(p), on_host=False)
+        else:
+            host = self._host_state(p, fill=True)
+            st.update({key: t for key, t in host.items() if key not in ("grad", "copy")})
+            handle = self.table.add(
+                master=st.get("master", w).data_ptr(), exp_avg=st["exp_avg"].data_ptr(),
+                exp_avg_sq=st["exp_avg_sq"].data_ptr(), max_exp_avg_sq=_checks.address(st.get("max_exp_avg_sq")),
+                step=st["step"].data_ptr(), grad=_checks.address(host.get("grad")),
+                dtype=_checks.DTYPE_CODES[p.dtype], copy=_checks.address(host.get("copy")),
+                numel=w.numel(), group=self.plan.group_index[id(p)], amsgrad="max_exp_avg_sq" in st)
+        assert handle == self.plan.index(p)
+
+    def _host_state(self, p, *, fill):
+        """The parameter's host tensors from the pool: its state (zero moments and the master from
+        the weights with ``fill``) and, for CUDA parameters, its staging -- one buffer: the gradient
+        is copied in, the CPU update reads each element's gradient before writing its new bf16/fp16
+        weight over it, and the H2D copy sends it back. Registers the staging."""
         w = local(p)
         if w.numel():
             zeros, empty = self.pool.zeros, self.pool.empty
@@ -194,34 +255,18 @@ class StateStore:
             def zeros(shape, dtype=torch.float32):
                 return torch.zeros(shape, dtype=dtype)
             empty = zeros
-        st["step"] = torch.zeros((), dtype=torch.float32)
-        st["exp_avg"] = zeros(w.shape, torch.float32)
-        st["exp_avg_sq"] = zeros(w.shape, torch.float32)
-        if self.plan.amsgrad(p):
-            st["max_exp_avg_sq"] = zeros(w.shape, torch.float32)
-        if p.dtype != torch.float32 or self.cuda:
-            st["master"] = empty(w.shape, torch.float32)
-            st["master"].copy_(w.detach())
+        out = {}
+        for key in self._keys(p):
+            out[key] = (zeros if fill and key != "master" else empty)(w.shape, torch.float32)
+        if fill and "master" in out:
+            out["master"].copy_(w.detach())
         if self.cuda:
-            # One staging buffer: the gradient is copied in, the CPU update reads each element's
-            # gradient before writing its new bf16/fp16 weight over it, and the H2D copy sends it back.
             buf = empty(w.shape, p.dtype)
-            self.staging[id(p)] = (buf, buf if p.dtype != torch.float32 else None)
-        staging = self.staging.get(id(p))
-        half = p.dtype != torch.float32
-        handle = self.table.add(
-            master=st.get("master", w).data_ptr(), exp_avg=st["exp_avg"].data_ptr(),
-            exp_avg_sq=st["exp_avg_sq"].data_ptr(), max_exp_avg_sq=_checks.address(st.get("max_exp_avg_sq")),
-            step=st["step"].data_ptr(), grad=staging[0].data_ptr() if staging else 0,
-            dtype=_checks.DTYPE_CODES[p.dtype], copy=staging[1].data_ptr() if staging and half else 0,
-            numel=w.numel(), group=self.plan.group_index[id(p)], amsgrad="max_exp_avg_sq" in st)
-        assert handle == self.plan.index(p)
-
-    def _restate(self, p):
-        """The parameter's state entries name other buffers now (adopted shadows, a donor's spare set)."""
-        st = self.state[p]
-        self.table.set_state(self.plan.index(p), st.get("master", local(p)).data_ptr(), st["exp_avg"].data_ptr(),
-                             st["exp_avg_sq"].data_ptr(), _checks.address(st.get("max_exp_avg_sq")))
+            out["grad"] = buf
+            if p.dtype != torch.float32:
+                out["copy"] = buf
+            self.staging[id(p)] = (buf, out.get("copy"))
+        return out
 
     # -- checks and what follows the loop's writes ------------------------------------------------------
 
@@ -262,13 +307,10 @@ class StateStore:
         return out
 
     def refresh_masters(self, params) -> None:
-        """Each parameter's fp32 master (host, and on the GPU for a resident block) from its weights:
-        what the next update starts from (nothing in flight may read them)."""
+        """Each parameter's fp32 master (on the host, or on the GPU for a resident block) from its
+        weights: what the next update starts from (nothing in flight may read them)."""
         for p in params:
-            w, st = local(p).detach(), self.state[p]
-            if self.rt.on_gpu(self.plan.block_of[id(p)]) and p.dtype != torch.float32:
-                self.dev[id(p)]["master"].copy_(w)
-            st["master"].copy_(w)
+            self.state[p]["master"].copy_(local(p).detach())
         self.note_weight_versions(params)
 
     def sync_groups(self, param_groups) -> bool:
@@ -284,27 +326,7 @@ class StateStore:
         self._groups_set = now
         return stale
 
-    # -- the host copy of GPU-resident blocks, loads ----------------------------------------------------
-
-    def host_current(self) -> None:
-        """GPU-resident blocks' states copied into their host state; borrowers give the donors' host
-        buffers back for a step (they hold state again). Call with nothing in flight."""
-        for r in set(self.lent.values()):
-            self.reclaim(r)
-        for b in self.rt.resident():
-            for p in self.plan.blocks[b]:
-                st, d = self.state[p], self.dev[id(p)]
-                for key in _STATE_AND_MASTER:
-                    if key in st:
-                        st[key].copy_(d[key])
-
-    def refresh_device_copies(self) -> None:
-        for b in self.rt.resident():  # GPU-resident blocks: the device copies follow the host state
-            for p in self.plan.blocks[b]:
-                st, d = self.state[p], self.dev[id(p)]
-                for key in _STATE_AND_MASTER:
-                    if key in st:
-                        d[key].copy_(st[key])
+    # -- loads ---------------------------------------------------------------------------------------------
 
     def load_entries(self, entries, *, reset_missing, sharded=False):
         """Copies loaded state entries (parameter -> {key: tensor}, checked) into the host buffers;
@@ -339,16 +361,18 @@ class StateStore:
                     dst.zero_()
                 else:
                     dst.copy_(local(src))
-        self.refresh_device_copies()
         self.note_weight_versions(sharded=sharded)  # the loaded masters are what the next update starts from
 
     # -- placement: moves between host and GPU ----------------------------------------------------------
 
     def migrate(self, k):
-        """Starts moving states so that blocks < k are GPU-resident. Nothing here waits: states go
-        down on the migration stream after the compute stream's last update of them; states go up
-        once the block's in-flight CPU update has finished (at its forward wait), and the compute
-        stream waits for them only at the block's first GPU update."""
+        """Starts moving states so that blocks < k are GPU-resident (never below the host's floor).
+        Nothing here waits: states go down on the migration stream after the compute stream's last
+        update of them; states go up once the block's in-flight CPU update has finished (at its
+        forward wait), and the compute stream waits for them before its next work. A state that
+        leaves the host gives its pinned memory back (to the pool, and the pool's free slabs to the
+        system); one that comes back takes it again."""
+        k = max(k, self.floor)
         up, down = self.rt.migrate(k)  # blocks with a pass in flight go up once it is waited for
         for b in up:
             self.to_gpu(b)
@@ -357,46 +381,54 @@ class StateStore:
         self.settings.gpu_blocks = k
 
     def to_gpu(self, b):
-        for p in self.plan.blocks[b]:  # a resident block does not speculate; nothing reads its shadows now
+        for p in self.plan.blocks[b]:  # a resident block does not speculate
             self._drop_shadow(p)
-        self.lent.pop(b, None)  # a donor's state entries already name the spare set
         compute = torch.cuda.current_stream(self.device)
-        states = []
+        moving = []
         for p in self.plan.blocks[b]:
             st = self.state[p]
             d = {key: torch.empty(st[key].shape, dtype=torch.float32, device=self.device)
-                 for key in STATE_KEYS if key in st}
-            if p.dtype != torch.float32:
-                d["master"] = torch.empty(local(p).shape, dtype=torch.float32, device=self.device)
+                 for key in self._keys(p) if key != "master" or p.dtype != torch.float32}
             d["grad"] = torch.empty_like(local(p))
-            states.append((p, st, d))
+            moving.append((p, st, d))
         # Fresh allocations may reuse memory that queued compute-stream work still reads.
         self._stream.wait_stream(compute)
+        leaving = []
         with torch.cuda.stream(self._stream):
-            for p, st, d in states:
+            for p, st, d in moving:
                 for key, t in d.items():
                     if key != "grad":
                         t.copy_(st[key], non_blocking=True)
                 if p.dtype == torch.float32:
-                    d["master"] = local(p)  # fp32 weights are their own master
+                    d["master"] = local(p)  # fp32 weights are their own master (the last update wrote them)
+                leaving += [st[key] for key in self._keys(p)]
+                leaving += [t for t in self.staging.pop(id(p), ()) if t is not None]
+                for key in self._keys(p):
+                    st[key] = d[key]
                 self.dev[id(p)] = d
+                self.table.to_device(self.plan.index(p))
         done = torch.cuda.Event()
         done.record(self._stream)
-        self.moves[b] = done
+        compute.wait_event(done)  # any later read of the state on the GPU follows the copy
+        self._leaving[b] = (done, leaving)
         self.rt.moved_up(b)
 
     def _to_host(self, b):
-        self.reclaim(b)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the block's last update
+        compute = torch.cuda.current_stream(self.device)
+        hosts = [(p, self._host_state(p, fill=False)) for p in self.plan.blocks[b]]
+        self._stream.wait_stream(compute)  # after the block's last update
         with torch.cuda.stream(self._stream):
-            for p in self.plan.blocks[b]:
+            for p, host in hosts:
                 st, d = self.state[p], self.dev.pop(id(p))
-                for key in _STATE_AND_MASTER:
-                    if key in st:
-                        st[key].copy_(d[key], non_blocking=True)
-                        if key != "master" or p.dtype != torch.float32:
-                            d[key].record_stream(self._stream)  # freed only after the copy
+                for key in self._keys(p):
+                    host[key].copy_(d[key], non_blocking=True)
+                    if key != "master" or p.dtype != torch.float32:
+                        d[key].record_stream(self._stream)  # freed only after the copy
+                    st[key] = host[key]
                 d["grad"].record_stream(self._stream)
+                self.table.to_host(self.plan.index(p), st.get("master", local(p)).data_ptr(), st["exp_avg"].data_ptr(),
+                                   st["exp_avg_sq"].data_ptr(), _checks.address(st.get("max_exp_avg_sq")),
+                                   _checks.address(host.get("grad")), _checks.address(host.get("copy")))
         self.drop_fused({id(p) for p in self.plan.blocks[b]})
         done = torch.cuda.Event()
         done.record(self._stream)
@@ -404,15 +436,12 @@ class StateStore:
         self.rt.moved_down(b)
 
     def migration_done(self, b, *, host):
-        """Before block b's states are used: the host waits for a move down (normally long done);
-        the compute stream waits for a move up."""
+        """Before block b's states are used: the host waits for a move down (normally long done).
+        (The compute stream already follows a move up.)"""
         ev = self.moves.pop(b, None)
-        if ev is None:
-            return
-        if host:
+        if ev is not None and host:
             ev.synchronize()
-        else:
-            torch.cuda.current_stream(self.device).wait_event(ev)
+        self._free_left()
 
     def settle(self):
         """Completes every move (states waiting to go up go now)."""
@@ -420,6 +449,23 @@ class StateStore:
             self.to_gpu(b)
         for b in list(self.moves):
             self.moves.pop(b).synchronize()
+        self._free_left(wait=True)
+
+    def _free_left(self, wait=False):
+        """The host memory of states that moved to the GPU, once their copies have read it: back to
+        the pool, and the pool's wholly free slabs back to the system (a pool of our own)."""
+        freed = False
+        for b, (ev, _) in list(self._leaving.items()):
+            if wait:
+                ev.synchronize()
+            if wait or ev.query():
+                del self._leaving[b]
+                freed = True
+        if freed and self.settings.pool is None:
+            self.pool.trim()
+
+    def moving(self) -> list:
+        return sorted(set(self.moves) | set(self._leaving))
 
     def resident_bytes(self):
         rt = self.rt
@@ -451,9 +497,7 @@ class StateStore:
         return all(id(p) in self.shadow for p in self.plan.blocks[b])
 
     def _shadow_bytes(self, b) -> int:
-        return sum(local(p).numel() * 4 * sum(1 for key in _STATE_AND_MASTER if key in self.state[p])
-                   + (local(p).numel() * p.element_size() if p.dtype != torch.float32 else 0)
-                   for p in self.plan.blocks[b] if id(p) not in self.shadow)
+        return 0 if self.has_shadows(b) else sum(self._tensor_bytes(b))
 
     def _set_shadow(self, p, sh):
         self.shadow[id(p)] = sh
@@ -465,16 +509,6 @@ class StateStore:
     def _drop_shadow(self, p):
         if self.shadow.pop(id(p), None) is not None:
             self.table.clear_shadow(self.plan.index(p))
-
-    def borrow(self, b, r):
-        """Block b's shadows are donor r's idle host state (r is GPU-resident, of the same shapes)."""
-        for p, q in zip(self.plan.blocks[b], self.plan.blocks[r]):
-            st = self.state[q]
-            sh = {key: st[key] for key in _STATE_AND_MASTER if key in st}
-            if p.dtype != torch.float32:
-                sh["copy"] = self.staging[id(q)][0]
-            self._set_shadow(p, sh)
-        self.lent[b] = r
 
     def allocate_shadows(self, b) -> bool:
         """Block b's own shadows from the pool; False (and none) where its capacity is reached."""
@@ -491,50 +525,31 @@ class StateStore:
             return False
         return True
 
-    def reclaim(self, r):
-        """Donor r is about to need its host state again (it moves down): its borrower stops
-        speculating once its pass in flight (which may read or write that memory) is done."""
-        for b in [b for b, d in self.lent.items() if d == r]:
-            if self.rt.in_flight(b):
-                self.wait([b])
-            for p in self.plan.blocks[b]:
-                self._drop_shadow(p)
-            del self.lent[b]
-
     def shadow_plan(self, lowest_start):
-        """From the last block down to ``lowest_start``: (block, donor or None) for each offloaded
-        block that can have shadows, borrowed from a GPU-resident donor of the same shapes whose host
-        state nothing reads, or allocated within the host limit and the pool's capacity; stops at the
-        first that cannot (the native BlockRuntime.plan_shadows)."""
+        """From the last block down to ``lowest_start``: each offloaded block that has, or can get,
+        shadows within the host headroom; stops at the first that cannot (the native
+        BlockRuntime.plan_shadows). The headroom is what ``host_memory_limit`` and the pool leave,
+        less what GPU-resident blocks above the floor take when they come back to the host: a move
+        down always finds its memory."""
         rt, n = self.rt, len(self.plan)
         has = [self.has_shadows(b) for b in range(n)]
-        taken = set(self.lent.values())
-        ready = []
-        for r in range(n):
-            ev = self.moves.get(r)
-            ready.append(rt.on_gpu(r) and r not in taken and (ev is None or ev.query()))
         need = [0 if has[b] else self._shadow_bytes(b) for b in range(n)]
         room = 0
         if not all(has[max(0, lowest_start):]):  # host headroom, read only if some block needs memory
             stats = self.pool.stats()
             free = stats["reserved"] - stats["in_use"]
-            room = min(self.settings.host_memory_limit - _rss_bytes() + free, stats["capacity"] - stats["in_use"])
-        plan = rt.plan_shadows(lowest_start, has, self._signatures, ready, need, room)
-        return [(b, donor if donor >= 0 else None) for b, donor in plan]
+            per_block = self.block_host_bytes()
+            returning = sum(per_block[b] for b in range(self.floor, n) if rt.on_gpu(b) or rt.moving_up_later(b))
+            room = min(self.settings.host_memory_limit - _rss_bytes() + free,
+                       stats["capacity"] - stats["in_use"]) - returning
+        return rt.plan_shadows(lowest_start, has, need, max(0, room))
 
     def adopt(self, b, handles) -> None:
-        """Block b's speculative states become its state; the old ones its shadows (a donor's state
-        entries follow the spare set)."""
-        donor = self.lent.get(b)
-        twin = {} if donor is None else {id(p): q for p, q in zip(self.plan.blocks[b], self.plan.blocks[donor])}
+        """Block b's speculative states become its state; the old ones its shadows."""
         for h in handles:
             p = self.plan.params[h]
             st, sh = self.state[p], self.shadow[id(p)]
             for key in _STATE_AND_MASTER:
                 if key in st:
                     st[key], sh[key] = sh[key], st[key]
-                    if donor is not None:
-                        self.state[twin[id(p)]][key] = sh[key]
             self.table.adopt(h)
-            if donor is not None:
-                self._restate(twin[id(p)])
