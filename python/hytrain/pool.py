@@ -104,6 +104,7 @@ class PinnedPool:
             raise ValueError("pinned=True needs CUDA compiled in and a usable GPU; use pinned='auto'")
         self._pool = nat.PinnedPool(capacity, slab, pinned, alignment)
         self._slab = slab
+        self.alignment = alignment  # every block's size is rounded up to it
 
     @property
     def kind(self) -> str:

@@ -343,7 +343,8 @@ def test_a_state_the_host_cannot_hold_is_refused_before_anything_is_allocated(mo
     model(x, x).backward()
     need = opt._engine.store.host_bytes()
     per = 8 + (4 if next(model.parameters()).dtype != torch.float32 else 0)  # m, v (and an fp32 master)
-    assert need == sum(p.numel() for p in model.parameters()) * per
+    exact = sum(p.numel() for p in model.parameters()) * per
+    assert exact <= need <= exact + 256 * 3 * len(list(model.parameters()))  # each tensor rounded to 256 bytes
     monkeypatch.setattr(store, "available_memory_bytes", lambda: need - 1)
     weights = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(hytrain.CapacityError, match=r"M parameters needs \d+\.\d\d MiB of pinned host memory .* is \d+\.\d\d MiB"):

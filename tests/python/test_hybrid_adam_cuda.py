@@ -31,6 +31,23 @@ def cuda_batches(n, micro=1, seed=0):
     return [[x.to(DEV) for x in m] for m in batches(n, micro, seed)]
 
 
+def assert_placement(opt):
+    """Each block's state lives in one place: on the GPU for resident blocks (nothing on the host),
+    in pinned host memory otherwise; the pool holds exactly the host blocks' state and staging
+    (and shadows)."""
+    store = opt._engine.store
+    gpu = set(opt.residency()["gpu"])
+    host_bytes = store.block_host_bytes()
+    for b, blk in enumerate(opt.blocks):
+        for p in blk:
+            for key, t in opt.state[p].items():
+                if key != "step":
+                    assert t.is_cuda == (b in gpu), (b, key, t.device)
+    shadows = sum(t.numel() * t.element_size() for sh in store.shadow.values() for t in sh.values())
+    assert store.pool.stats()["in_use"] >= sum(host_bytes[b] for b in range(len(host_bytes)) if b not in gpu) + shadows
+    assert store.pool.stats()["in_use"] <= sum(host_bytes[b] + 1024 for b in range(len(host_bytes)) if b not in gpu) + shadows + 1024 * len(store.shadow)
+
+
 # ---- the native pipeline -----------------------------------------------------------------------------
 
 def _table(lr=1e-2):
@@ -178,8 +195,8 @@ def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
     # Every third step's loss is scaled up 50 times: its gradients are clipped, the others' are not.
     # Blocks >= 1 are updated during backward whenever the step before did not clip; a step that
     # then clips redoes them from the untouched state. Both must follow the reference exactly.
-    # k_changes: k changes at random every step (asynchronously), so speculating blocks borrow the
-    # idle host state of GPU-resident ones, donors move down and take it back, borrowers move up;
+    # k_changes: k changes at random every step (asynchronously), so speculating blocks move up
+    # (their shadows and host state given back) and come down again (host state taken anew);
     # a state_dict round trip in the middle must change nothing.
     model, ref_model = pair()
     probe = copy.deepcopy(model)
@@ -192,7 +209,6 @@ def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
     losses, ref_losses = [], []
     n = len(opt.blocks)
     ks = torch.randint(0, n, (3 * STEPS,), generator=torch.Generator().manual_seed(5)).tolist()
-    lent = 0
     for i, (x,) in enumerate(cuda_batches(3 * STEPS)):
         factor = 50.0 if i % 3 == 2 else 1.0
         for m, o, out in ((model, opt, losses), (ref_model, ref, ref_losses)):
@@ -201,13 +217,13 @@ def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
             o.step()
             o.zero_grad()
             out.append(loss.item())
-        lent = max(lent, len(opt.residency()["lent"]))
+        assert_placement(opt)
         if k_changes:
             opt.set_gpu_blocks(ks[i], wait=False)
         if k_changes and i == 10:
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     opt.synchronize()
-    assert (lent > 0) == k_changes
+    assert_placement(opt)
     assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
     assert 0 < ref.clipped < 3 * STEPS
     counts = opt.speculation_counts
@@ -495,3 +511,112 @@ def test_a_fixed_k_the_gpu_cannot_hold_is_refused_before_anything_is_allocated(m
     opt.step()
     opt.synchronize()
     assert opt.residency()["gpu"] == [0, 1]
+
+
+def test_cuda_resident_blocks_hold_no_host_memory():
+    """A GPU-resident block's state is on the GPU only: the pool holds the offloaded blocks' state
+    and staging, k changes give host memory back (free slabs to the system) and take it again, a
+    state dict names the GPU tensors, and it loads (from a file, on the CPU) into an optimizer with
+    another k; the trajectory stays the reference's throughout."""
+    model, ref_model = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, gpu_blocks=2,
+                              workers=2, speculate=False)
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1)
+    data = cuda_batches(STEPS)
+    n = None
+    reserved = []
+
+    def step_fn(i):
+        nonlocal n
+        opt.step()
+        n = len(opt.blocks)
+        if i in (3, 9, 15):
+            opt.set_gpu_blocks({3: 0, 9: n, 15: 1}[i], wait=True)
+            reserved.append(opt._engine.store.pool.stats()["reserved"])
+        assert_placement(opt)
+
+    losses = train(model, opt, data[:20], step_fn=step_fn)
+    assert reserved[1] < reserved[0]  # k = all: the pool gave its slabs back
+    assert opt.gpu_blocks == 1
+    sd = opt.state_dict()
+    first = opt.blocks[0][0]
+    index = [p for g in opt.param_groups for p in g["params"]].index(first)
+    assert sd["state"][index]["exp_avg"].is_cuda
+    import io
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    opt2 = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, gpu_blocks=3,
+                               workers=2, speculate=False)
+    opt2.load_state_dict(torch.load(buf, map_location="cpu", weights_only=True))
+    del opt
+    losses += train(model, opt2, data[20:])
+    assert_placement(opt2)
+    ref_losses = train(ref_model, ref, data)
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+
+
+def test_cuda_the_host_floor_keeps_what_the_host_cannot_hold_on_the_gpu():
+    """A pool with room for the last blocks only: the first blocks' states live on the GPU from the
+    first step, k auto never goes below that floor, a fixed k below it and set_gpu_blocks below it
+    are refused, and training follows the reference."""
+    model, ref_model = pair()
+    probe = hytrain.HybridAdamW(model.parameters(), model=model, gpu_blocks=0, speculate=False)
+    store = probe._engine.store
+    store.prepare()
+    per_block = store.block_host_bytes()
+    del probe, store
+    n = len(per_block)
+    capacity = sum(per_block[n - 2:]) + 1024  # the last two blocks (one slab: no fragmentation)
+
+    def pool():
+        return hytrain.PinnedPool(capacity, slab_bytes="1MiB")
+
+    x = cuda_batches(1)[0][0]
+    fixed = hytrain.HybridAdamW(model.parameters(), model=model, gpu_blocks=0, pool=pool(), speculate=False)
+    model(x, x).backward()
+    with pytest.raises(hytrain.CapacityError, match=r"gpu_blocks=0 leaves .* the host can hold those of blocks \d+"):
+        fixed.step()
+    assert not fixed.bound
+    model.zero_grad()
+    del fixed
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=1.0, model=model,
+                              pool=pool(), workers=1, gpu_memory_limit=1 << 20)  # auto; no budget beyond the floor
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=1.0)
+    data = cuda_batches(12)
+    ks = []
+
+    def step_fn(i):
+        opt.step()
+        ks.append(opt.gpu_blocks)
+        assert_placement(opt)
+
+    losses = train(model, opt, data, step_fn=step_fn)
+    floor = opt._engine.store.floor
+    assert 0 < floor < n and min(ks) >= floor, (floor, ks)
+    with pytest.raises(hytrain.CapacityError, match="the host can hold the states of blocks"):
+        opt.set_gpu_blocks(floor - 1)
+    ref_losses = train(ref_model, ref, data)
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+
+
+def test_cuda_a_state_neither_side_can_hold_is_refused_naming_both(monkeypatch):
+    from hytrain.hybrid import store as store_module
+
+    model, _ = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), model=model, workers=1)
+    x = cuda_batches(1)[0][0]
+    model(x, x).backward()
+    total = torch.cuda.mem_get_info()[1]
+    allocated = torch.cuda.memory_allocated
+    monkeypatch.setattr(store_module, "available_memory_bytes", lambda: 0)  # the host holds nothing
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, total))  # a full GPU,
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: allocated(device))  # no reserve
+    with pytest.raises(hytrain.CapacityError, match=r"needs \d+\.\d\d MiB of pinned host memory .* the host can "
+                       r"give 0\.00 MiB, so the first \d+ blocks must keep theirs on the GPU .* but 0\.00 MiB"):
+        opt.step()
+    assert not opt.bound and len(opt.state) == 0
+    monkeypatch.undo()
+    opt.step()
+    opt.synchronize()
+    assert opt.bound

@@ -110,7 +110,7 @@ def test_the_host_floor_from_the_room_the_host_gives():
     groups = groups_of(params, foreach=None, capturable=False, differentiable=False, fused=None)
     plan = BlockPlan(groups, bucket_elements=1)
     assert len(plan) == 4
-    per_block = 8 * 1000  # m and v, fp32, on the CPU (the fp32 weight is its own master)
+    per_block = 2 * 4096  # m and v, fp32, on the CPU (the fp32 weight is its own master), 256-byte aligned
 
     def store_with(capacity):
         pool = hytrain.PinnedPool(capacity, pinned=False)
@@ -129,7 +129,7 @@ def test_the_host_floor_from_the_room_the_host_gives():
     # As for CUDA parameters (their state has a master and staging too): the floor rises as the
     # host's room shrinks, block by block from the first.
     store.cuda = True
-    per_block = (8 + 4 + 4) * 1000
+    per_block = 4 * 4096  # m, v, master and fp32 staging
     assert store.block_host_bytes() == [per_block] * 4
     for capacity, floor in ((4 * per_block, 0), (4 * per_block - 1, 1), (2 * per_block, 2), (per_block - 1, 4)):
         store.settings.pool = hytrain.PinnedPool(capacity, pinned=False)

@@ -5,9 +5,12 @@ in the next backward -- and the shadows that speculation needs, taken from the s
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .._native import native
+from ..cpu_adam import adamw_step
 from ..cuda_adam import CudaAdamW
 from ..meter import Meter
 from ..pool import CapacityError, format_bytes
@@ -105,6 +108,8 @@ class Planner:
         self.attach(meter, scheduler, self.gpu_limit())
         scheduler.min_k = store.floor
         self._probe_gpu_rate()
+        if s.gpu_blocks == len(self.plan):  # no block updates on the CPU yet to measure its rate
+            self._probe_cpu_rate()
 
     def attach(self, meter, scheduler=None, gpu_memory_limit=None) -> None:
         """The meter whose iterations feed the scheduler (and the scheduler, with the GPU memory it
@@ -129,6 +134,19 @@ class Planner:
         end.record()
         end.synchronize()
         self.scheduler.observe_rate(native().Phase.gpu, start.elapsed_time(end) / 1e3 / 3 / n)
+
+    def _probe_cpu_rate(self):
+        """c, the CPU side, before any block runs there: the workers' AdamW on 4 M scratch elements."""
+        n, workers = 1 << 22, self.settings.workers
+        dtype = self.plan.blocks[0][0].dtype
+        w, m, v = (torch.zeros(n) for _ in range(3))
+        g = torch.full((n,), 1e-3, dtype=dtype)
+        copy = torch.empty(n, dtype=dtype) if dtype != torch.float32 else None
+        adamw_step(w, g, m, v, step=1, param_copy=copy, num_threads=workers)
+        start = time.perf_counter()
+        for i in range(3):
+            adamw_step(w, g, m, v, step=2 + i, param_copy=copy, num_threads=workers)
+        self.scheduler.observe_rate(native().Phase.cpu, (time.perf_counter() - start) / 3 / n)
 
     def after_step(self, *, early_copies, speculation_allowed) -> None:
         """After a step's launches: feed the last complete iteration's costs, refresh the memory

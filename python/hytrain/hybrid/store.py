@@ -193,17 +193,21 @@ class StateStore:
         return host * 3 // 2 + (256 << 20)
 
     def _tensor_bytes(self, b) -> list[int]:
-        """The byte size of every pool tensor :meth:`_host_state` makes for block b's parameters."""
+        """The pool bytes of every tensor :meth:`_host_state` makes for block b's parameters (each
+        rounded up to the pool's alignment)."""
+        pool = self.settings.pool
+        align = pool.alignment if pool is not None else 256
         out = []
         for p in self.plan.blocks[b]:
             n = local(p).numel()
             if not n:
                 continue
-            out += [4 * n] * (2 + (1 if self.plan.amsgrad(p) else 0))  # m, v, max v
+            sizes = [4 * n] * (2 + (1 if self.plan.amsgrad(p) else 0))  # m, v, max v
             if p.dtype != torch.float32 or self.cuda:
-                out.append(4 * n)  # master
+                sizes.append(4 * n)  # master
             if self.cuda:
-                out.append(p.element_size() * n)  # staging
+                sizes.append(p.element_size() * n)  # staging
+            out += [-(-size // align) * align for size in sizes]
         return out
 
     def _keys(self, p):
