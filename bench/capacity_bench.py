@@ -7,10 +7,11 @@ is built, the optimizer constructed, and 1 + --warmup + --iters training iterati
 memory (MemoryError, hytrain's CapacityError), a kill by a signal (exit -9: usually the host ran out of
 memory and the kernel's OOM killer stepped in), a timeout, or any other exception.
 
-Workload (as bench/train_bench.py, whose constants and DeepSpeed configuration are reused): transformers'
-LlamaForCausalLM when importable (else hytrain.models.LlamaModel of the same shapes), untied
-embeddings, vocab 32000, micro-batch 4 x 1024 synthetic tokens, activation checkpointing on, AdamW
-(lr 1e-4, weight decay 0.01), global-norm clipping at 1.0, bf16 training weights on the GPU.
+Workload (as bench/train_bench.py, whose constants are imported and whose DeepSpeed configuration is
+repeated): transformers' LlamaForCausalLM when importable (else hytrain.models.LlamaModel of the same
+shapes), untied embeddings, vocab 32000, micro-batch 4 x 1024 synthetic tokens, activation
+checkpointing on, AdamW (lr 1e-4, weight decay 0.01), global-norm clipping at 1.0, bf16 training
+weights on the GPU.
   tiny  hidden   64,  2 layers,  4 heads, intermediate   128, vocab 512 (smoke test only)
   3b    hidden 3200, 26 layers, 32 heads, intermediate  8640
   7b    hidden 4096, 32 layers, 32 heads, intermediate 11008
@@ -27,7 +28,8 @@ Systems:
   fsdp2_offload      torch FSDP2 at world size 1: fully_shard on each decoder layer, then the root, with
                      CPUOffloadPolicy(pin_memory=True) and MixedPrecisionPolicy(bf16 params, fp32
                      reduce); fp32 sharded parameters, gradients and AdamW states on the CPU; torch's
-                     fused CPU AdamW and clip_grad_norm_ over the sharded parameters. The model is built
+                     fused CPU AdamW and clip_grad_norm_ over the sharded parameters; process group
+                     cpu:gloo,cuda:nccl (the norm's reduction runs on CPU tensors). The model is built
                      on the meta device, sharded, then materialised on the CPU (to_empty) and
                      initialised there cheaply (a tiled N(0, 0.02) pattern for matrices, ones for norms);
                      the buffers (rotary tables) stay on the GPU, as FSDP2 puts them.
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import resource
@@ -68,7 +71,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_bench  # noqa: E402  -- the workload's constants, DeepSpeed's configuration and its check
+import train_bench  # noqa: E402  -- the workload's constants (vocab, AdamW, clipping)
 
 VOCAB, LR, WD, CLIP = train_bench.VOCAB, train_bench.LR, train_bench.WD, train_bench.CLIP
 BATCH, SEQ = 4, 1024
@@ -243,7 +246,7 @@ def run_one(args):
         use_tf = not args.own_model
         if use_tf:
             try:
-                import transformers  # noqa: F401
+                importlib.import_module("transformers")
             except ImportError:
                 use_tf = False
         rec["model"] = "transformers" if use_tf else "hytrain"
@@ -252,7 +255,9 @@ def run_one(args):
         if system == "fsdp2_offload":
             import torch.distributed as dist
 
-            dist.init_process_group("nccl" if cuda else "gloo",
+            # With CPU offload the sharded gradients live on the CPU: the collectives clipping makes on
+            # them (the norm's reduction) need a CPU backend beside NCCL, as torchtitan does it.
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
                                     **({"device_id": torch.device("cuda", 0)} if cuda else {}))
             dist_up = True
 
@@ -268,13 +273,13 @@ def run_one(args):
             torch.cuda.synchronize()
         rec["build_s"] = round(time.perf_counter() - t0, 3)
         rec["params"] = sum(p.numel() for p in model.parameters())
+
+        state["stage"] = "optimizer"
+        progress(stage="optimizer", build_s=rec["build_s"], params=rec["params"])
         if args.inject_failure == "memory":
             raise MemoryError("injected by --inject-failure memory (a test of the failure path)")
         if args.inject_failure == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-
-        state["stage"] = "optimizer"
-        progress(stage="optimizer", build_s=rec["build_s"], params=rec["params"])
         opt = engine = None
         t1 = time.perf_counter()
         if system == "hytrain":
@@ -354,12 +359,16 @@ def run_one(args):
             free, total = torch.cuda.mem_get_info()
             rec["gpu_used_at_end_gb"] = (total - free) / 1e9
     print("RESULT " + json.dumps(rec), flush=True)
-    if dist_up:
+    if dist_up and rec["trains"]:
         with contextlib.suppress(Exception):
             import torch.distributed as dist
 
             dist.destroy_process_group()
-    return 0 if rec["trains"] else 1
+    # No teardown beyond this (optimizer destructors waiting for work in flight, a communicator after an
+    # OOM, gloo's exit): the record is out, and a teardown that hangs would only turn into a timeout.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if rec["trains"] else 1)
 
 
 def machine_info():
@@ -487,7 +496,8 @@ def table(summary):
     for system, p in summary["systems"].items():
         fail = p["first_failure"]
         note = p["skipped"] or (f"{fail['size']}: {fail['reason']}" if fail else "none (no ceiling found)")
-        params = f"{p['params'] / 1e9:.3g}B" if p["params"] else "-"
+        params = "-" if not p["params"] else (f"{p['params'] / 1e9:.2f}B" if p["params"] >= 1e8
+                                               else f"{p['params'] / 1e6:.3g}M")
         rows.append((system, p["largest"] or "-", params, num(p["iter_s"], ".3f"), num(p["tokens_per_s"], ".0f"),
                      num(p["peak_gpu_reserved_gb"], ".1f"), num(p["peak_host_gb"], ".1f"), note[:100]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
