@@ -197,6 +197,10 @@ class Engine:
         return self.settings.speculate is not False and self.early_handoff() and not self.last_clipped
 
     def _arrived(self, b, complete):
+        if not self.bound:  # the first backward: only its memory is measured (planner.initial_k)
+            if complete:
+                self.planner.sample_first(b)
+            return
         if complete:
             if self.timeline is not None:
                 self.timeline.mark("backward", b)

@@ -38,8 +38,9 @@ def _before_more_gradients(ref, grad):
 
 
 class GradientIntake:
-    """``arrived(b, complete)`` is called for each gradient of a block once the state exists
-    (``complete``: the block's last gradient of the step's last micro-batch)."""
+    """``arrived(b, complete)`` is called for each gradient of a block (``complete``: the block's
+    last gradient of the step's last micro-batch); the first step's updates run in step(), once the
+    state exists."""
 
     def __init__(self, plan, settings, rt, store, shard_group, arrived):
         self.plan, self.settings, self.rt, self.store = plan, settings, rt, store
@@ -72,9 +73,7 @@ class GradientIntake:
                 f"gradients arrived for block {b} after it was already updated in this step: call "
                 f"optimizer.step() after every {self.settings.accumulation_steps} backward pass(es) "
                 "(accumulation_steps)")
-        if self.store.bound is None:
-            return  # the first step is deferred: its state is created, and its updates run, in step()
-        self.arrived(b, arrival == kinds.complete)
+        self.arrived(b, arrival == kinds.complete)  # (before the state exists: only measured)
 
     def grads(self, b):
         """The block's (parameter, gradient) pairs, gradients validated and contiguous: for

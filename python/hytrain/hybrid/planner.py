@@ -15,6 +15,7 @@ from ..cuda_adam import CudaAdamW
 from ..meter import Meter
 from ..pool import CapacityError, format_bytes
 from . import collectives
+from .common import local
 
 
 class Planner:
@@ -29,6 +30,7 @@ class Planner:
         self.gpu_memory_limit = None
         self._agree_group = None  # sharded with k chosen each step: the ranks agree on k
         self._nonstate_peak = 0
+        self._first_samples = []  # (block, GPU bytes in use) as each block completed in the first backward
 
     def initial_k(self, floor, shard_group) -> int:
         """k for the state about to be created, at the first step, before any block has been
@@ -59,14 +61,14 @@ class Planner:
                     "gpu_blocks='auto' (it keeps on the GPU what fits beside the activations)")
             return k
         limit = self.gpu_limit()
-        # Beside the weights and gradients (allocated now) and what the next iteration's
-        # activations take again, with the scheduler's margin.
-        room = min(free - (peak - allocated), limit - peak) - (1 << 30) - limit // 20
+        peak = self._steady_peak(peak)
+        # Beside the memory the next iterations use apart from the states (what is allocated now
+        # is part of the device memory the total counts), with the scheduler's margin.
+        room = min(allocated + free - peak, limit - peak) - (1 << 30) - limit // 20
         k, used = 0, 0
         while k < len(state_bytes) and used + state_bytes[k] <= room:
             used += state_bytes[k]
             k += 1
-        self._nonstate_peak = peak
         if shard_group is not None:  # the ranks agree (the smallest fit, the largest floor)
             self._agree_group = collectives.host_group(shard_group)
             k = collectives.agree_min(k, self._agree_group)
@@ -74,6 +76,31 @@ class Planner:
         if sum(state_bytes[:floor]) > free:
             raise store.gpu_refusal(floor, free)
         return max(k, floor)
+
+    def sample_first(self, b) -> None:
+        """The first backward, block b's gradients complete: the GPU memory in use (a host-side
+        counter), sampled where the meter samples later iterations."""
+        device = local(self.plan.blocks[b][0]).device
+        if device.type == "cuda":
+            self._first_samples.append((b, torch.cuda.memory_allocated(device)))
+
+    def _steady_peak(self, peak) -> int:
+        """The most GPU memory later iterations use apart from the states, from the first
+        backward's samples: there every gradient stays until step(); later, with the gradients
+        released as they are handed off (on CUDA after the first step, without loss scaling), a
+        block's are gone by the time the next block completes. The first iteration's ``peak``
+        where nothing was sampled."""
+        if not self._first_samples:
+            return peak
+        s = self.settings
+        released = s.release_grads and s.overlap and not any(p.dtype == torch.float16 for p in self.plan.params)
+        grad_bytes = [sum(local(p).numel() * p.element_size() for p in blk) for blk in self.plan.blocks]
+        out, gone = 0, 0
+        for b, in_use in self._first_samples:  # in the order the blocks completed
+            out = max(out, in_use - gone)
+            if released:
+                gone += grad_bytes[b]
+        return out
 
     def gpu_limit(self) -> int:
         """The GPU memory the run may use: ``gpu_memory_limit``, else the device's memory within the
@@ -115,8 +142,8 @@ class Planner:
         """The meter whose iterations feed the scheduler (and the scheduler, with the GPU memory it
         budgets within); :meth:`start` makes them on CUDA, a test gives recorded ones."""
         self.meter, self.scheduler, self.gpu_memory_limit = meter, scheduler, gpu_memory_limit
-        if scheduler is not None:  # until a step's peak is measured: the first iteration's (or nothing)
-            scheduler.memory_budget = float(max(0, self._budget(self._nonstate_peak))) if self._nonstate_peak else 0.0
+        if scheduler is not None:
+            scheduler.memory_budget = 0.0  # nothing more resident until a step's peak has been seen
 
     def _probe_gpu_rate(self):
         """alpha's GPU side before any block runs there: the fused AdamW on 4 M scratch elements."""
