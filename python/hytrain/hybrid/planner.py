@@ -47,6 +47,8 @@ class Planner:
         peak = max(torch.cuda.max_memory_allocated(device), allocated)
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - allocated  # the allocator's unused reserve
+        limit = self.gpu_limit()
+        free = min(free, limit - allocated)  # free now, within the process's limit
         if not s.auto:
             k = s.gpu_blocks
             if k < floor:
@@ -60,11 +62,11 @@ class Planner:
                     f"but {format_bytes(max(free, 0))} of its memory is free: lower gpu_blocks, or use "
                     "gpu_blocks='auto' (it keeps on the GPU what fits beside the activations)")
             return k
-        limit = self.gpu_limit()
         peak = self._steady_peak(peak)
-        # Beside the memory the next iterations use apart from the states (what is allocated now
-        # is part of the device memory the total counts), with the scheduler's margin.
-        room = min(allocated + free - peak, limit - peak) - (1 << 30) - limit // 20
+        # Beside the memory the next iterations use apart from the states, with the scheduler's
+        # margin; and now, while this step's gradients are all still allocated (the loop releases
+        # them after step(); the scheduler moves more blocks up once it has measured an iteration).
+        room = min(allocated + free - peak, free) - (1 << 30) - limit // 20
         k, used = 0, 0
         while k < len(state_bytes) and used + state_bytes[k] <= room:
             used += state_bytes[k]

@@ -377,6 +377,9 @@ class StateStore:
         leaves the host gives its pinned memory back (to the pool, and the pool's free slabs to the
         system); one that comes back takes it again."""
         k = max(k, self.floor)
+        per_block = self.block_host_bytes()
+        self._make_room(sum(per_block[b] for b in range(k, len(per_block))
+                            if self.rt.on_gpu(b) or self.rt.moving_up_later(b)))
         up, down = self.rt.migrate(k)  # blocks with a pass in flight go up once it is waited for
         for b in up:
             self.to_gpu(b)
@@ -468,6 +471,24 @@ class StateStore:
         if freed and self.settings.pool is None:
             self.pool.trim()
 
+    def _make_room(self, need) -> None:
+        """States coming back to the host take ``need`` bytes: where the host (and the pool's free
+        blocks) cannot give them beside the speculation shadows, the shadows go (they are optional;
+        speculation allocates them again within what is left)."""
+        if not need or not self.shadow:
+            return
+        stats = self.pool.stats()
+        room = available_memory_bytes()
+        if room is not None:
+            room += stats["reserved"] - stats["in_use"]
+        if room is not None and need + (1 << 30) <= room and need <= stats["capacity"] - stats["in_use"]:
+            return
+        holding = [b for b in range(len(self.plan)) if any(id(p) in self.shadow for p in self.plan.blocks[b])]
+        self.wait([b for b in holding if self.rt.in_flight(b)])  # their passes may read or write the shadows
+        for b in holding:
+            for p in self.plan.blocks[b]:
+                self._drop_shadow(p)
+
     def moving(self) -> list:
         return sorted(set(self.moves) | set(self._leaving))
 
@@ -531,10 +552,9 @@ class StateStore:
 
     def shadow_plan(self, lowest_start):
         """From the last block down to ``lowest_start``: each offloaded block that has, or can get,
-        shadows within the host headroom; stops at the first that cannot (the native
-        BlockRuntime.plan_shadows). The headroom is what ``host_memory_limit`` and the pool leave,
-        less what GPU-resident blocks above the floor take when they come back to the host: a move
-        down always finds its memory."""
+        shadows within the host headroom (what ``host_memory_limit`` and the pool leave); stops at
+        the first that cannot (the native BlockRuntime.plan_shadows). States coming back to the
+        host take precedence: a move down drops the shadows where it needs their memory."""
         rt, n = self.rt, len(self.plan)
         has = [self.has_shadows(b) for b in range(n)]
         need = [0 if has[b] else self._shadow_bytes(b) for b in range(n)]
@@ -542,10 +562,7 @@ class StateStore:
         if not all(has[max(0, lowest_start):]):  # host headroom, read only if some block needs memory
             stats = self.pool.stats()
             free = stats["reserved"] - stats["in_use"]
-            per_block = self.block_host_bytes()
-            returning = sum(per_block[b] for b in range(self.floor, n) if rt.on_gpu(b) or rt.moving_up_later(b))
-            room = min(self.settings.host_memory_limit - _rss_bytes() + free,
-                       stats["capacity"] - stats["in_use"]) - returning
+            room = min(self.settings.host_memory_limit - _rss_bytes() + free, stats["capacity"] - stats["in_use"])
         return rt.plan_shadows(lowest_start, has, need, max(0, room))
 
     def adopt(self, b, handles) -> None:
