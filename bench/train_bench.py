@@ -175,6 +175,7 @@ def run_mode(args):
             gpu_blocks="auto" if mode in ("hytrain_auto", "hytrain_nospec", "hytrain_nofence") else 0,
             overlap=mode != "hytrain_no_overlap", speculate=False if mode == "hytrain_nospec" else "auto",
             gpu_memory_limit=int(cap * 1e9) if cap is not None else None, trace=args.trace is not None,
+            **({"host_memory_limit": int(args.host_limit_gb * 1e9)} if args.host_limit_gb else {}),
             **({"fence": False} if mode == "hytrain_nofence" else {}))
     elif mode == "deepspeed_offload":
         import deepspeed
@@ -267,6 +268,8 @@ def child(mode, workload, args, cap=None, trace=None, label=None):
         cmd += ["--trace", trace]
     if args.own_model:
         cmd.append("--own-model")
+    if args.host_limit_gb:
+        cmd += ["--host-limit-gb", str(args.host_limit_gb)]
     if args.no_profile:
         cmd.append("--no-profile")
     env = dict(os.environ)
@@ -313,6 +316,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=5, help="untimed iterations, at least (hytrain: more until k and the speculation start hold)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--timeout", type=int, default=400, help="seconds per mode")
+    ap.add_argument("--host-limit-gb", type=float, default=None,
+                    help="hytrain's host_memory_limit in GB (bounds its speculation shadows)")
     ap.add_argument("--own-model", action="store_true", help="hytrain's Llama model even when transformers exists")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled iterations (gpu_idle_frac)")
     ap.add_argument("--skip-nocap", action="store_true", help="with --cap-gb, skip the extra uncapped hytrain_auto run")

@@ -246,15 +246,17 @@ class Planner:
         self.spec_from = None
         if start is None or not allowed:
             return
-        allocated = False
         store = self.store
-        for b in store.shadow_plan(start):
-            if not store.has_shadows(b):
-                allocated = True
-                if not store.allocate_shadows(b):
-                    break  # the pool's capacity: speculation starts above this block
+        plan = store.shadow_plan(start)
+        missing = [b for b in plan if not store.has_shadows(b)]
+        store.reserve_shadows(missing)
+        for b in plan:
+            if b in missing and not store.allocate_shadows(b):
+                break  # the pool's capacity: speculation starts above this block
             self.spec_from = b
-        if allocated and self.meter is not None:
+        if missing:
+            store.trimmed()
+        if missing and self.meter is not None:
             self.meter.pending = None  # the allocation stalled this iteration: not a measurement
 
     def stats(self) -> dict:

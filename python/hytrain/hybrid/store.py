@@ -468,8 +468,8 @@ class StateStore:
             if wait or ev.query():
                 del self._leaving[b]
                 freed = True
-        if freed and self.settings.pool is None:
-            self.pool.trim()
+        if freed:
+            self.trimmed()
 
     def _make_room(self, need) -> None:
         """States coming back to the host take ``need`` bytes: where the host (and the pool's free
@@ -534,6 +534,21 @@ class StateStore:
     def _drop_shadow(self, p):
         if self.shadow.pop(id(p), None) is not None:
             self.table.clear_shadow(self.plan.index(p))
+
+    def reserve_shadows(self, blocks) -> None:
+        """Page-locks, on many threads at once, the memory these blocks' shadows are about to take
+        (what the pool's free blocks do not already hold); :meth:`trimmed` gives back the rest."""
+        if not blocks or not self.pool.page_locked:
+            return
+        sizes = [n for b in blocks for n in self._tensor_bytes(b)]
+        stats = self.pool.stats()
+        if sum(sizes) > stats["reserved"] - stats["in_use"]:
+            self.pool.reserve_for(sizes)
+
+    def trimmed(self) -> None:
+        """A pool of our own gives its wholly free slabs back to the system."""
+        if self.settings.pool is None:
+            self.pool.trim()
 
     def allocate_shadows(self, b) -> bool:
         """Block b's own shadows from the pool; False (and none) where its capacity is reached."""
