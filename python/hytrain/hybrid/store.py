@@ -574,7 +574,10 @@ class StateStore:
         has = [self.has_shadows(b) for b in range(n)]
         need = [0 if has[b] else self._shadow_bytes(b) for b in range(n)]
         room = 0
-        if not all(has[max(0, lowest_start):]):  # host headroom, read only if some block needs memory
+        # Host headroom, read only if some block needs memory, and only once the host memory of
+        # states that went to the GPU has been given back (their copies may still read it).
+        self._free_left()
+        if not all(has[max(0, lowest_start):]) and not self._leaving:
             stats = self.pool.stats()
             free = stats["reserved"] - stats["in_use"]
             room = min(self.settings.host_memory_limit - _rss_bytes() + free, stats["capacity"] - stats["in_use"])
