@@ -105,6 +105,7 @@ class PinnedPool:
         self._pool = nat.PinnedPool(capacity, slab, pinned, alignment)
         self._slab = slab
         self.alignment = alignment  # every block's size is rounded up to it
+        self.slab_bytes = slab
 
     @property
     def kind(self) -> str:

@@ -537,13 +537,15 @@ class StateStore:
 
     def reserve_shadows(self, blocks) -> None:
         """Page-locks, on many threads at once, the memory these blocks' shadows are about to take
-        (what the pool's free blocks do not already hold); :meth:`trimmed` gives back the rest."""
+        beyond what the pool's free blocks already hold (slabs of the pool's size, into which the
+        shadows are carved); :meth:`trimmed` gives back what they leave."""
         if not blocks or not self.pool.page_locked:
             return
-        sizes = [n for b in blocks for n in self._tensor_bytes(b)]
         stats = self.pool.stats()
-        if sum(sizes) > stats["reserved"] - stats["in_use"]:
-            self.pool.reserve_for(sizes)
+        short = sum(n for b in blocks for n in self._tensor_bytes(b)) - (stats["reserved"] - stats["in_use"])
+        if short > 0:
+            slab = self.pool.slab_bytes
+            self.pool.reserve_for([slab] * -(-short // slab))
 
     def trimmed(self) -> None:
         """A pool of our own gives its wholly free slabs back to the system."""
