@@ -297,7 +297,7 @@ def test_exhausted_pool_is_a_clear_error_at_the_first_step():
     model(x, x).backward()
     weights = [p.detach().clone() for p in model.parameters()]
     # Refused before anything is allocated, naming the bytes needed and the pool's room.
-    with pytest.raises(hytrain.CapacityError, match=r"needs 1\.\d\d MiB of pinned host memory .* is 1\.00 MiB"):
+    with pytest.raises(hytrain.CapacityError, match=r"needs 1\.\d\d MiB of pinned host memory .* the pool given has room for 1\.00 MiB"):
         opt.step()
     # Nothing half made: no state, the weights and gradients as they were, and training can go on
     # with an optimizer whose pool is large enough.

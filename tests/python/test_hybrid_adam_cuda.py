@@ -585,7 +585,7 @@ def test_cuda_the_host_floor_keeps_what_the_host_cannot_hold_on_the_gpu():
     model.zero_grad()
     del fixed
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=1.0, model=model,
-                              pool=pool(), workers=1, gpu_memory_limit=1 << 20)  # auto; no budget beyond the floor
+                              pool=pool(), workers=1)  # auto
     ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=1.0)
     data = cuda_batches(12)
     ks = []
@@ -616,8 +616,9 @@ def test_cuda_a_state_neither_side_can_hold_is_refused_naming_both(monkeypatch):
     monkeypatch.setattr(store_module, "available_memory_bytes", lambda: 0)  # the host holds nothing
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, total))  # a full GPU,
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: allocated(device))  # no reserve
-    with pytest.raises(hytrain.CapacityError, match=r"needs \d+\.\d\d MiB of pinned host memory .* the host can "
-                       r"give 0\.00 MiB, so the first \d+ blocks must keep theirs on the GPU .* but 0\.00 MiB"):
+    with pytest.raises(hytrain.CapacityError, match=r"needs \d+\.\d\d MiB of pinned host memory .* available to this "
+                       r"process is 0\.00 MiB, 0\.00 MiB of it for the state .* so the first \d+ blocks must keep "
+                       r"theirs on the GPU .* but 0\.00 MiB"):
         opt.step()
     assert not opt.bound and len(opt.state) == 0
     monkeypatch.undo()

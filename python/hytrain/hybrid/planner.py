@@ -48,7 +48,7 @@ class Planner:
         free, _ = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - allocated  # the allocator's unused reserve
         limit = self.gpu_limit()
-        free = min(free, limit - allocated)  # free now, within the process's limit
+        free = max(0, min(free, limit - allocated))  # free now, within the process's limit
         if not s.auto:
             k = s.gpu_blocks
             if k < floor:
@@ -75,7 +75,7 @@ class Planner:
             self._agree_group = collectives.host_group(shard_group)
             k = collectives.agree_min(k, self._agree_group)
             store.floor = floor = -collectives.agree_min(-floor, self._agree_group)
-        if sum(state_bytes[:floor]) > free:
+        if floor and sum(state_bytes[:floor]) > free:
             raise store.gpu_refusal(floor, free)
         return max(k, floor)
 

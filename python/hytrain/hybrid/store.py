@@ -137,9 +137,8 @@ class StateStore:
         if k and not self.cuda:
             raise CapacityError(
                 f"the optimizer state of {self._count()} parameters needs {format_bytes(sum(per_block))} of pinned "
-                f"host memory (fp32 master, m and v), but the host memory available to this process is "
-                f"{format_bytes(room)}: use a host with more memory, shard the model over more processes "
-                "(--nproc / FSDP2), or train a smaller model")
+                f"host memory (fp32 master, m and v), but {self._room_text(room)}: use a host with more "
+                "memory, shard the model over more processes (--nproc / FSDP2), or train a smaller model")
         self.floor = k
         return k
 
@@ -156,6 +155,12 @@ class StateStore:
             return None
         return max(0, room - (1 << 30) - room // 20)
 
+    def _room_text(self, room) -> str:
+        if self.settings.pool is not None:
+            return f"the pool given has room for {format_bytes(room)}"
+        return (f"the host memory available to this process is {format_bytes(available_memory_bytes() or 0)}, "
+                f"{format_bytes(room)} of it for the state (1 GiB and 5 % are kept for the rest)")
+
     def gpu_refusal(self, k, free) -> CapacityError:
         """The error for a state whose first k blocks must live on the GPU, where ``free`` bytes are
         left for them: the bytes on each side."""
@@ -165,7 +170,7 @@ class StateStore:
         return CapacityError(
             f"the optimizer state of {self._count()} parameters does not fit: it needs "
             f"{format_bytes(sum(per_block))} of pinned host memory (fp32 master, m and v and staging) for all "
-            f"{len(per_block)} blocks, the host can give {format_bytes(room or 0)}, so the first {k} blocks must "
+            f"{len(per_block)} blocks; {self._room_text(room or 0)}, so the first {k} blocks must "
             f"keep theirs on the GPU ({format_bytes(on_gpu)}), but {format_bytes(max(0, free))} of GPU memory is left "
             "beside the weights, gradients and activations: use a host with more memory or a larger "
             "GPU, shard the model over more processes (--nproc / FSDP2), or train a smaller model")
