@@ -22,7 +22,7 @@ from ._native import native
 
 class _Record:
     __slots__ = ("index", "hooks", "bwd", "gpu", "passes", "launch", "deferred", "next_start",
-                 "mem_peak", "resident")
+                 "mem_peak", "resident", "last_forward")
 
     def __init__(self, index: int, deferred: bool):
         self.index = index
@@ -35,6 +35,7 @@ class _Record:
         self.next_start = None  # the next iteration's first pre-wait event
         self.mem_peak = 0       # the most GPU memory allocated when a block's gradients were complete
         self.resident = None    # bytes of resident optimizer states during backward
+        self.last_forward = None  # accumulation: the last hook of the step's last micro-batch forward
 
 
 class Meter:
@@ -68,6 +69,12 @@ class Meter:
                 self.pending.next_start = before
             self.current.hooks.append((list(blocks), before, self._event()))
 
+    def later_forward(self) -> None:
+        """A forward hook of a later micro-batch (accumulation): where the last one ends is where the
+        step's last backward begins."""
+        if self.current is not None and self.current.hooks:
+            self.current.last_forward = self._event()
+
     def backward_done(self, block: int, resident=None) -> None:
         if self.current is not None:
             self.current.bwd[block] = self._event()
@@ -100,11 +107,16 @@ class Meter:
             return None
         rec.next_start.synchronize()  # recorded an iteration ago: complete, this returns at once
         ref = rec.hooks[0][1]
+        # Accumulation: the micro-batches before the last add the same time to every k (the updates
+        # need the last one's gradients). The iteration is measured as one micro-batch: the first
+        # forward (where the updated weights are waited for) followed by the last backward, shifted
+        # back by the time between the two forwards' last hooks.
+        shift = rec.hooks[-1][2].elapsed_time(rec.last_forward) if rec.last_forward is not None else 0.0
         n = native()
         t = n.IterationTimes()
         t.waits = [n.ForwardWait(list(blocks), ref.elapsed_time(before), ref.elapsed_time(after))
                    for blocks, before, after in rec.hooks]
-        t.backward_ms = [(b, ref.elapsed_time(e)) for b, e in rec.bwd.items()]
+        t.backward_ms = [(b, ref.elapsed_time(e) - shift) for b, e in rec.bwd.items()]
         t.gpu_update_s = [(b, s.elapsed_time(e) / 1e3) for b, (s, e) in rec.gpu.items()]
         spans = {"d2h": [], "h2d": [], "cpu": []}
         for b, info in rec.passes.items():
@@ -123,8 +135,8 @@ class Meter:
                 spans["cpu"].append(n.BlockSpan(b, start / 1e9, end / 1e9))
         t.d2h, t.h2d, t.cpu = spans["d2h"], spans["h2d"], spans["cpu"]
         if rec.launch is not None:
-            t.launch_ms = ref.elapsed_time(rec.launch)
-        t.next_start_ms = ref.elapsed_time(rec.next_start)
+            t.launch_ms = ref.elapsed_time(rec.launch) - shift
+        t.next_start_ms = ref.elapsed_time(rec.next_start) - shift
         t.deferred = rec.deferred
         self.last = dict(n.attribute_iteration(t, scheduler))
         self.last["nonstate_peak_bytes"] = rec.mem_peak - (rec.resident or 0)

@@ -371,6 +371,39 @@ def test_cuda_auto_k_chooses_and_stays_exact():
     assert stats["predicted_iter_s"] <= opt.scheduler.predict(0)["iter_s"]
 
 
+def test_cuda_auto_k_with_accumulation_measures_and_stays_exact():
+    # Two micro-batches per step: the scheduler measures each step as one micro-batch (the first
+    # forward, where updated weights are waited for, and the last backward) and keeps choosing k;
+    # with a GPU budget for part of the model it moves blocks as it learns, and the trajectory
+    # stays the reference's.
+    cfg = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8,
+                      num_kv_heads=8, max_seq_len=64)
+    torch.manual_seed(0)
+    model = LlamaModel(cfg).to(torch.bfloat16).to(DEV)
+    ref_model = copy.deepcopy(model)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, model=model,
+                              workers=1, accumulation_steps=2)
+    ref = Reference(ref_model, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
+    data = cuda_batches(12, micro=2)
+    ks = []
+
+    def step_fn(i):
+        opt.step()
+        ks.append(opt.gpu_blocks)
+
+    losses = train(model, opt, data, step_fn=step_fn)
+    ref_losses = train(ref_model, ref, data)
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    stats = opt.schedule_stats()
+    assert opt.scheduler is not None and stats["predicted_iter_s"] > 0, stats
+    # Measured as one micro-batch: the first block to complete in the last backward (the last one)
+    # is charged its own forward, loss and backward, not the whole first micro-batch besides (which
+    # would cost more than every other block's backward together).
+    costs = opt.scheduler.costs()  # (fwd, bwd, d2h, cpu, h2d, gpu, migrate) per block
+    assert costs[-1][1] < sum(c[1] for c in costs[:-1]), costs
+    assert stats["state_budget_bytes"] > 0 and ks[-1] > 0, (ks, stats)
+
+
 def test_cuda_auto_k_respects_the_memory_limit():
     # A limit below what the model already uses leaves no budget for resident states: k stays 0.
     opt, _ = run_pair("auto", steps=8, gpu_memory_limit=1 << 20)

@@ -219,6 +219,8 @@ class Engine:
 
     def before_forward(self, wait_for, marks):
         meter = self.planner.meter
+        if meter is not None and torch.is_grad_enabled() and self.rt.any_arrived():
+            meter.later_forward()  # a later micro-batch: nothing to wait for
         meter = meter if (meter is not None and torch.is_grad_enabled() and not self.rt.any_arrived()) else None
         before = None
         if meter is not None:

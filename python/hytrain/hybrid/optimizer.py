@@ -43,7 +43,7 @@ class HybridAdamW(torch.optim.Optimizer):
             :meth:`set_gpu_blocks`), or ``"auto"`` (the default): the native ``KSplitScheduler``
             starts with as many blocks on the GPU as fit beside the first step's peak, then chooses
             k every ``schedule_every`` steps from costs measured on the compute stream (this needs
-            ``model`` and ``accumulation_steps=1``; otherwise k stays; k = 0 on the CPU). A resident
+            ``model``; otherwise k stays; k = 0 on the CPU). A resident
             block's state is on the GPU only; k never goes below the blocks the host cannot hold,
             and a state that fits on neither side raises :class:`hytrain.CapacityError` first.
         gpu_memory_limit: bytes of GPU memory the process may use (default: the device's memory, or
@@ -130,7 +130,7 @@ class HybridAdamW(torch.optim.Optimizer):
                   "optimizers do, for the device and dtype the parameters have then).")
     device = _view("store.device", "The parameters' device, once the state exists.")
     scheduler = _view("planner.scheduler", "The native ``KSplitScheduler`` (for inspection: ``costs()``, "
-                      "``predict(k)``), or None: it exists on CUDA with a model and ``accumulation_steps=1``, "
+                      "``predict(k)``), or None: it exists on CUDA with a model, "
                       "from the first step on.")
     gpu_memory_limit = _view("planner.gpu_memory_limit", "The GPU memory the planner budgets within (bytes).")
     timeline = _view("timeline", "The recorded iterations (``trace=True``), from the first step on.")

@@ -121,16 +121,14 @@ class Planner:
         return int(total * fraction)
 
     def start(self, *, measured, pipeline) -> None:
-        """At the state's creation: on CUDA with per-layer forward hooks (``measured``) the meter,
-        and with one micro-batch per step the scheduler."""
+        """At the state's creation: on CUDA with per-layer forward hooks (``measured``) the meter
+        and the scheduler (with accumulation, an iteration is measured as one micro-batch: the
+        others add the same time to every k)."""
         store, s = self.store, self.settings
         if not (store.cuda and measured):
             return
         # Iterations are numbered from the first, which ran before the state existed.
         meter = Meter(store.device, pipeline, len(self.plan), first_index=1)
-        if s.accumulation_steps != 1:
-            self.attach(meter)
-            return
         # Fixed k too: its predictions are what a run is checked against.
         numel, weight, state_bytes = self.plan.sizes()
         scheduler = native().KSplitScheduler(numel, weight, state_bytes, every=s.schedule_every, deferred=True)
