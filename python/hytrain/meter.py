@@ -22,7 +22,7 @@ from ._native import native
 
 class _Record:
     __slots__ = ("index", "hooks", "bwd", "gpu", "passes", "launch", "deferred", "next_start",
-                 "mem_peak", "resident", "last_forward")
+                 "mem_peak", "resident", "last_forward", "fragmented")
 
     def __init__(self, index: int, deferred: bool):
         self.index = index
@@ -36,6 +36,7 @@ class _Record:
         self.mem_peak = 0       # the most GPU memory allocated when a block's gradients were complete
         self.resident = None    # bytes of resident optimizer states during backward
         self.last_forward = None  # accumulation: the last hook of the step's last micro-batch forward
+        self.fragmented = 0     # the caching allocator's reserve that cannot be released (split blocks)
 
 
 class Meter:
@@ -89,6 +90,11 @@ class Meter:
     def launched(self) -> None:
         if self.current is not None:
             self.current.launch = self._event()
+            # Once per step (the call builds a dict): what the allocator reserves beyond what is
+            # allocated and could not give back -- free pieces of segments still in use. Wholly free
+            # cached segments it releases itself before failing an allocation.
+            stats = torch.cuda.memory_stats(self.device)
+            self.current.fragmented = int(stats.get("inactive_split_bytes.all.current", 0))
 
     def add_pass(self, block: int, info: dict) -> None:
         if self.current is not None:
@@ -139,5 +145,5 @@ class Meter:
         t.next_start_ms = ref.elapsed_time(rec.next_start) - shift
         t.deferred = rec.deferred
         self.last = dict(n.attribute_iteration(t, scheduler))
-        self.last["nonstate_peak_bytes"] = rec.mem_peak - (rec.resident or 0)
+        self.last["nonstate_peak_bytes"] = rec.mem_peak - (rec.resident or 0) + rec.fragmented
         return self.last
