@@ -100,7 +100,7 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def _rebuild(self):
         """The set of parameters changed (add_param_group, an unfrozen parameter): a new engine, with
-        every state carried over (host copies) and loaded when the state is made at the next step."""
+        every state carried over (copies) and loaded when the state is made at the next step."""
         carried = {**self._parked, **self._engine.carry()}
         self._engine.close()
         self._engine = Engine(self.param_groups, self.state, self._settings)
