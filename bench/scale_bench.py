@@ -9,8 +9,9 @@ batch at each N), activation checkpointing in every mode, one torchrun per mode 
 Per mode and N (one JSON line): iteration time (median of the timed iterations), tokens/s per GPU,
 peak GPU memory (allocated and reserved) and peak host memory per rank (the largest rank), hytrain's
 GPU wait share and k per rank. With ``--cap deepspeed`` (the default when DeepSpeed runs) hytrain
-plans with DeepSpeed's reserved peak at the same N as its GPU memory limit: the comparison at equal
-GPU memory. Then a line of ratios: hytrain against each other mode at each N, and hytrain's scaling
+plans with DeepSpeed's reserved peak at the same N as its GPU memory limit, and the caching
+allocator is held to it too (``set_per_process_memory_fraction``: reserved bytes count, as
+DeepSpeed's do): the comparison at equal GPU memory. Then a line of ratios: hytrain against each other mode at each N, and hytrain's scaling
 efficiency (per-GPU tokens/s at N over its own at N = 1).
 """
 
@@ -69,6 +70,9 @@ def worker(args):
         import hytrain
 
         cap = int(args.cap_gb * 1e9) if args.cap_gb else None
+        if cap is not None:  # the allocator holds hytrain's reserved bytes (not only its plan) at the cap
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
         opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
                                   gpu_memory_limit=cap)
     else:
