@@ -7,8 +7,8 @@ is built, the optimizer constructed, and 1 + --warmup + --iters training iterati
 memory (MemoryError, hytrain's CapacityError), a kill by a signal (exit -9: usually the host ran out of
 memory and the kernel's OOM killer stepped in), a timeout, or any other exception.
 
-Workload (as bench/train_bench.py, whose constants are imported and whose DeepSpeed configuration is
-repeated): transformers' LlamaForCausalLM when importable (else hytrain.models.LlamaModel of the same
+Workload (as bench/train_bench.py, whose constants and DeepSpeed configuration are
+imported): transformers' LlamaForCausalLM when importable (else hytrain.models.LlamaModel of the same
 shapes), untied embeddings, vocab 32000, micro-batch 4 x 1024 synthetic tokens, activation
 checkpointing on, AdamW (lr 1e-4, weight decay 0.01), global-norm clipping at 1.0, bf16 training
 weights on the GPU.
@@ -290,13 +290,9 @@ def run_one(args):
         elif system == "deepspeed_offload":
             import deepspeed
 
-            # train_bench.py's configuration (run_mode), with this benchmark's micro-batch
-            config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-                      "bf16": {"enabled": True}, "gradient_clipping": CLIP,
-                      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                            "contiguous_gradients": True, "overlap_comm": True},
-                      "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
-            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+            # train_bench.py's configuration, with this benchmark's micro-batch
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                              config=train_bench.deepspeed_config(BATCH))
         elif system == "fsdp2_offload":
             params = list(model.parameters())
             opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)  # torch's fused CPU AdamW

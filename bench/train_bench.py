@@ -82,6 +82,15 @@ def build_model(workload, dtype, use_transformers):
     return model, (lambda x: model(x, x))
 
 
+def deepspeed_config(micro_batch):
+    """DeepSpeed ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam), bf16, clipping."""
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True}, "gradient_clipping": CLIP,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                  "contiguous_gradients": True, "overlap_comm": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
+
+
 class NaiveOffload:
     """fp32 masters in pinned host memory, torch's fused CPU AdamW after backward, no overlap."""
 
@@ -180,12 +189,8 @@ def run_mode(args):
     elif mode == "deepspeed_offload":
         import deepspeed
 
-        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-                  "bf16": {"enabled": True}, "gradient_clipping": CLIP,
-                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                                        "contiguous_gradients": True, "overlap_comm": True},
-                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=deepspeed_config(BATCH))
     else:
         raise SystemExit(f"unknown mode {mode}")
 
