@@ -341,20 +341,19 @@ def test_cuda_k_changed_every_step_asynchronously(max_grad_norm):
     assert len(opt.residency()["gpu"]) == ks[-1] and not opt.residency()["moving"]
 
 
-def test_cuda_auto_k_chooses_and_stays_exact():
-    # One CPU worker against a model of 20 M parameters: the CPU update (tens of ms) cannot hide in
-    # a forward of a few ms, so the scheduler must move blocks to the GPU, and the trajectory must
-    # stay the reference's while it does.
+def _auto_run(micro=1):
+    """k auto with one CPU worker on a model of 20 M parameters, ``micro`` micro-batches per step,
+    against the reference: returns the optimizer and its k after each step."""
     cfg = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8,
                       num_kv_heads=8, max_seq_len=64)
     torch.manual_seed(0)
     model = LlamaModel(cfg).to(torch.bfloat16).to(DEV)
     ref_model = copy.deepcopy(model)
     opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, model=model,
-                              workers=1)
+                              workers=1, accumulation_steps=micro)
     assert opt.auto and opt.gpu_blocks == 0
     ref = Reference(ref_model, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
-    data = cuda_batches(12)
+    data = cuda_batches(12, micro=micro)
     ks = []
 
     def step_fn(i):
@@ -364,6 +363,13 @@ def test_cuda_auto_k_chooses_and_stays_exact():
     losses = train(model, opt, data, step_fn=step_fn)
     ref_losses = train(ref_model, ref, data)
     assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    return opt, ks
+
+
+def test_cuda_auto_k_chooses_and_stays_exact():
+    # The CPU update (tens of ms) cannot hide in a forward of a few ms, so the scheduler must keep
+    # blocks on the GPU, and the trajectory must stay the reference's while it does.
+    opt, ks = _auto_run()
     stats = opt.schedule_stats()
     assert ks[-1] > 0, (ks, stats)
     assert stats["predicted_iter_s"] > 0 and 0 <= stats["gpu_wait_frac"] <= 1
@@ -373,27 +379,9 @@ def test_cuda_auto_k_chooses_and_stays_exact():
 
 def test_cuda_auto_k_with_accumulation_measures_and_stays_exact():
     # Two micro-batches per step: the scheduler measures each step as one micro-batch (the first
-    # forward, where updated weights are waited for, and the last backward) and keeps choosing k;
-    # with a GPU budget for part of the model it moves blocks as it learns, and the trajectory
-    # stays the reference's.
-    cfg = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8,
-                      num_kv_heads=8, max_seq_len=64)
-    torch.manual_seed(0)
-    model = LlamaModel(cfg).to(torch.bfloat16).to(DEV)
-    ref_model = copy.deepcopy(model)
-    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, model=model,
-                              workers=1, accumulation_steps=2)
-    ref = Reference(ref_model, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
-    data = cuda_batches(12, micro=2)
-    ks = []
-
-    def step_fn(i):
-        opt.step()
-        ks.append(opt.gpu_blocks)
-
-    losses = train(model, opt, data, step_fn=step_fn)
-    ref_losses = train(ref_model, ref, data)
-    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    # forward, where updated weights are waited for, and the last backward) and keeps choosing k,
+    # and the trajectory stays the reference's.
+    opt, ks = _auto_run(micro=2)
     stats = opt.schedule_stats()
     assert opt.scheduler is not None and stats["predicted_iter_s"] > 0, stats
     # Measured as one micro-batch: the first block to complete in the last backward (the last one)
