@@ -41,6 +41,13 @@ def _weak(ref, name, *args):
     return hook
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward here (activation checkpointing recomputes forwards,
+    whose hooks then run inside it)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 class Engine:
     """``groups``: the optimizer's param groups (read at every step); ``state``: its state dict."""
 
@@ -219,8 +226,9 @@ class Engine:
 
     def before_forward(self, wait_for, marks):
         meter = self.planner.meter
-        if meter is not None and torch.is_grad_enabled() and self.rt.any_arrived():
-            meter.later_forward()  # a later micro-batch: nothing to wait for
+        if (meter is not None and self.settings.accumulation_steps > 1 and torch.is_grad_enabled()
+                and self.rt.any_arrived() and not _in_backward()):
+            meter.later_forward()  # a later micro-batch (not a recomputation in backward)
         meter = meter if (meter is not None and torch.is_grad_enabled() and not self.rt.any_arrived()) else None
         before = None
         if meter is not None:
