@@ -31,6 +31,11 @@ def test_embedded_default_learns(tmp_path):
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["steps"] == 40 and os.path.exists(summary["trace"])
     assert ckpt.resolve(out, "latest").name == "step_00000040"
+    # Where the state lived: all of it on the host here (m and v of every parameter, 8 bytes each,
+    # fp32 weights being their own master), and the process's peak.
+    assert summary["k"] == 0 and summary["state_gpu_gb"] == 0 and summary["shadows_host_gb"] == 0
+    assert 8 * summary["params"] <= summary["state_host_gb"] * 1e9 <= 8 * summary["params"] * 1.01 + 1e6
+    assert summary["peak_host_gb"] > summary["state_host_gb"]
 
 
 def test_resume_is_bit_identical_on_cpu(tmp_path):

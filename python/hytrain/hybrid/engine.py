@@ -399,5 +399,11 @@ class Engine:
 
     def residency(self) -> dict:
         if not self.bound:
-            return {"gpu": [], "moving": []}
-        return {"gpu": self.rt.resident(), "moving": self.store.moving()}
+            return {"gpu": [], "moving": [], "floor": 0, "host_bytes": 0, "gpu_bytes": 0, "shadow_bytes": 0}
+        store, gpu = self.store, set(self.rt.resident())
+        on_host = store.block_host_bytes()
+        on_gpu = self.plan.sizes()[2]
+        return {"gpu": sorted(gpu), "moving": store.moving(), "floor": store.floor,
+                "host_bytes": sum(n for b, n in enumerate(on_host) if b not in gpu),
+                "gpu_bytes": sum(n for b, n in enumerate(on_gpu) if b in gpu),
+                "shadow_bytes": store.shadow_bytes()}

@@ -144,9 +144,9 @@ class HybridAdamW(torch.optim.Optimizer):
         return [list(b) for b in self._engine.plan.blocks]
 
     def residency(self) -> dict:
-        """Where the blocks' states are: ``gpu`` (resident blocks: their state is on the GPU only),
-        ``moving`` (blocks whose states are still in an asynchronous move). Empty before the first
-        step."""
+        """Where the states are: ``gpu`` (resident blocks; their state is on the GPU only), ``moving``
+        (blocks in an asynchronous move), ``floor`` (k's lowest: the host holds blocks >= it), and the
+        bytes of state on each side (``host_bytes`` with staging) and of ``shadow_bytes``."""
         return self._engine.residency()
 
     def schedule_stats(self) -> dict:

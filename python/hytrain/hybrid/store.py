@@ -523,6 +523,9 @@ class StateStore:
 
     # -- speculation shadows ----------------------------------------------------------------------------
 
+    def shadow_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for sh in self.shadow.values() for t in sh.values())
+
     def has_shadows(self, b) -> bool:
         return all(id(p) in self.shadow for p in self.plan.blocks[b])
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import signal
 import sys
 import time
@@ -301,6 +302,13 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
                "final_loss": history[-1]["loss"] if history else None,
                "final_val_loss": vals[-1] if vals else None, "tokens": tokens,
                "tokens_per_s": tokens / elapsed if elapsed > 0 else None, "trace": str(trace), **pictures}
+    # Where the optimizer's state lived at the end, and the process's peaks.
+    placed = opt.residency()
+    summary.update(k=len(placed["gpu"]), state_host_gb=placed["host_bytes"] / 1e9,
+                   state_gpu_gb=placed["gpu_bytes"] / 1e9, shadows_host_gb=placed["shadow_bytes"] / 1e9,
+                   peak_host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
+    if torch.device(device).type == "cuda":
+        summary["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
     if energy > 0:
         summary["energy_j"] = energy
         summary["energy_per_token_j"] = energy / tokens
