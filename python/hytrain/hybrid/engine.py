@@ -86,15 +86,17 @@ class Engine:
 
     # -- creation and teardown --------------------------------------------------------------------------
 
-    def bind(self):
+    def bind(self, scaled=False):
         """Creates the state, the native engine and pipeline, forward hooks and the planner for the
-        device and dtype the parameters have now. On failure nothing is left half made."""
+        device and dtype the parameters have now (``scaled``: a GradScaler drives the first step).
+        On failure nothing is left half made."""
         s, store = self.settings, self.store
         try:
             store.prepare()
             # Where each block's state lives from the start: the host holds what it can (the
             # blocks from its floor on), the GPU the first k; checked on both sides first.
-            k = self.planner.initial_k(store.host_floor(), self.shard_group)
+            scaled = scaled or any(p.dtype == torch.float16 for p in self.plan.params)
+            k = self.planner.initial_k(store.host_floor(), self.shard_group, scaled=scaled)
             store.create(self.groups, k)
             self.loss_scaling = any(p.dtype == torch.float16 for p in self.plan.params)
             self.timeline = Timeline(store.device if store.cuda else None) if s.trace else None
@@ -255,7 +257,7 @@ class Engine:
         rt, intake, launcher, store = self.rt, self.intake, self.launcher, self.store
         try:
             if not self.bound:
-                self.bind()
+                self.bind(scaled=grad_scale is not None or found_inf is not None)
             if found_inf is not None and self.shard_group is not None:  # skipped on all ranks or none
                 found_inf = collectives.all_reduce(found_inf.detach().clone(), self.shard_group, op="max")
             if grad_scale is not None or found_inf is not None:

@@ -32,12 +32,13 @@ class Planner:
         self._nonstate_peak = 0
         self._first_samples = []  # (block, GPU bytes in use) as each block completed in the first backward
 
-    def initial_k(self, floor, shard_group) -> int:
+    def initial_k(self, floor, shard_group, *, scaled=False) -> int:
         """k for the state about to be created, at the first step, before any block has been
-        measured: fixed, the k asked for; auto, as many leading blocks as the GPU holds beside the
-        first iteration's peak of weights, gradients and activations (the scheduler moves k from
-        there once it has measured). Never below the host's ``floor``; a floor the GPU cannot hold
-        is refused here, before anything is allocated, naming the bytes on each side."""
+        measured: fixed, the k asked for; auto, as many leading blocks as the GPU holds beside what
+        the next iterations use apart from the states (from the first backward's samples) and in
+        what is free now (the scheduler moves k from there once it has measured). Never below the
+        host's ``floor``; a floor the GPU cannot hold is refused here, before anything is allocated,
+        naming the bytes on each side. ``scaled``: loss scaling (the gradients are kept to step())."""
         store, s = self.store, self.settings
         if not store.cuda:
             return 0
@@ -62,7 +63,7 @@ class Planner:
                     f"but {format_bytes(max(free, 0))} of its memory is free: lower gpu_blocks, or use "
                     "gpu_blocks='auto' (it keeps on the GPU what fits beside the activations)")
             return k
-        peak = self._steady_peak(peak)
+        peak = self._steady_peak(peak, released=s.release_grads and s.overlap and not scaled)
         # Beside the memory the next iterations use apart from the states, with the scheduler's
         # margin; and now, while this step's gradients are all still allocated (the loop releases
         # them after step(); the scheduler moves more blocks up once it has measured an iteration).
@@ -86,16 +87,14 @@ class Planner:
         if device.type == "cuda":
             self._first_samples.append((b, torch.cuda.memory_allocated(device)))
 
-    def _steady_peak(self, peak) -> int:
+    def _steady_peak(self, peak, *, released) -> int:
         """The most GPU memory later iterations use apart from the states, from the first
         backward's samples: there every gradient stays until step(); later, with the gradients
-        released as they are handed off (on CUDA after the first step, without loss scaling), a
+        ``released`` as they are handed off (on CUDA after the first step, without loss scaling), a
         block's are gone by the time the next block completes. The first iteration's ``peak``
         where nothing was sampled."""
         if not self._first_samples:
             return peak
-        s = self.settings
-        released = s.release_grads and s.overlap and not any(p.dtype == torch.float16 for p in self.plan.params)
         grad_bytes = [sum(local(p).numel() * p.element_size() for p in blk) for blk in self.plan.blocks]
         out, gone = 0, 0
         for b, in_use in self._first_samples:  # in the order the blocks completed
