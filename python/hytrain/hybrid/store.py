@@ -233,7 +233,7 @@ class StateStore:
         if on_gpu and w.numel():
             d = {key: torch.zeros(w.shape, dtype=torch.float32, device=self.device)
                  for key in self._keys(p) if key != "master"}
-            d["master"] = w.detach().float() if p.dtype != torch.float32 else local(p)
+            d["master"] = w.detach().float() if p.dtype != torch.float32 else w.detach()  # the weight is its own master
             d["grad"] = torch.empty_like(w)
             self.dev[id(p)] = d
             for key in self._keys(p):
@@ -412,7 +412,7 @@ class StateStore:
                     if key != "grad":
                         t.copy_(st[key], non_blocking=True)
                 if p.dtype == torch.float32:
-                    d["master"] = local(p)  # fp32 weights are their own master (the last update wrote them)
+                    d["master"] = local(p).detach()  # fp32 weights are their own master (the last update wrote them)
                 leaving += [st[key] for key in self._keys(p)]
                 leaving += [t for t in self.staging.pop(id(p), ()) if t is not None]
                 for key in self._keys(p):
