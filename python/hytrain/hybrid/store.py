@@ -233,7 +233,8 @@ class StateStore:
         if on_gpu and w.numel():
             d = {key: torch.zeros(w.shape, dtype=torch.float32, device=self.device)
                  for key in self._keys(p) if key != "master"}
-            d["master"] = w.detach().float() if p.dtype != torch.float32 else w.detach()  # the weight is its own master
+            # (an fp32 weight is its own master)
+            d["master"] = w.detach().float() if p.dtype != torch.float32 else w.detach()
             d["grad"] = torch.empty_like(w)
             self.dev[id(p)] = d
             for key in self._keys(p):
