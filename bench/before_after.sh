@@ -10,11 +10,7 @@
 #   host    bench/host_overhead.py (the optimizer's per-step Python cost), the earlier version's, then this one's
 # Logs go to $OUT (or ./device-out).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-device-out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-iters=${ITERS:-16}
+source "$(dirname "$0")/stage_env.sh" 16
 for stage in "$@"; do
   case "$stage" in
     build)

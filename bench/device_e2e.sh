@@ -9,11 +9,7 @@
 # Logs and results go to $OUT (or ./device-out). ITERS timed iterations per mode (default 10: the median
 # then stands on steady-state iterations even when a k change or the first speculation falls in them).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-device-out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-iters=${ITERS:-10}
+source "$(dirname "$0")/stage_env.sh" 10
 if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site; fi
 for stage in "$@"; do
   case $stage in

@@ -2,10 +2,7 @@
 # One call on a GPU machine: build, run every test (GPU tests included), compute-sanitizer passes over
 # the CUDA kernel and copy-stream tests, then the benchmarks. Logs go to $OUT (or ./device-out) when set.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-device-out}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/stage_env.sh"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   nproc

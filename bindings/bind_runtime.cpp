@@ -80,11 +80,6 @@ void bind_runtime(py::module_& m) {
            py::arg("max_exp_avg_sq"), py::arg("grad"), py::arg("copy"),
            "The parameter's state is in these host buffers again, with this staging.")
       .def("on_host", &ParamTable::on_host, py::arg("handle"))
-      .def("set_state",
-           [](ParamTable& t, int64_t h, std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
-              std::uintptr_t max_exp_avg_sq) { t.set_state(h, slots(master, exp_avg, exp_avg_sq, max_exp_avg_sq)); },
-           py::arg("handle"), py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-           py::arg("max_exp_avg_sq"))
       .def("set_shadow",
            [](ParamTable& t, int64_t h, std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
               std::uintptr_t max_exp_avg_sq, std::uintptr_t copy) {

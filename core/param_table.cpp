@@ -56,13 +56,6 @@ ParamTable::Row& ParamTable::row(int64_t handle) {
 
 const ParamEntry& ParamTable::entry(int64_t handle) const { return row(handle).e; }
 
-void ParamTable::set_state(int64_t handle, const StateSlots& s) {
-  Row& r = row(handle);
-  if (!r.e.on_host) HYTRAIN_THROW("ParamTable: set_state() of handle " + std::to_string(handle) + ", whose state is on the GPU");
-  check_slots(s, r.e.amsgrad, "a state");
-  r.e.state = s;
-}
-
 void ParamTable::to_device(int64_t handle) {
   Row& r = row(handle);
   r.e.state = StateSlots{};

@@ -368,7 +368,6 @@ TEST(placement_on_the_gpu_and_back) {
   std::vector<uint16_t> dev_weight = p.weight;
   CHECK(refused([&] { t.offload_pass({h}, {{p.grad.data(), dev_weight.data()}}, 1.0, false, true, true); }));
   CHECK(refused([&] { t.cpu_jobs({h}, {{p.grad.data(), dev_weight.data()}}, 1.0); }));
-  CHECK(refused([&] { t.set_state(h, {p.s[0].data(), p.s[1].data(), p.s[2].data(), p.s[3].data()}); }));
   CHECK(refused([&] { t.set_shadow(h, p.shadow(), p.shadow_copy.data()); }));
   CHECK(p.step == 0);
   // Back on the host: the slots are checked (amsgrad needs max_exp_avg_sq), then a pass runs.

@@ -77,8 +77,6 @@ class ParamTable {
   std::size_t size() const { return entries_.size(); }
   const ParamEntry& entry(int64_t handle) const;
 
-  // The parameter's state buffers moved (e.g. a speculative result adopted by the caller).
-  void set_state(int64_t handle, const StateSlots& s);
   // Placement. to_device: the state went to the GPU; its host buffers, staging and shadows are
   // gone (the entry keeps its step counter). to_host: the state is in these host buffers again,
   // with this staging (gradient, and the bf16/fp16 weight copy).

@@ -116,10 +116,6 @@ class StateStore:
         """Per block, the pinned host bytes its state and staging take while the CPU updates it."""
         return [sum(self._tensor_bytes(b)) for b in range(len(self.plan))]
 
-    def host_bytes(self) -> int:
-        """The pinned host bytes the state and staging of every block would take on the host."""
-        return sum(self.block_host_bytes())
-
     def host_floor(self) -> int:
         """The smallest k for which the host can hold the states of blocks >= k (the rest live on
         the GPU), within the memory this process can still take (or the given pool's room). Without
