@@ -115,10 +115,10 @@ def check_room(root: Path, needed: int, what: str) -> None:
                               f"{free / 1e9:.3f} GB free")
 
 
-def failed_save(tmp: Path, final: Path, needed: int, e: OSError, remove: bool = True):
+def failed_save(tmp: Path, final: Path, needed: int, e: Exception, remove: bool = True):
     if remove:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial save never stays to fill the disk
-    why = e.strerror or str(e)
+    why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
     return CheckpointError(f"saving {final} failed: {why} (about {needed / 1e9:.3f} GB needed); the last good "
                            "checkpoint is kept and the run stops")
 
@@ -146,7 +146,8 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
             fsync(tmp / f)
         meta = {"format": FORMAT, "step": step, "data_position": step, "config": config, "files": digests(tmp, FILES)}
         write_meta(tmp, meta)
-    except OSError as e:
+    except Exception as e:  # OSError, and the writers' own errors on a full disk (torch.save's
+        # "unexpected pos", safetensors' SafetensorError): the same failed save
         raise failed_save(tmp, final, needed, e) from None
     return publish(root, tmp, final, keep)
 

@@ -157,6 +157,11 @@ def test_launcher_options(tmp_path):
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--max-restarts") + 1] == "2"
     assert cmd[cmd.index("-m", 3):] == ["-m", "hytrain", "train", "--steps", "3", "--out", "x", "--device", "cpu"]
+    # One node: each launch has a run id of its own, so that the run lock takes another launch on the
+    # same --out for another job (refused), and only torchrun's restarts of this one for itself.
+    again = torchrun_command(resolve_options(p, argv), argv, 2)
+    ids = [c[c.index("--rdzv-id") + 1] for c in (cmd, again)]
+    assert ids[0] != ids[1] and "hytrain" not in ids
     multi = ["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node0:29500", "--device", "cpu"]
     cmd = torchrun_command(resolve_options(p, multi), multi, 2)
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "node0:29500" and cmd[cmd.index("--nnodes") + 1] == "2"

@@ -292,8 +292,12 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
     if not ranks.main:
         opt.export_trace(out / f"trace.rank{ranks.rank}.json")
         return None
-    trace = opt.export_trace(out / "trace.json")
-    pictures = plots.write_all(out, history, trace)
+    try:
+        trace = opt.export_trace(out / "trace.json")
+        pictures = plots.write_all(out, history, trace)
+    except OSError as e:  # the checkpoints are written: only the pictures are lost
+        raise ConfigError(f"training finished and its checkpoint is saved, but writing the trace and "
+                          f"pictures into {out} failed: {e}") from None
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     tokens = tokens_per_step * len(history)
     summary = {"steps": history[-1]["step"] if history else 0, "params": n_params, "device": str(device),
@@ -312,7 +316,11 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
     if energy > 0:
         summary["energy_j"] = energy
         summary["energy_per_token_j"] = energy / tokens
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    try:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    except OSError as e:
+        raise ConfigError(f"training finished and its checkpoint is saved, but writing {out / 'summary.json'} "
+                          f"failed: {e}") from None
     return summary
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import traceback
+import uuid
 
 import torch
 
@@ -119,8 +120,10 @@ def torchrun_command(args, argv: list[str], nproc: int) -> list[str]:
                 "--rdzv-id", args.rdzv_id]
     elif args.nnodes != "1":
         raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (a node every agent reaches)")
-    else:  # one node: a rendezvous on a free local port, so that two jobs on one machine do not collide
-        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    else:  # one node: a rendezvous on a free local port, so that two jobs on one machine do not collide,
+        # and a run id of this launch's own (the run lock tells a restart of this job, which keeps it,
+        # from another job on the same --out)
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--rdzv-id", uuid.uuid4().hex]
     return cmd + ["-m", "hytrain", "train", *_strip_launcher_flags(argv)]
 
 
