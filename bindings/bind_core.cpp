@@ -50,13 +50,17 @@ void bind_core(py::module_& m) {
          std::uintptr_t max_exp_avg_sq, std::uintptr_t grad, int grad_dtype,
          std::uintptr_t param_copy, int param_copy_dtype, int64_t numel, double lr, double beta1,
          double beta2, double eps, double weight_decay, int64_t step, bool decoupled, bool amsgrad,
-         double grad_scale, int num_threads, const std::string& simd) {
+         double grad_scale, int num_threads, const std::string& simd, int state_dtype, uint32_t seed,
+         int64_t index_base) {
         const SimdPath path = parse_simd_path(simd);
         AdamWTensor t;
         t.param = as_ptr<float>(param);
-        t.exp_avg = as_ptr<float>(exp_avg);
-        t.exp_avg_sq = as_ptr<float>(exp_avg_sq);
-        t.max_exp_avg_sq = as_ptr<float>(max_exp_avg_sq);
+        t.exp_avg = as_ptr<void>(exp_avg);
+        t.exp_avg_sq = as_ptr<void>(exp_avg_sq);
+        t.max_exp_avg_sq = as_ptr<void>(max_exp_avg_sq);
+        t.state_dtype = static_cast<DType>(state_dtype);
+        t.seed = seed;
+        t.index_base = index_base;
         t.grad = as_ptr<const void>(grad);
         t.grad_dtype = static_cast<DType>(grad_dtype);
         t.param_copy = as_ptr<void>(param_copy);

@@ -37,22 +37,22 @@ void bind_cuda(py::module_& m) {
     return cuda::available() && cuda::is_page_locked(reinterpret_cast<const void*>(address));
   }, "True when CUDA knows the address as page-locked host memory.");
 
-  // Rows: (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, weight, numel), addresses as ints.
+  // Rows: (param, exp_avg, exp_avg_sq, max_exp_avg_sq, grad, weight, numel, seed), addresses as ints.
   using Row = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t,
-                         std::uintptr_t, std::uintptr_t, int64_t>;
+                         std::uintptr_t, std::uintptr_t, int64_t, uint32_t>;
   py::class_<cuda::AdamWGroup>(m, "CudaAdamWGroup")
       .def(py::init([](const std::vector<Row>& rows, int grad_dtype, bool has_weight,
-                       int weight_dtype, bool amsgrad, int device) {
+                       int weight_dtype, bool amsgrad, int device, int state_dtype) {
              std::vector<cuda::AdamWTensorRef> refs;
              for (const Row& r : rows) {
-               refs.push_back({as_ptr<float>(std::get<0>(r)), as_ptr<float>(std::get<1>(r)),
-                               as_ptr<float>(std::get<2>(r)), as_ptr<float>(std::get<3>(r)),
+               refs.push_back({as_ptr<float>(std::get<0>(r)), as_ptr<void>(std::get<1>(r)),
+                               as_ptr<void>(std::get<2>(r)), as_ptr<void>(std::get<3>(r)),
                                as_ptr<const void>(std::get<4>(r)), as_ptr<void>(std::get<5>(r)),
-                               std::get<6>(r)});
+                               std::get<6>(r), std::get<7>(r)});
              }
              return std::make_unique<cuda::AdamWGroup>(refs, static_cast<DType>(grad_dtype),
                                                        has_weight, static_cast<DType>(weight_dtype),
-                                                       amsgrad, device);
+                                                       amsgrad, device, static_cast<DType>(state_dtype));
            }))
       .def("step",
            [](cuda::AdamWGroup& g, int64_t step, double lr, double beta1, double beta2, double eps,

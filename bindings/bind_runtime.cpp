@@ -23,8 +23,8 @@ namespace {
 
 StateSlots slots(std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
                  std::uintptr_t max_exp_avg_sq) {
-  return StateSlots{as_ptr<float>(master), as_ptr<float>(exp_avg), as_ptr<float>(exp_avg_sq),
-                    as_ptr<float>(max_exp_avg_sq)};
+  return StateSlots{as_ptr<float>(master), as_ptr<void>(exp_avg), as_ptr<void>(exp_avg_sq),
+                    as_ptr<void>(max_exp_avg_sq)};
 }
 
 }  // namespace
@@ -49,9 +49,10 @@ void bind_runtime(py::module_& m) {
       .def("add",
            [](ParamTable& t, std::uintptr_t master, std::uintptr_t exp_avg, std::uintptr_t exp_avg_sq,
               std::uintptr_t max_exp_avg_sq, std::uintptr_t step, std::uintptr_t grad, int dtype,
-              std::uintptr_t copy, int64_t numel, int group, bool amsgrad, bool on_host) {
+              std::uintptr_t copy, int64_t numel, int group, bool amsgrad, bool on_host, int state_dtype) {
              ParamEntry e;
              e.on_host = on_host;
+             e.state_dtype = static_cast<DType>(state_dtype);
              e.state = slots(master, exp_avg, exp_avg_sq, max_exp_avg_sq);
              e.step = as_ptr<float>(step);
              e.grad = as_ptr<const void>(grad);
@@ -64,9 +65,9 @@ void bind_runtime(py::module_& m) {
            },
            py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("max_exp_avg_sq"),
            py::arg("step"), py::arg("grad"), py::arg("dtype"), py::arg("copy"), py::arg("numel"),
-           py::arg("group"), py::arg("amsgrad"), py::arg("on_host") = true,
+           py::arg("group"), py::arg("amsgrad"), py::arg("on_host") = true, py::arg("state_dtype") = 0,
            "Registers a parameter (on_host=False: its state is on the GPU; the host addresses are "
-           "ignored); returns its handle.")
+           "ignored; state_dtype: 0 float32, 1 bfloat16 m and v); returns its handle.")
       .def("__len__", &ParamTable::size)
       .def("to_device", &ParamTable::to_device, py::arg("handle"),
            "The parameter's state went to the GPU: its host slots, staging and shadows are dropped.")

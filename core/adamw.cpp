@@ -43,13 +43,14 @@ StreamPlan stream_plan(const AdamWTensor& t, const AdamWScalars& s, int64_t begi
   StreamPlan plan;
   if (!s.streaming_stores || lanes <= 1 || end - begin < kStreamMin) return plan;
   const int64_t vec = int64_t{lanes} * 4;
+  const int64_t svec = int64_t{lanes} * dtype_bytes(t.state_dtype);
   if (t.param_out != nullptr) {
     plan.state = t.param_out != t.param && t.exp_avg_out != t.exp_avg && t.exp_avg_sq_out != t.exp_avg_sq &&
-                 aligned(t.param_out + begin, vec) && aligned(t.exp_avg_out + begin, vec) &&
-                 aligned(t.exp_avg_sq_out + begin, vec);
+                 aligned(t.param_out + begin, vec) && aligned(offset_by(t.exp_avg_out, t.state_dtype, begin), svec) &&
+                 aligned(offset_by(t.exp_avg_sq_out, t.state_dtype, begin), svec);
     if (s.amsgrad) {
       plan.state = plan.state && t.max_exp_avg_sq_out != t.max_exp_avg_sq &&
-                   aligned(t.max_exp_avg_sq_out + begin, vec);
+                   aligned(offset_by(t.max_exp_avg_sq_out, DType::f32, begin), vec);
     }
   }
   plan.copy = t.param_copy != nullptr && t.param_copy != t.grad &&
@@ -64,7 +65,7 @@ StreamPlan adamw_stream_plan(const AdamWTensor& t, const AdamWConfig& cfg, SimdP
     case SimdPath::avx2: lanes = 8; break;
     default: break;
   }
-  return stream_plan(t, make_adamw_scalars(cfg), 0, t.numel, lanes);
+  return stream_plan(t, make_adamw_scalars(cfg, t.seed), 0, t.numel, lanes);
 }
 
 void validate_adamw_config(const AdamWConfig& c) {
@@ -79,7 +80,7 @@ void validate_adamw_config(const AdamWConfig& c) {
 }
 
 
-AdamWScalars make_adamw_scalars(const AdamWConfig& c) {
+AdamWScalars make_adamw_scalars(const AdamWConfig& c, uint32_t seed) {
   const double bc1 = 1.0 - std::pow(c.beta1, static_cast<double>(c.step));
   const double bc2 = 1.0 - std::pow(c.beta2, static_cast<double>(c.step));
   auto f = [](double x) { return static_cast<float>(x); };
@@ -95,6 +96,7 @@ AdamWScalars make_adamw_scalars(const AdamWConfig& c) {
   s.neg_step_size = f(-c.lr / bc1);
   s.bias_correction2_sqrt = f(std::sqrt(bc2));
   s.grad_scale = f(c.grad_scale);
+  s.sr_key = sr_key(seed, c.step);
   s.amsgrad = c.amsgrad;
   s.streaming_stores = c.streaming_stores;
   return s;
@@ -106,6 +108,9 @@ void validate_adamw_job(const AdamWTensor& t, const AdamWConfig& cfg) {
   if (t.numel == 0) return;
   HYTRAIN_CHECK(t.param && t.exp_avg && t.exp_avg_sq && t.grad,
                 "param, exp_avg, exp_avg_sq and grad must be non-null");
+  HYTRAIN_CHECK(t.state_dtype == DType::f32 || t.state_dtype == DType::bf16,
+                "exp_avg and exp_avg_sq must be float32 or bfloat16");
+  HYTRAIN_CHECK(!cfg.amsgrad || t.state_dtype == DType::f32, "amsgrad needs float32 states");
   HYTRAIN_CHECK(!cfg.amsgrad || t.max_exp_avg_sq, "amsgrad needs max_exp_avg_sq");
   HYTRAIN_CHECK(t.param_copy == nullptr || t.param_copy_dtype != DType::f32,
                 "param_copy must be bfloat16 or float16");
@@ -120,7 +125,7 @@ bool adamw_step(const AdamWTensor& t, const AdamWConfig& cfg, int num_threads, S
   validate_adamw_job(t, cfg);
   const RangeFn kernel = range_kernel(path);
   if (t.numel == 0) return false;
-  const AdamWScalars s = make_adamw_scalars(cfg);
+  const AdamWScalars s = make_adamw_scalars(cfg, t.seed);
 
   int threads = 1;
 #ifdef _OPENMP

@@ -45,6 +45,22 @@ struct VecAvx2 {
   static F max(F a, F b) { return _mm256_max_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static bool any_nan(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
+
+  using I = __m256i;
+  static I iset1(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static I lanes(uint32_t at) { return _mm256_add_epi32(iset1(at), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I ixor(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I iand(I a, I b) { return _mm256_and_si256(a, b); }
+  static I imul(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  template <int n>
+  static I isrl(I a) { return _mm256_srli_epi32(a, n); }
+  static __m128i pack_bf16_sr(F x, I rnd) {
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), rnd), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  }
 };
 
 }  // namespace

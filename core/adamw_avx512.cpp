@@ -45,6 +45,24 @@ struct VecAvx512 {
   static F max(F a, F b) { return _mm512_max_ps(a, b); }
   static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static bool any_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+
+  using I = __m512i;
+  static I iset1(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static I lanes(uint32_t at) {
+    return _mm512_add_epi32(iset1(at), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I iand(I a, I b) { return _mm512_and_si512(a, b); }
+  static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  template <int n>
+  static I isrl(I a) { return _mm512_srli_epi32(a, n); }
+  static __m256i pack_bf16_sr(F x, I rnd) {
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), rnd), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
+  }
 };
 
 }  // namespace

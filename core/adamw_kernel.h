@@ -3,8 +3,10 @@
 // traits and compiler flags. Keeping one body means the three paths cannot drift apart.
 //
 // Traits V provide: F (vector type), W (lanes), load/store (fp32), load_bf16/load_f16 (widen),
-// pack_bf16/pack_f16 (round to nearest even into W 16-bit values) and store_half, set1, add, sub, mul,
-// div, sqrt, max, fmadd(a,b,c) = a*b+c, any_nan; and kStream: whether stream and stream_half
+// pack_bf16/pack_f16 (round to nearest even into W 16-bit values), pack_bf16_sr (stochastic
+// rounding with 16 random bits per lane) and store_half, set1, add, sub, mul, div, sqrt, max,
+// fmadd(a,b,c) = a*b+c, any_nan; I (W uint32 lanes) with iset1, lanes(at) = at + lane, iadd, ixor,
+// iand, imul (low 32 bits), isrl<n>; and kStream: whether stream and stream_half
 // (non-temporal stores to aligned addresses) and fence exist. The tail (fewer than W elements) goes through W-element stack buffers,
 // so every path handles any size with the same full-width code and no allocation.
 //
@@ -54,42 +56,82 @@ inline void store_copy(void* base, int64_t i, typename V::F x) {
   }
 }
 
-inline int64_t elem_size(DType t) { return t == DType::f32 ? 4 : 2; }
+// The state's m and v: fp32, or bf16 read widened and stored stochastically rounded with 16 random
+// bits per element (low half of the element's hash for m, high half for v; dtype.h).
+template <class V, DType S>
+inline typename V::F load_state(const void* base, int64_t i) {
+  if constexpr (S == DType::f32) {
+    return V::load(static_cast<const float*>(base) + i);
+  } else {
+    return V::load_bf16(static_cast<const uint16_t*>(base) + i);
+  }
+}
+
+template <class V, DType S, bool kNt>
+inline void store_state(void* base, int64_t i, typename V::F x, typename V::I rnd) {
+  if constexpr (S == DType::f32) {
+    store_f32<V, kNt>(static_cast<float*>(base) + i, x);
+  } else {
+    uint16_t* p = static_cast<uint16_t*>(base) + i;
+    const auto h = V::pack_bf16_sr(x, rnd);
+    if constexpr (kNt) {
+      V::stream_half(p, h);
+    } else {
+      V::store_half(p, h);
+    }
+  }
+}
+
+// sr_mix on every lane.
+template <class V>
+inline typename V::I mix(typename V::I x) {
+  x = V::ixor(x, V::template isrl<16>(x));
+  x = V::imul(x, V::iset1(0x21F0AAADu));
+  x = V::ixor(x, V::template isrl<15>(x));
+  x = V::imul(x, V::iset1(0x735A2D97u));
+  return V::ixor(x, V::template isrl<15>(x));
+}
 
 // Pointers of one W-wide slice: either into the tensors or into tail buffers. The state is read
 // from p, m, v, vmax and written to po, mo, vo, vmaxo (the same pointers when in place).
 struct Slice {
   const float* p;
-  const float* m;
-  const float* v;
+  const void* m;
+  const void* v;
   const float* vmax;
   const void* g;
   void* copy;
   float* po;
-  float* mo;
-  float* vo;
+  void* mo;
+  void* vo;
   float* vmaxo;
 };
 
-// kNtState: the new state goes to other memory (out of place) through streaming stores; kNtCopy: the
-// weight copy does too. The W-element tail buffers are on the stack: the tail uses plain stores.
-template <class V, DType G, bool kCopy, DType C, bool kAmsgrad, bool kNtState = false, bool kNtCopy = false>
+// S: the dtype of m and v. kNtState: the new state goes to other memory (out of place) through
+// streaming stores; kNtCopy: the weight copy does too. The W-element tail buffers are on the stack:
+// the tail uses plain stores.
+template <class V, DType G, bool kCopy, DType C, bool kAmsgrad, DType S, bool kNtState = false,
+          bool kNtCopy = false>
 struct AdamWBody {
   using F = typename V::F;
+  using I = typename V::I;
   F b2, omb1, omb2, eps, wd, pdecay, nstep, bc2s, gscale, zero;
+  I key, low16;
 
   explicit AdamWBody(const AdamWScalars& s)
       : b2(V::set1(s.beta2)), omb1(V::set1(s.one_minus_beta1)), omb2(V::set1(s.one_minus_beta2)),
         eps(V::set1(s.eps)), wd(V::set1(s.weight_decay)), pdecay(V::set1(s.param_decay)),
         nstep(V::set1(s.neg_step_size)), bc2s(V::set1(s.bias_correction2_sqrt)),
-        gscale(V::set1(s.grad_scale)), zero(V::set1(0.0f)) {}
+        gscale(V::set1(s.grad_scale)), zero(V::set1(0.0f)), key(V::iset1(s.sr_key)),
+        low16(V::iset1(0xFFFFu)) {}
 
-  // Updates W elements at offset i of the slice; `bad` accumulates g*0, which is NaN exactly when
-  // some g was non-finite.
-  inline void operator()(const Slice& x, int64_t i, F& bad) const {
+  // Updates W elements at offset i of the slice, whose first element is element `at` of the
+  // parameter (bf16 states hash it); `bad` accumulates g*0, which is NaN exactly when some g was
+  // non-finite.
+  inline void operator()(const Slice& x, int64_t i, uint32_t at, F& bad) const {
     F p = V::load(x.p + i);
-    F m = V::load(x.m + i);
-    F v = V::load(x.v + i);
+    F m = load_state<V, S>(x.m, i);
+    F v = load_state<V, S>(x.v, i);
     F g = V::mul(load_grad<V, G>(x.g, i), gscale);
     bad = V::fmadd(g, zero, bad);
     g = V::fmadd(wd, p, g);  // Adam's L2 term; wd is 0 for AdamW
@@ -104,8 +146,10 @@ struct AdamWBody {
     const F denom = V::add(V::div(V::sqrt(vd), bc2s), eps);
     p = V::fmadd(nstep, V::div(m, denom), p);
     store_f32<V, kNtState>(x.po + i, p);
-    store_f32<V, kNtState>(x.mo + i, m);
-    store_f32<V, kNtState>(x.vo + i, v);
+    I r = V::iset1(0);
+    if constexpr (S != DType::f32) r = mix<V>(V::iadd(V::lanes(at), key));
+    store_state<V, S, kNtState>(x.mo, i, m, V::iand(r, low16));
+    store_state<V, S, kNtState>(x.vo, i, v, V::template isrl<16>(r));
     if constexpr (kCopy) store_copy<V, C, kNtCopy>(x.copy, i, p);
   }
 };
@@ -113,46 +157,48 @@ struct AdamWBody {
 // The state's destinations: the _out pointers of an out-of-place update, else the state itself.
 struct Outputs {
   float* po;
-  float* mo;
-  float* vo;
+  void* mo;
+  void* vo;
   float* vmaxo;
   explicit Outputs(const AdamWTensor& t)
       : po(t.param_out ? t.param_out : t.param),
         mo(t.param_out ? t.exp_avg_out : t.exp_avg),
         vo(t.param_out ? t.exp_avg_sq_out : t.exp_avg_sq),
-        vmaxo(t.param_out ? t.max_exp_avg_sq_out : t.max_exp_avg_sq) {}
+        vmaxo(static_cast<float*>(t.param_out ? t.max_exp_avg_sq_out : t.max_exp_avg_sq)) {}
 };
 
-template <class V, DType G, bool kCopy, DType C, bool kAmsgrad, bool kNtState, bool kNtCopy>
+template <class V, DType G, bool kCopy, DType C, bool kAmsgrad, DType S, bool kNtState, bool kNtCopy>
 bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end) {
   constexpr int W = V::W;
   using F = typename V::F;
-  const AdamWBody<V, G, kCopy, C, kAmsgrad, kNtState, kNtCopy> body(s);
+  const AdamWBody<V, G, kCopy, C, kAmsgrad, S, kNtState, kNtCopy> body(s);
   F bad = V::set1(0.0f);
 
   const Outputs o(t);
-  const Slice whole{t.param, t.exp_avg, t.exp_avg_sq, t.max_exp_avg_sq, t.grad, t.param_copy,
+  const float* vmax_in = static_cast<const float*>(t.max_exp_avg_sq);
+  const Slice whole{t.param, t.exp_avg, t.exp_avg_sq, vmax_in, t.grad, t.param_copy,
                     o.po, o.mo, o.vo, o.vmaxo};
+  const auto at = [&](int64_t i) { return static_cast<uint32_t>(t.index_base + i); };
   int64_t i = begin;
-  for (; i + W <= end; i += W) body(whole, i, bad);
+  for (; i + W <= end; i += W) body(whole, i, at(i), bad);
   if constexpr (kNtState || kNtCopy) V::fence();  // streamed lines are visible before we return
 
   const int64_t n = end - i;
   if (n > 0) {
-    alignas(64) float p[W] = {}, m[W] = {}, v[W] = {}, vmax[W] = {};
-    alignas(64) unsigned char g[W * 4] = {};
+    alignas(64) float p[W] = {}, vmax[W] = {};
+    alignas(64) unsigned char m[W * 4] = {}, v[W * 4] = {}, g[W * 4] = {};
     alignas(64) uint16_t copy[W] = {};
-    const int64_t gsz = elem_size(G);
+    const int64_t gsz = dtype_bytes(G), ssz = dtype_bytes(S);
     std::memcpy(p, t.param + i, n * 4);
-    std::memcpy(m, t.exp_avg + i, n * 4);
-    std::memcpy(v, t.exp_avg_sq + i, n * 4);
-    if (kAmsgrad) std::memcpy(vmax, t.max_exp_avg_sq + i, n * 4);
+    std::memcpy(m, offset_by(t.exp_avg, S, i), n * ssz);
+    std::memcpy(v, offset_by(t.exp_avg_sq, S, i), n * ssz);
+    if (kAmsgrad) std::memcpy(vmax, vmax_in + i, n * 4);
     std::memcpy(g, static_cast<const unsigned char*>(t.grad) + i * gsz, n * gsz);
-    const AdamWBody<V, G, kCopy, C, kAmsgrad> plain(s);
-    plain(Slice{p, m, v, vmax, g, copy, p, m, v, vmax}, 0, bad);
+    const AdamWBody<V, G, kCopy, C, kAmsgrad, S> plain(s);
+    plain(Slice{p, m, v, vmax, g, copy, p, m, v, vmax}, 0, at(i), bad);
     std::memcpy(o.po + i, p, n * 4);
-    std::memcpy(o.mo + i, m, n * 4);
-    std::memcpy(o.vo + i, v, n * 4);
+    std::memcpy(offset_by(o.mo, S, i), m, n * ssz);
+    std::memcpy(offset_by(o.vo, S, i), v, n * ssz);
     if (kAmsgrad) std::memcpy(o.vmaxo + i, vmax, n * 4);
     if (kCopy) std::memcpy(static_cast<uint16_t*>(t.param_copy) + i, copy, n * 2);
   }
@@ -161,8 +207,11 @@ bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin
 
 template <class V, DType G, bool kCopy, DType C, bool kNtState, bool kNtCopy>
 bool adamw_range_ams(const AdamWTensor& t, const AdamWScalars& s, int64_t b, int64_t e) {
-  return s.amsgrad ? adamw_range_impl<V, G, kCopy, C, true, kNtState, kNtCopy>(t, s, b, e)
-                   : adamw_range_impl<V, G, kCopy, C, false, kNtState, kNtCopy>(t, s, b, e);
+  if (t.state_dtype == DType::bf16) {  // amsgrad needs fp32 states (validated)
+    return adamw_range_impl<V, G, kCopy, C, false, DType::bf16, kNtState, kNtCopy>(t, s, b, e);
+  }
+  return s.amsgrad ? adamw_range_impl<V, G, kCopy, C, true, DType::f32, kNtState, kNtCopy>(t, s, b, e)
+                   : adamw_range_impl<V, G, kCopy, C, false, DType::f32, kNtState, kNtCopy>(t, s, b, e);
 }
 
 template <class V, DType G, bool kCopy, DType C>

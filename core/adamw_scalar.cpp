@@ -27,6 +27,17 @@ struct VecScalar {
   static F max(F a, F b) { return a > b ? a : b; }
   static F fmadd(F a, F b, F c) { return a * b + c; }
   static bool any_nan(F a) { return std::isnan(a); }
+
+  using I = uint32_t;
+  static I iset1(uint32_t x) { return x; }
+  static I lanes(uint32_t at) { return at; }
+  static I iadd(I a, I b) { return a + b; }
+  static I ixor(I a, I b) { return a ^ b; }
+  static I iand(I a, I b) { return a & b; }
+  static I imul(I a, I b) { return a * b; }
+  template <int n>
+  static I isrl(I a) { return a >> n; }
+  static uint16_t pack_bf16_sr(F x, I rnd) { return f32_to_bf16_sr(x, rnd); }
 };
 
 }  // namespace

@@ -11,8 +11,6 @@ namespace hytrain {
 
 namespace {
 
-std::size_t element_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
-
 void check_slots(const StateSlots& s, bool amsgrad, const char* what) {
   if (!s.master || !s.exp_avg || !s.exp_avg_sq || (amsgrad && !s.max_exp_avg_sq)) {
     HYTRAIN_THROW(std::string("ParamTable: ") + what + " needs master, exp_avg, exp_avg_sq" +
@@ -29,6 +27,10 @@ int64_t ParamTable::add(const ParamEntry& e) {
   if (e.numel > 0 && e.on_host) check_slots(e.state, e.amsgrad, "a parameter");
   if (!e.step) HYTRAIN_THROW("ParamTable: a parameter needs its step counter");
   if (e.group < 0) HYTRAIN_THROW("ParamTable: negative group index");
+  if (e.state_dtype != DType::f32 && e.state_dtype != DType::bf16) {
+    HYTRAIN_THROW("ParamTable: states must be float32 or bfloat16");
+  }
+  if (e.state_dtype != DType::f32 && e.amsgrad) HYTRAIN_THROW("ParamTable: amsgrad needs float32 states");
   if (e.numel > 0 && e.on_host && e.grad_dtype != DType::f32 && !e.copy && e.grad) {
     HYTRAIN_THROW("ParamTable: a bf16/fp16 parameter with staging needs a weight staging buffer");
   }
@@ -141,7 +143,8 @@ const GroupHyper& ParamTable::group_of(const Row& r) const {
   return groups_[static_cast<std::size_t>(r.e.group)];
 }
 
-UpdateJob ParamTable::job(const Row& r, const GroupHyper& g, double grad_scale, int64_t step) const {
+UpdateJob ParamTable::job(int64_t handle, const GroupHyper& g, double grad_scale, int64_t step) const {
+  const Row& r = row(handle);
   if (!r.e.on_host && r.e.numel > 0) {
     HYTRAIN_THROW("ParamTable: a host update of a parameter whose state is on the GPU");
   }
@@ -150,6 +153,8 @@ UpdateJob ParamTable::job(const Row& r, const GroupHyper& g, double grad_scale, 
   j.tensor.exp_avg = r.e.state.exp_avg;
   j.tensor.exp_avg_sq = r.e.state.exp_avg_sq;
   j.tensor.max_exp_avg_sq = r.e.state.max_exp_avg_sq;
+  j.tensor.state_dtype = r.e.state_dtype;
+  j.tensor.seed = static_cast<uint32_t>(handle);
   j.tensor.grad = r.e.grad;
   j.tensor.grad_dtype = r.e.grad_dtype;
   j.tensor.param_copy = r.e.grad_dtype != DType::f32 ? r.e.copy : nullptr;
@@ -188,7 +193,7 @@ std::vector<UpdateJob> ParamTable::cpu_jobs(const std::vector<int64_t>& handles,
   out.reserve(handles.size());
   for (std::size_t i = 0; i < handles.size(); ++i) {  // checked before any counter moves
     const Row& r = row(handles[i]);
-    UpdateJob j = job(r, group_of(r), grad_scale, pass_step(r.e.step, true));
+    UpdateJob j = job(handles[i], group_of(r), grad_scale, pass_step(r.e.step, true));
     j.tensor.grad = live[i].grad;
     if (r.e.grad_dtype == DType::f32) {
       j.tensor.param = static_cast<float*>(live[i].weight);  // fp32 weights are their own master
@@ -206,7 +211,7 @@ std::vector<AdamWConfig> ParamTable::held_configs(const std::vector<int64_t>& ha
   out.reserve(handles.size());
   for (int64_t h : handles) {
     const Row& r = row(h);
-    out.push_back(job(r, group_of(r), grad_scale, pass_step(r.e.step, false)).config);
+    out.push_back(job(h, group_of(r), grad_scale, pass_step(r.e.step, false)).config);
   }
   return out;
 }
@@ -236,9 +241,9 @@ PassPlan ParamTable::offload_pass(const std::vector<int64_t>& handles, const std
     if (into_shadow && !r.has_shadow) {
       HYTRAIN_THROW("ParamTable: handle " + std::to_string(handles[i]) + " speculates without a shadow");
     }
-    const std::size_t bytes = static_cast<std::size_t>(r.e.numel) * element_bytes(r.e.grad_dtype);
+    const std::size_t bytes = static_cast<std::size_t>(r.e.numel * dtype_bytes(r.e.grad_dtype));
     if (stage_gradients) plan.d2h.push_back({const_cast<void*>(r.e.grad), live[i].grad, bytes});
-    UpdateJob j = job(r, group_of(r), grad_scale, pass_step(r.e.step, new_step));
+    UpdateJob j = job(handles[i], group_of(r), grad_scale, pass_step(r.e.step, new_step));
     const float* new_master = r.e.state.master;
     void* new_copy = j.tensor.param_copy;
     if (into_shadow) {  // the gradient is read from staging; everything new goes beside the state

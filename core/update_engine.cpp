@@ -16,25 +16,24 @@ int64_t steady_now_ns() {
 
 namespace {
 
-int64_t element_bytes(DType d) { return d == DType::f32 ? 4 : 2; }
-
-// The sub-tensor [begin, end) of a job's tensor: every pointer offset by `begin` elements.
+// The sub-tensor [begin, end) of a job's tensor: every pointer offset by `begin` elements (the
+// slice's first element keeps its index in the parameter).
 AdamWTensor slice_of(const AdamWTensor& t, int64_t begin, int64_t end) {
   AdamWTensor s = t;
+  const DType sd = t.state_dtype;
   s.param = t.param + begin;
-  s.exp_avg = t.exp_avg + begin;
-  s.exp_avg_sq = t.exp_avg_sq + begin;
-  if (t.max_exp_avg_sq) s.max_exp_avg_sq = t.max_exp_avg_sq + begin;
-  s.grad = static_cast<const char*>(t.grad) + begin * element_bytes(t.grad_dtype);
-  if (t.param_copy) {
-    s.param_copy = static_cast<char*>(t.param_copy) + begin * element_bytes(t.param_copy_dtype);
-  }
+  s.exp_avg = offset_by(t.exp_avg, sd, begin);
+  s.exp_avg_sq = offset_by(t.exp_avg_sq, sd, begin);
+  s.max_exp_avg_sq = offset_by(t.max_exp_avg_sq, DType::f32, begin);
+  s.grad = static_cast<const char*>(t.grad) + begin * dtype_bytes(t.grad_dtype);
+  s.param_copy = offset_by(t.param_copy, t.param_copy_dtype, begin);
   if (t.param_out) {
     s.param_out = t.param_out + begin;
-    s.exp_avg_out = t.exp_avg_out + begin;
-    s.exp_avg_sq_out = t.exp_avg_sq_out + begin;
-    if (t.max_exp_avg_sq_out) s.max_exp_avg_sq_out = t.max_exp_avg_sq_out + begin;
+    s.exp_avg_out = offset_by(t.exp_avg_out, sd, begin);
+    s.exp_avg_sq_out = offset_by(t.exp_avg_sq_out, sd, begin);
+    s.max_exp_avg_sq_out = offset_by(t.max_exp_avg_sq_out, DType::f32, begin);
   }
+  s.index_base = t.index_base + begin;
   s.numel = end - begin;
   return s;
 }

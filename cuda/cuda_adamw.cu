@@ -26,8 +26,48 @@ struct Chunk {
 
 struct Scalars {
   float b2, omb1, omb2, eps, wd, pdecay, nstep, bc2s, host_scale;
+  uint32_t step_key;  // sr_mix(step): each tensor's key is sr_mix(seed ^ step_key)
   bool amsgrad;
 };
+
+// ---- compact (bf16) states: dtype.h's stochastic rounding, bit for bit --------------------------
+
+__device__ __forceinline__ uint32_t mix(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  x ^= x >> 15;
+  return x;
+}
+
+__device__ __forceinline__ uint16_t round_sr(float x, uint32_t r16) {
+  const uint32_t u = __float_as_uint(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + r16) >> 16);
+}
+
+template <DType S>
+__device__ __forceinline__ float load_state(const void* p, int64_t i) {
+  if constexpr (S == DType::f32) {
+    return static_cast<const float*>(p)[i];
+  } else {
+    return widen<DType::bf16>(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
+// Stores element i's new m and v (bf16: rounded with the low and high halves of its hash).
+template <DType S>
+__device__ __forceinline__ void store_mv(const AdamWTensorRef& t, int64_t i, float m, float v, uint32_t key) {
+  if constexpr (S == DType::f32) {
+    static_cast<float*>(t.exp_avg)[i] = m;
+    static_cast<float*>(t.exp_avg_sq)[i] = v;
+  } else {
+    const uint32_t r = mix(static_cast<uint32_t>(i) + key);
+    static_cast<uint16_t*>(t.exp_avg)[i] = round_sr(m, r & 0xFFFFu);
+    static_cast<uint16_t*>(t.exp_avg_sq)[i] = round_sr(v, r >> 16);
+  }
+}
 
 template <DType G>
 __device__ __forceinline__ float load_grad(const void* g, int64_t i) {
@@ -56,17 +96,31 @@ __device__ __forceinline__ void update(Elem& e, float g, float gscale, const Sca
   e.p = __fmaf_rn(s.nstep, __fdiv_rn(e.m, denom), e.p);
 }
 
-template <DType G, bool kW, DType WD>
+template <DType G, bool kW, DType WD, DType S>
 __device__ __forceinline__ void scalar_range(const AdamWTensorRef& t, int64_t b, int64_t e,
-                                             int64_t stride, float gscale, const Scalars& s) {
+                                             int64_t stride, float gscale, const Scalars& s,
+                                             uint32_t key) {
+  float* vmax = static_cast<float*>(t.max_exp_avg_sq);
   for (int64_t i = b; i < e; i += stride) {
-    Elem x{t.param[i], t.exp_avg[i], t.exp_avg_sq[i], s.amsgrad ? t.max_exp_avg_sq[i] : 0.0f};
+    Elem x{t.param[i], load_state<S>(t.exp_avg, i), load_state<S>(t.exp_avg_sq, i),
+           s.amsgrad ? vmax[i] : 0.0f};
     update(x, load_grad<G>(t.grad, i), gscale, s);
     t.param[i] = x.p;
-    t.exp_avg[i] = x.m;
-    t.exp_avg_sq[i] = x.v;
-    if (s.amsgrad) t.max_exp_avg_sq[i] = x.vmax;
+    store_mv<S>(t, i, x.m, x.v, key);
+    if (s.amsgrad) vmax[i] = x.vmax;
     if constexpr (kW) static_cast<uint16_t*>(t.weight)[i] = narrow<WD>(x.p);
+  }
+}
+
+template <DType S>
+__device__ __forceinline__ void load_state4(const void* p, int64_t i, float out[4]) {
+  if constexpr (S == DType::f32) {
+    const float4 q = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+    out[0] = q.x, out[1] = q.y, out[2] = q.z, out[3] = q.w;
+  } else {
+    const uint2 q = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(p) + i);
+    out[0] = widen<DType::bf16>(q.x & 0xFFFF), out[1] = widen<DType::bf16>(q.x >> 16);
+    out[2] = widen<DType::bf16>(q.y & 0xFFFF), out[3] = widen<DType::bf16>(q.y >> 16);
   }
 }
 
@@ -82,7 +136,7 @@ __device__ __forceinline__ void load_grad4(const void* g, int64_t i, float out[4
   }
 }
 
-template <DType G, bool kW, DType WD, bool kVectorized>
+template <DType G, bool kW, DType WD, bool kVectorized, DType S>
 __global__ void __launch_bounds__(kThreads)
     adamw_multi_kernel(const AdamWTensorRef* __restrict__ descs, const Chunk* __restrict__ chunks,
                        int64_t num_chunks, Scalars s, const float* grad_scale,
@@ -93,30 +147,47 @@ __global__ void __launch_bounds__(kThreads)
     const Chunk ch = chunks[c];
     const AdamWTensorRef t = descs[ch.tensor];
     const int64_t end = min(ch.start + kChunk, t.numel);
+    const uint32_t key = S == DType::f32 ? 0u : mix(t.seed ^ s.step_key);
     if constexpr (!kVectorized) {
-      scalar_range<G, kW, WD>(t, ch.start + threadIdx.x, end, kThreads, gscale, s);
+      scalar_range<G, kW, WD, S>(t, ch.start + threadIdx.x, end, kThreads, gscale, s, key);
     } else {
       for (int64_t i = ch.start + threadIdx.x * kVec; i < end; i += kThreads * kVec) {
         if (i + kVec > end) {
-          scalar_range<G, kW, WD>(t, i, end, 1, gscale, s);
+          scalar_range<G, kW, WD, S>(t, i, end, 1, gscale, s, key);
           continue;
         }
         const float4 p = *reinterpret_cast<const float4*>(t.param + i);
-        const float4 m = *reinterpret_cast<const float4*>(t.exp_avg + i);
-        const float4 v = *reinterpret_cast<const float4*>(t.exp_avg_sq + i);
+        float m[4], v[4];
+        load_state4<S>(t.exp_avg, i, m);
+        load_state4<S>(t.exp_avg_sq, i, v);
         float4 vm = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (s.amsgrad) vm = *reinterpret_cast<const float4*>(t.max_exp_avg_sq + i);
+        if (s.amsgrad) vm = *reinterpret_cast<const float4*>(static_cast<const float*>(t.max_exp_avg_sq) + i);
         float g[4];
         load_grad4<G>(t.grad, i, g);
-        Elem x[4] = {{p.x, m.x, v.x, vm.x}, {p.y, m.y, v.y, vm.y}, {p.z, m.z, v.z, vm.z},
-                     {p.w, m.w, v.w, vm.w}};
+        Elem x[4] = {{p.x, m[0], v[0], vm.x}, {p.y, m[1], v[1], vm.y}, {p.z, m[2], v[2], vm.z},
+                     {p.w, m[3], v[3], vm.w}};
 #pragma unroll
         for (int k = 0; k < 4; ++k) update(x[k], g[k], gscale, s);
         *reinterpret_cast<float4*>(t.param + i) = make_float4(x[0].p, x[1].p, x[2].p, x[3].p);
-        *reinterpret_cast<float4*>(t.exp_avg + i) = make_float4(x[0].m, x[1].m, x[2].m, x[3].m);
-        *reinterpret_cast<float4*>(t.exp_avg_sq + i) = make_float4(x[0].v, x[1].v, x[2].v, x[3].v);
+        if constexpr (S == DType::f32) {
+          *reinterpret_cast<float4*>(static_cast<float*>(t.exp_avg) + i) = make_float4(x[0].m, x[1].m, x[2].m, x[3].m);
+          *reinterpret_cast<float4*>(static_cast<float*>(t.exp_avg_sq) + i) =
+              make_float4(x[0].v, x[1].v, x[2].v, x[3].v);
+        } else {
+          uint16_t hm[4], hv[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const uint32_t r = mix(static_cast<uint32_t>(i + k) + key);
+            hm[k] = round_sr(x[k].m, r & 0xFFFFu);
+            hv[k] = round_sr(x[k].v, r >> 16);
+          }
+          *reinterpret_cast<uint2*>(static_cast<uint16_t*>(t.exp_avg) + i) =
+              make_uint2(hm[0] | (static_cast<uint32_t>(hm[1]) << 16), hm[2] | (static_cast<uint32_t>(hm[3]) << 16));
+          *reinterpret_cast<uint2*>(static_cast<uint16_t*>(t.exp_avg_sq) + i) =
+              make_uint2(hv[0] | (static_cast<uint32_t>(hv[1]) << 16), hv[2] | (static_cast<uint32_t>(hv[3]) << 16));
+        }
         if (s.amsgrad) {
-          *reinterpret_cast<float4*>(t.max_exp_avg_sq + i) =
+          *reinterpret_cast<float4*>(static_cast<float*>(t.max_exp_avg_sq) + i) =
               make_float4(x[0].vmax, x[1].vmax, x[2].vmax, x[3].vmax);
         }
         if constexpr (kW) {
@@ -136,22 +207,27 @@ using KernelFn = void (*)(const AdamWTensorRef*, const Chunk*, int64_t, Scalars,
                           const float*);
 
 template <DType G, bool kW, DType WD>
-KernelFn pick_vec(bool vectorized) {
-  return vectorized ? adamw_multi_kernel<G, kW, WD, true> : adamw_multi_kernel<G, kW, WD, false>;
+KernelFn pick_vec(bool vectorized, DType sd) {
+  if (sd == DType::bf16) {
+    return vectorized ? adamw_multi_kernel<G, kW, WD, true, DType::bf16>
+                      : adamw_multi_kernel<G, kW, WD, false, DType::bf16>;
+  }
+  return vectorized ? adamw_multi_kernel<G, kW, WD, true, DType::f32>
+                    : adamw_multi_kernel<G, kW, WD, false, DType::f32>;
 }
 
 template <DType G>
-KernelFn pick_weight(bool has_weight, DType wd, bool vectorized) {
-  if (!has_weight) return pick_vec<G, false, DType::bf16>(vectorized);
-  if (wd == DType::bf16) return pick_vec<G, true, DType::bf16>(vectorized);
-  return pick_vec<G, true, DType::f16>(vectorized);
+KernelFn pick_weight(bool has_weight, DType wd, bool vectorized, DType sd) {
+  if (!has_weight) return pick_vec<G, false, DType::bf16>(vectorized, sd);
+  if (wd == DType::bf16) return pick_vec<G, true, DType::bf16>(vectorized, sd);
+  return pick_vec<G, true, DType::f16>(vectorized, sd);
 }
 
-KernelFn pick_kernel(DType g, bool has_weight, DType wd, bool vectorized) {
+KernelFn pick_kernel(DType g, bool has_weight, DType wd, bool vectorized, DType sd) {
   switch (g) {
-    case DType::f32: return pick_weight<DType::f32>(has_weight, wd, vectorized);
-    case DType::bf16: return pick_weight<DType::bf16>(has_weight, wd, vectorized);
-    case DType::f16: return pick_weight<DType::f16>(has_weight, wd, vectorized);
+    case DType::f32: return pick_weight<DType::f32>(has_weight, wd, vectorized, sd);
+    case DType::bf16: return pick_weight<DType::bf16>(has_weight, wd, vectorized, sd);
+    case DType::f16: return pick_weight<DType::f16>(has_weight, wd, vectorized, sd);
   }
   HYTRAIN_THROW("unknown gradient dtype");
 }
@@ -163,11 +239,14 @@ bool aligned(const void* p, std::uintptr_t bytes) {
 }  // namespace
 
 AdamWGroup::AdamWGroup(const std::vector<AdamWTensorRef>& tensors, DType grad_dtype,
-                       bool has_weight, DType weight_dtype, bool amsgrad, int device)
+                       bool has_weight, DType weight_dtype, bool amsgrad, int device, DType state_dtype)
     : grad_dtype_(grad_dtype), has_weight_(has_weight), weight_dtype_(weight_dtype),
-      amsgrad_(amsgrad), vectorized_(true), device_(device) {
+      amsgrad_(amsgrad), state_dtype_(state_dtype), vectorized_(true), device_(device) {
   HYTRAIN_CHECK(!has_weight || weight_dtype != DType::f32, "weight must be bfloat16 or float16");
+  HYTRAIN_CHECK(state_dtype == DType::f32 || state_dtype == DType::bf16, "states must be float32 or bfloat16");
+  HYTRAIN_CHECK(!amsgrad || state_dtype == DType::f32, "amsgrad needs float32 states");
   const int64_t gsize = grad_dtype == DType::f32 ? 4 : 2;
+  const int64_t ssize = state_dtype == DType::f32 ? 4 : 2;
   std::vector<Chunk> chunks;
   for (size_t k = 0; k < tensors.size(); ++k) {
     const AdamWTensorRef& t = tensors[k];
@@ -176,8 +255,8 @@ AdamWGroup::AdamWGroup(const std::vector<AdamWTensorRef>& tensors, DType grad_dt
     HYTRAIN_CHECK(t.param && t.exp_avg && t.exp_avg_sq && t.grad, "tensor pointers must be non-null");
     HYTRAIN_CHECK(!amsgrad || t.max_exp_avg_sq, "amsgrad needs max_exp_avg_sq");
     HYTRAIN_CHECK(!has_weight || t.weight, "weight pointer must be non-null");
-    vectorized_ = vectorized_ && aligned(t.param, 16) && aligned(t.exp_avg, 16) &&
-                  aligned(t.exp_avg_sq, 16) && (!amsgrad || aligned(t.max_exp_avg_sq, 16)) &&
+    vectorized_ = vectorized_ && aligned(t.param, 16) && aligned(t.exp_avg, 4 * ssize) &&
+                  aligned(t.exp_avg_sq, 4 * ssize) && (!amsgrad || aligned(t.max_exp_avg_sq, 16)) &&
                   aligned(t.grad, 4 * gsize) && (!has_weight || aligned(t.weight, 8));
     for (int64_t s = 0; s < t.numel; s += kChunk) chunks.push_back({static_cast<int64_t>(k), s});
     numel_ += t.numel;
@@ -210,9 +289,9 @@ void AdamWGroup::step(const AdamWConfig& cfg, const float* grad_scale, const flo
   if (num_chunks_ == 0) return;
   const Scalars s{a.beta2, a.one_minus_beta1, a.one_minus_beta2, a.eps, a.weight_decay,
                   a.param_decay, a.neg_step_size, a.bias_correction2_sqrt, a.grad_scale,
-                  a.amsgrad};
+                  sr_mix(static_cast<uint32_t>(cfg.step)), a.amsgrad};
   DeviceGuard guard(device_);
-  const KernelFn k = pick_kernel(grad_dtype_, has_weight_, weight_dtype_, vectorized_);
+  const KernelFn k = pick_kernel(grad_dtype_, has_weight_, weight_dtype_, vectorized_, state_dtype_);
   k<<<grid_, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const AdamWTensorRef*>(descs_), static_cast<const Chunk*>(chunks_), num_chunks_,
       s, grad_scale, found_inf);

@@ -72,13 +72,31 @@ def real(name: str, x, *, lo: float | None = None, hi: float | None = None,
     return x
 
 
-def integer(name: str, x, *, lo: int | None = None) -> int:
+def integer(name: str, x, *, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(x, bool) or not isinstance(x, Integral):
         raise TypeError(f"{name} must be an integer, got {type(x).__name__}")
     x = int(x)
     if lo is not None and x < lo:
         raise ValueError(f"{name} must be >= {lo}, got {x}")
+    if hi is not None and x > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {x}")
     return x
+
+
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def state_dtype(exp_avg, exp_avg_sq, *, amsgrad: bool) -> torch.dtype:
+    """The dtype of m and v: both float32, or both bfloat16 (compact states, without amsgrad)."""
+    dtype = getattr(exp_avg, "dtype", None)
+    if dtype not in STATE_DTYPES:
+        return torch.float32  # the tensor check names what is wrong
+    if getattr(exp_avg_sq, "dtype", None) != dtype:
+        raise TypeError(f"exp_avg and exp_avg_sq must have one dtype; got {str(dtype).replace('torch.', '')} "
+                        f"and {str(getattr(exp_avg_sq, 'dtype', None)).replace('torch.', '')}")
+    if amsgrad and dtype != torch.float32:
+        raise ValueError("amsgrad needs float32 exp_avg and exp_avg_sq (compact bfloat16 states have no max_exp_avg_sq)")
+    return dtype
 
 
 def adamw_hparams(*, step, lr, betas, eps, weight_decay, grad_scale):

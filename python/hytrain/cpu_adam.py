@@ -65,6 +65,7 @@ def adamw_step(
     param_copy: torch.Tensor | None = None,
     num_threads: int | None = None,
     simd: str | None = None,
+    seed: int = 0,
 ) -> bool:
     """One AdamW step on CPU tensors, in place. Returns True if any gradient element was non-finite.
 
@@ -74,13 +75,20 @@ def adamw_step(
     nearest even. ``step`` is the 1-based step count after this update (bias correction).
     ``grad_scale`` multiplies every gradient element (loss-scale unscaling times clip coefficient).
     The update is applied even when a non-finite gradient is reported.
+
+    Compact states: ``exp_avg`` and ``exp_avg_sq`` may both be bfloat16. The update then runs in
+    fp32 on their widened values and stores the new ones stochastically rounded, element ``i`` with
+    random bits drawn from ``(seed, step, i)`` (the same on every SIMD path, thread count and on the
+    GPU); amsgrad needs float32 states.
     """
     fp32 = (torch.float32,)
     _checks.tensor("param", param, dtypes=fp32)
     n = param.numel()
     _checks.tensor("grad", grad, dtypes=tuple(_checks.DTYPE_CODES), numel=n)
-    _checks.tensor("exp_avg", exp_avg, dtypes=fp32, numel=n)
-    _checks.tensor("exp_avg_sq", exp_avg_sq, dtypes=fp32, numel=n)
+    state_dtype = _checks.state_dtype(exp_avg, exp_avg_sq, amsgrad=amsgrad)
+    _checks.tensor("exp_avg", exp_avg, dtypes=(state_dtype,), numel=n)
+    _checks.tensor("exp_avg_sq", exp_avg_sq, dtypes=(state_dtype,), numel=n)
+    seed = _checks.integer("seed", seed, lo=0, hi=2**32 - 1)
     if amsgrad:
         if max_exp_avg_sq is None:
             raise ValueError("max_exp_avg_sq is required when amsgrad=True")
@@ -103,5 +111,5 @@ def adamw_step(
         addr(param), addr(exp_avg), addr(exp_avg_sq), addr(max_exp_avg_sq), addr(grad),
         _checks.DTYPE_CODES[grad.dtype], addr(param_copy), copy_code, n,
         lr, beta1, beta2, eps, weight_decay, step, bool(decoupled), bool(amsgrad), grad_scale,
-        threads, path,
+        threads, path, _checks.DTYPE_CODES[state_dtype], seed, 0,
     )

@@ -25,14 +25,18 @@ class CudaAdamW:
     """A fused AdamW over lists of same-length CUDA tensors.
 
     Args:
-        params, exp_avgs, exp_avg_sqs: fp32 CUDA tensors, contiguous, one device.
+        params: fp32 CUDA tensors, contiguous, one device.
+        exp_avgs, exp_avg_sqs: all fp32, or all bf16 (compact states: updated in fp32, stored
+            stochastically rounded exactly as :func:`hytrain.adamw_step` rounds them).
         grads: gradients, all fp32, all bf16 or all fp16, matching sizes.
         weights: optional bf16/fp16 model weights receiving the updated values.
-        max_exp_avg_sqs: required with ``amsgrad=True``.
+        max_exp_avg_sqs: required with ``amsgrad=True`` (fp32 states only).
+        seeds: each tensor's stochastic-rounding seed (bf16 states; default 0), the ``seed`` the
+            CPU kernel would be given for it.
     """
 
     def __init__(self, params, exp_avgs, exp_avg_sqs, grads, *, weights=None, amsgrad=False,
-                 max_exp_avg_sqs=None):
+                 max_exp_avg_sqs=None, seeds=None):
         lists = {"params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "grads": grads}
         if weights is not None:
             lists["weights"] = weights
@@ -59,7 +63,13 @@ class CudaAdamW:
         def one_dtype(first, allowed_dtypes):
             return (first,) if first in allowed_dtypes else allowed_dtypes
 
+        state = _checks.state_dtype(exp_avgs[0], exp_avg_sqs[0], amsgrad=amsgrad)
+        seeds = [0] * len(params) if seeds is None else list(seeds)
+        if len(seeds) != len(params):
+            raise ValueError(f"seeds has {len(seeds)} values but params has {len(params)}")
+        seeds = [_checks.integer(f"seeds[{i}]", x, lo=0, hi=2**32 - 1) for i, x in enumerate(seeds)]
         allowed = {k: _FP32 for k in lists}
+        allowed["exp_avgs"] = allowed["exp_avg_sqs"] = (state,)
         allowed["grads"] = one_dtype(grad_dtype, tuple(_checks.DTYPE_CODES))
         allowed["weights"] = one_dtype(weight_dtype, _checks.HALF_DTYPES)
         rows = []
@@ -74,7 +84,7 @@ class CudaAdamW:
             addr = _checks.address
             rows.append((addr(p), addr(ts["exp_avgs"]), addr(ts["exp_avg_sqs"]),
                          addr(ts.get("max_exp_avg_sqs")), addr(ts["grads"]),
-                         addr(ts.get("weights")), n))
+                         addr(ts.get("weights")), n, seeds[i]))
         if not native().cuda_available():
             raise RuntimeError("CudaAdamW needs hytrain built with CUDA and a usable GPU")
         self._refs = lists  # keep the tensors alive as long as the group holds their addresses
@@ -83,7 +93,9 @@ class CudaAdamW:
         self._group = native().CudaAdamWGroup(
             rows, _checks.DTYPE_CODES[grad_dtype], weights is not None,
             _checks.DTYPE_CODES[weight_dtype] if weight_dtype is not None else 1, self.amsgrad,
-            device.index if device.index is not None else torch.cuda.current_device())
+            device.index if device.index is not None else torch.cuda.current_device(),
+            _checks.DTYPE_CODES[state])
+        self.state_dtype = state
 
     def step(self, *, step: int, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
              weight_decay: float = 1e-2, decoupled: bool = True, grad_scale: float = 1.0,

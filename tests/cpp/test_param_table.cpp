@@ -209,6 +209,56 @@ TEST(cpu_path_matches_adamw_step) {
   }
 }
 
+TEST(compact_states_step_with_the_handle_as_seed) {
+  // bf16 m and v: the jobs carry the state dtype and the handle as the rounding seed, so a
+  // parameter's update is the one adamw_step gives with that seed (and differs from another seed).
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  const int64_t n = 777;
+  ParamTable table;
+  table.set_groups({kGroups[0]});
+  std::vector<float> w[2], grad(n), rw[2];
+  std::vector<uint16_t> m[2], v[2], rm[2], rv[2];
+  float steps[2] = {0, 0};
+  std::vector<int64_t> handles;
+  for (int i = 0; i < 2; ++i) {
+    w[i].resize(n), m[i].assign(n, 0), v[i].assign(n, 0);
+    for (auto& x : w[i]) x = i ? 0.0f : normal(rng);
+    if (i) w[1] = w[0];
+    rw[i] = w[i], rm[i] = m[i], rv[i] = v[i];
+    ParamEntry e;
+    e.state = {w[i].data(), m[i].data(), v[i].data(), nullptr};
+    e.step = &steps[i];
+    e.numel = n;
+    e.state_dtype = DType::bf16;
+    handles.push_back(table.add(e));
+  }
+  for (auto& g : grad) g = normal(rng) * 1e-2f;
+  UpdateEngine engine(2, 1024);
+  engine.submit(0, table.cpu_jobs(handles, {{grad.data(), w[0].data()}, {grad.data(), w[1].data()}}, 1.0));
+  table.advance(handles);
+  engine.wait(0);
+  for (int i = 0; i < 2; ++i) {
+    AdamWTensor x{rw[i].data(), rm[i].data(), rv[i].data(), nullptr, grad.data(), DType::f32, nullptr,
+                  DType::bf16, n};
+    x.state_dtype = DType::bf16;
+    x.seed = static_cast<uint32_t>(handles[i]);
+    adamw_step(x, config_of(kGroups[0], 1, 1.0, false), 1);
+    CHECK(w[i] == rw[i] && m[i] == rm[i] && v[i] == rv[i]);
+  }
+  CHECK(w[0] == w[1] && m[0] != m[1]);  // same inputs, other seed: other roundings
+  ParamEntry e;
+  e.state = {w[0].data(), m[0].data(), v[0].data(), w[1].data()};
+  e.step = &steps[0];
+  e.numel = n;
+  e.state_dtype = DType::bf16;
+  e.amsgrad = true;
+  CHECK_THROWS(table.add(e));
+  e.amsgrad = false;
+  e.state_dtype = DType::f16;
+  CHECK_THROWS(table.add(e));
+}
+
 TEST(maximize_ascends_and_held_passes_take_the_hyperparameters_of_release) {
   // maximize: the update equals adamw_step on the negated gradient. A held pass released with
   // held_configs() uses the groups set after staging (an lr changed between backward and step()).

@@ -11,6 +11,11 @@
 //   v  = v * beta2 + (1 - beta2) * g * g
 //   v_max = max(v_max, v)                    (amsgrad; the denominator then uses v_max)
 //   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//
+// States are fp32, or (compact states) bf16 m and v beside the fp32 master: they are read widened,
+// the update runs in fp32 exactly as above, and the new m and v are stored stochastically rounded
+// (dtype.h: sr_mix). Such a tensor carries a seed (each parameter its own) and the index of its
+// first element in the parameter (index_base), which with the step pick each element's random bits.
 #pragma once
 
 #include <cstdint>
@@ -39,9 +44,9 @@ struct AdamWConfig {
 
 struct AdamWTensor {
   float* param = nullptr;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
-  float* max_exp_avg_sq = nullptr;  // required when amsgrad
+  void* exp_avg = nullptr;          // state_dtype elements
+  void* exp_avg_sq = nullptr;
+  void* max_exp_avg_sq = nullptr;   // required when amsgrad (fp32 states only)
   const void* grad = nullptr;
   DType grad_dtype = DType::f32;
   void* param_copy = nullptr;       // optional bf16/fp16 copy of the updated weight; may be the
@@ -52,10 +57,19 @@ struct AdamWTensor {
   // a speculative update that must leave the current state intact. max_exp_avg_sq_out is required
   // with them when amsgrad. Inputs and outputs are either the same memory or disjoint.
   float* param_out = nullptr;
-  float* exp_avg_out = nullptr;
-  float* exp_avg_sq_out = nullptr;
-  float* max_exp_avg_sq_out = nullptr;
+  void* exp_avg_out = nullptr;
+  void* exp_avg_sq_out = nullptr;
+  void* max_exp_avg_sq_out = nullptr;
+  DType state_dtype = DType::f32;   // of exp_avg, exp_avg_sq and their outputs: f32, or bf16 (compact)
+  uint32_t seed = 0;                // bf16 states: the parameter's stochastic-rounding seed
+  int64_t index_base = 0;           // bf16 states: the parameter index of element 0 of this tensor
 };
+
+inline int64_t dtype_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
+// p advanced by n elements of dtype t.
+inline void* offset_by(void* p, DType t, int64_t n) {
+  return p ? static_cast<char*>(p) + n * dtype_bytes(t) : nullptr;
+}
 
 // Scalars derived once per step from AdamWConfig (bias corrections folded in, computed in double as
 // PyTorch computes them in Python, then rounded to float).
@@ -66,6 +80,7 @@ struct AdamWScalars {
   float neg_step_size;     // -lr / (1 - beta1^t)
   float bias_correction2_sqrt;
   float grad_scale;
+  uint32_t sr_key;         // sr_key(seed, step): set per tensor (bf16 states)
   bool amsgrad;
   bool streaming_stores;
 };
@@ -74,7 +89,8 @@ struct AdamWScalars {
 void validate_adamw_config(const AdamWConfig& cfg);
 // Throws hytrain::Error naming what is wrong with a job's hyperparameters or pointers.
 void validate_adamw_job(const AdamWTensor& t, const AdamWConfig& cfg);
-AdamWScalars make_adamw_scalars(const AdamWConfig& cfg);
+// seed: the tensor's stochastic-rounding seed (bf16 states; any value for fp32 ones).
+AdamWScalars make_adamw_scalars(const AdamWConfig& cfg, uint32_t seed = 0);
 
 // Updates one tensor in place. Returns true when any gradient element was non-finite (the update is
 // still applied: callers that must skip on overflow check first). num_threads <= 0 means OpenMP's

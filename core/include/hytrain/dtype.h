@@ -70,4 +70,31 @@ inline uint16_t f32_to_f16(float x) {
   return sign | static_cast<uint16_t>((a >> 13) - (112u << 10));
 }
 
+// Stochastic rounding of optimizer state to bf16 (compact states). The random bits of element i of
+// a tensor at a step come from a counter-based hash, so every path -- each SIMD width, any split
+// into threads or slices, the CUDA kernel -- rounds every element the same way, and an update done
+// again (a speculative pass redone) gives the same bits:
+//   key = sr_mix(seed ^ sr_mix(step))          once per tensor and step
+//   r   = sr_mix(uint32(i) + key)              per element; m takes its low 16 bits, v its high 16
+//   bf16 = (bits(x) + r16) >> 16               NaN becomes 0x7FC0
+// Rounding up with probability equal to the discarded fraction makes the rounding unbiased, so v's
+// slow decay (beta2 = 0.999 moves it by less than half a bf16 ulp) is kept on average instead of
+// being rounded away every step.
+inline uint32_t sr_mix(uint32_t x) {  // a 32-bit integer hash (two multiplies, three shifts)
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  x ^= x >> 15;
+  return x;
+}
+
+inline uint32_t sr_key(uint32_t seed, int64_t step) { return sr_mix(seed ^ sr_mix(static_cast<uint32_t>(step))); }
+
+inline uint16_t f32_to_bf16_sr(float x, uint32_t r16) {
+  const uint32_t u = f32_bits(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + (r16 & 0xFFFFu)) >> 16);
+}
+
 }  // namespace hytrain

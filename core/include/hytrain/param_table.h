@@ -27,12 +27,13 @@
 
 namespace hytrain {
 
-// A set of fp32 state buffers of one parameter (max_exp_avg_sq null without amsgrad).
+// A set of state buffers of one parameter: the fp32 master, m and v in the entry's state dtype
+// (max_exp_avg_sq, fp32, null without amsgrad).
 struct StateSlots {
   float* master = nullptr;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
-  float* max_exp_avg_sq = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  void* max_exp_avg_sq = nullptr;
 };
 
 // What is registered once per parameter.
@@ -45,6 +46,9 @@ struct ParamEntry {
   int64_t numel = 0;
   int group = 0;                    // index into the step's hyperparameter list
   bool amsgrad = false;
+  // m and v: f32, or bf16 (compact states, stochastically rounded with the handle as seed, so a
+  // parameter rounds the same way on either side and in every pass).
+  DType state_dtype = DType::f32;
   // false: the state lives on the GPU (a resident block); the host holds none of it, so the entry
   // has no state slots or staging, and building a pass for it throws.
   bool on_host = true;
@@ -126,7 +130,7 @@ class ParamTable {
   };
   const Row& row(int64_t handle) const;
   Row& row(int64_t handle);
-  UpdateJob job(const Row& r, const GroupHyper& g, double grad_scale, int64_t step) const;
+  UpdateJob job(int64_t handle, const GroupHyper& g, double grad_scale, int64_t step) const;
   const GroupHyper& group_of(const Row& r) const;
   std::vector<Row> entries_;
   std::vector<GroupHyper> groups_;

@@ -1,5 +1,5 @@
 // Fused multi-tensor AdamW on the GPU: one launch updates a whole list of tensors (fp32 master
-// weight, m, v resident on the device), reading fp32/bf16/fp16 gradients and writing the bf16/fp16
+// weight, m, v -- fp32, or bf16 stochastically rounded as on the CPU -- resident on the device), reading fp32/bf16/fp16 gradients and writing the bf16/fp16
 // model weight in place. The math is the CPU kernel's, operation for operation with the same fused
 // multiply-adds and correctly rounded sqrt/divide, so a block gives bit-identical results on either
 // side and can move between them without changing the training trajectory.
@@ -18,19 +18,21 @@ namespace cuda {
 
 struct AdamWTensorRef {
   float* param = nullptr;
-  float* exp_avg = nullptr;
-  float* exp_avg_sq = nullptr;
-  float* max_exp_avg_sq = nullptr;  // amsgrad only
+  void* exp_avg = nullptr;          // the group's state dtype
+  void* exp_avg_sq = nullptr;
+  void* max_exp_avg_sq = nullptr;   // amsgrad only (fp32)
   const void* grad = nullptr;
   void* weight = nullptr;           // the model's bf16/fp16 weight, or null
   int64_t numel = 0;
+  uint32_t seed = 0;                // bf16 states: the stochastic-rounding seed (the CPU's)
 };
 
 // A fixed list of tensors on one device, with its chunk table uploaded once at construction.
 class AdamWGroup {
  public:
+  // state_dtype: f32, or bf16 m and v (compact states, rounded as the CPU kernel rounds them).
   AdamWGroup(const std::vector<AdamWTensorRef>& tensors, DType grad_dtype, bool has_weight,
-             DType weight_dtype, bool amsgrad, int device);
+             DType weight_dtype, bool amsgrad, int device, DType state_dtype = DType::f32);
   ~AdamWGroup();
   AdamWGroup(const AdamWGroup&) = delete;
   AdamWGroup& operator=(const AdamWGroup&) = delete;
@@ -54,6 +56,7 @@ class AdamWGroup {
   bool has_weight_;
   DType weight_dtype_;
   bool amsgrad_;
+  DType state_dtype_;
   bool vectorized_;
   int device_;
   int grid_;
