@@ -3,8 +3,9 @@
 A checkpoint is a directory ``<out>/checkpoints/step_NNNNNNNN/``:
 
 * ``model.safetensors``: the model's weights under its own parameter names (loadable without hytrain);
-* ``optimizer.pt``: ``HybridAdamW.state_dict()`` (fp32 master weights, ``exp_avg``, ``exp_avg_sq``,
-  ``step``; CPU tensors);
+* ``optimizer.pt``: ``HybridAdamW.state_dict()`` (fp32 master weights, ``exp_avg``, ``exp_avg_sq``
+  in the optimizer's state format, ``step``); ``meta.json`` records the format, and a load into an
+  optimizer of another format converts (m and v are copied into its buffers);
 * ``trainer.pt``: the LR scheduler and the RNG states;
 * ``meta.json``, written last: step, data position, configuration, the size and SHA-256 of every
   other file, and the SHA-256 of the manifest itself (``checksum``: an edited step is refused too).
@@ -94,8 +95,9 @@ def state_bytes(model, opt) -> int:
     """About what a checkpoint of this model and optimizer takes on disk (weights and optimizer
     state; metadata only, nothing is copied)."""
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
+    moments = 2 * (2 if getattr(opt, "state_format", "fp32") == "bf16" else 4)
     for p in (p for g in opt.param_groups for p in g["params"]):
-        per = 8 + (4 if p.dtype != torch.float32 or p.device.type == "cuda" else 0)
+        per = moments + (4 if p.dtype != torch.float32 or p.device.type == "cuda" else 0)
         total += p.numel() * per
     return total + (1 << 20)
 
@@ -144,7 +146,8 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
                    tmp / "trainer.pt")
         for f in FILES:
             fsync(tmp / f)
-        meta = {"format": FORMAT, "step": step, "data_position": step, "config": config, "files": digests(tmp, FILES)}
+        meta = {"format": FORMAT, "step": step, "data_position": step, "config": config,
+                "state_format": getattr(opt, "state_format", "fp32"), "files": digests(tmp, FILES)}
         write_meta(tmp, meta)
     except Exception as e:  # OSError, and the writers' own errors on a full disk (torch.save's
         # "unexpected pos", safetensors' SafetensorError): the same failed save

@@ -80,7 +80,7 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -
                 fsync(f)
             names = [f.name for f in tmp.iterdir() if f.is_file()]
             meta = {"format": FORMAT, "step": step, "world_size": _world(), "extra": extra or {},
-                    "files": digests(tmp, names)}
+                    "state_format": getattr(opt, "state_format", "fp32"), "files": digests(tmp, names)}
             write_meta(tmp, meta)
         except OSError as e:
             raise failed_save(tmp, final, needed, e) from None

@@ -54,7 +54,8 @@ class Engine:
     def __init__(self, groups, state, settings):
         self.groups, self.settings = groups, settings
         self.plan = plan = BlockPlan(groups, model=settings.model, blocks=settings.blocks,
-                                     bucket_elements=settings.bucket_elements)
+                                     bucket_elements=settings.bucket_elements,
+                                     state_size=settings.state_dtype.itemsize)
         if settings.gpu_blocks > len(plan):
             raise ValueError(f"gpu_blocks={settings.gpu_blocks} but there are only {len(plan)} blocks")
         # FSDP2-sharded parameters: each rank holds the state of its own shards; the norm and the

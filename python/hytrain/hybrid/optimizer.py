@@ -54,12 +54,13 @@ class HybridAdamW(torch.optim.Optimizer):
             ``"auto"`` (the default; the scheduler picks from which block on, where it shortens the
             iteration), an int s (blocks >= s, whenever the previous step did not clip; True: 0),
             or False. Each speculated parameter needs a second fp32 master, m and v (and staging for
-            its new weights) in pinned memory, allocated within ``host_memory_limit`` less what the
-            GPU-resident blocks would need back on the host.
+            its new weights) in pinned memory, allocated within ``host_memory_limit``.
         host_memory_limit: bytes of host memory the process may use before speculation stops
             allocating (default: 75 % of the machine's memory, which leaves room for the rest of
             the process, page cache and the system).
         accumulation_steps: micro-batches per step; blocks are updated after the last one.
+        state_format: ``"fp32"`` (default) or ``"bf16"``: m and v in bfloat16 beside fp32 masters (8 bytes of
+            state per parameter, not 12), updated in fp32 and stored stochastically rounded; no amsgrad.
         workers: CPU update threads (default: this process's share of the node's cores -- under
             torchrun the cores divided by LOCAL_WORLD_SIZE -- less one, for the training thread).
         pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
@@ -81,20 +82,21 @@ class HybridAdamW(torch.optim.Optimizer):
                  accumulation_steps=1, workers=None, pool=None, overlap=True,
                  bucket_elements=4 << 20, slice_elements=1 << 18, trace=False,
                  gpu_memory_limit=None, schedule_every=1, speculate="auto", host_memory_limit=None,
-                 release_grads=None, fence=True):
+                 release_grads=None, fence=True, state_format="fp32"):
         validate_hparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._settings = settings(
             max_grad_norm=max_grad_norm, release_grads=release_grads, accumulation_steps=accumulation_steps,
             gpu_blocks=gpu_blocks, schedule_every=schedule_every, gpu_memory_limit=gpu_memory_limit,
             speculate=speculate, host_memory_limit=host_memory_limit, fence=fence, overlap=overlap,
             workers=workers, slice_elements=slice_elements, trace=trace, pool=pool, model=model, blocks=blocks,
-            bucket_elements=bucket_elements)
+            bucket_elements=bucket_elements, state_format=state_format)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused)
         check_flags(defaults, "HybridAdamW")
         self._engine = None
         super().__init__(params, defaults)
+        check_group_values(self.param_groups, state_format=state_format)
         self._parked = {}  # parameter -> saved state of a parameter without state here (frozen)
         self._engine = Engine(self.param_groups, self.state, self._settings)
 
@@ -119,9 +121,7 @@ class HybridAdamW(torch.optim.Optimizer):
 
     # -- the views ------------------------------------------------------------------------------------
 
-    def __getattr__(self, name):
-        # The settings read as attributes (max_grad_norm, release_grads, accumulation_steps, auto,
-        # gpu_blocks, schedule_every, speculate, host_memory_limit, fence, overlap).
+    def __getattr__(self, name):  # the settings read as attributes (_SETTINGS_VIEWS)
         if name in _SETTINGS_VIEWS:
             return getattr(self.__dict__["_settings"], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -209,7 +209,8 @@ class HybridAdamW(torch.optim.Optimizer):
         engine = self._engine
         engine.fence.disarm()
         engine.intake.remove_clip_prehooks()
-        check_group_values(self.param_groups, engine.store.amsgrad_bound if engine.bound else None)
+        check_group_values(self.param_groups, engine.store.amsgrad_bound if engine.bound else None,
+                           self._settings.state_format)
         if any(p.requires_grad and p.grad is not None for p in engine.plan.frozen):
             self._rebuild()  # a parameter without state has a gradient now (unfrozen): it gets state
         self._engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
@@ -250,8 +251,7 @@ class HybridAdamW(torch.optim.Optimizer):
         """The state for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``): ``{"state":
         {index: {key: tensor}}, "param_groups": [...]}``. The tensors are the optimizer's own buffers
         (host, or GPU for resident blocks); for sharded (FSDP2) parameters they are DTensors over the
-        parameters' mesh, each
-        rank's buffer its own shard of the global tensor, so a save writes every rank's shard once
+        parameters' mesh, each rank's buffer its own shard of the global tensor, so a save writes every rank's shard once
         and a load -- at this or another world size -- reads each rank's shard straight into its
         buffers. ``step`` is a plain (replicated) tensor. Call :meth:`load_sharded_state_dict` with
         the dict after ``dcp.load``. Creates the state if the first step has not (the parameters
@@ -296,4 +296,4 @@ class HybridAdamW(torch.optim.Optimizer):
 
 
 _SETTINGS_VIEWS = frozenset(("max_grad_norm", "release_grads", "accumulation_steps", "auto", "gpu_blocks",
-                             "schedule_every", "speculate", "host_memory_limit", "fence", "overlap"))
+                             "schedule_every", "speculate", "host_memory_limit", "fence", "overlap", "state_format"))

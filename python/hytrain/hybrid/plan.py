@@ -46,7 +46,8 @@ class BlockPlan:
     table is its index here); ``frozen``: those without; ``blocks``: lists of parameters in forward
     order."""
 
-    def __init__(self, param_groups, *, model=None, blocks=None, bucket_elements=4 << 20):
+    def __init__(self, param_groups, *, model=None, blocks=None, bucket_elements=4 << 20, state_size=4):
+        self.state_size = state_size  # bytes of one element of m or v
         everything = [p for g in param_groups for p in g["params"]]
         check_param_list(everything)
         self.params = [p for p in everything if p.requires_grad]
@@ -85,7 +86,8 @@ class BlockPlan:
 
     def sizes(self):
         """Per block: elements (at least 1), weight bytes, and the bytes its states take on the GPU
-        (fp32 m, v[, max v], master for low-precision weights, and the gradient buffer)."""
+        (m and v of ``state_size`` bytes, fp32 max v, master for low-precision weights, and the
+        gradient buffer)."""
         numel, weight, state = [], [], []
         for blk in self.blocks:
             n = w = s = 0
@@ -93,7 +95,7 @@ class BlockPlan:
                 e = local(p).numel()
                 n += e
                 w += e * p.element_size()
-                per = 8 + (4 if self.amsgrad(p) else 0) + p.element_size()
+                per = 2 * self.state_size + (4 if self.amsgrad(p) else 0) + p.element_size()
                 if p.dtype != torch.float32:
                     per += 4  # master
                 s += e * per

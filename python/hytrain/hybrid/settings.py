@@ -14,6 +14,10 @@ from ..distributed import default_workers
 from ..pool import PinnedPool, physical_memory_bytes
 
 
+# The optimizer-state formats: the dtype of Adam's m and v (the master weights stay fp32).
+STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 @dataclass
 class Settings:
     max_grad_norm: float | None
@@ -34,11 +38,16 @@ class Settings:
     model: nn.Module | None
     blocks: list | None
     bucket_elements: int
+    state_format: str  # "fp32", or "bf16": m and v in bfloat16 (STATE_FORMATS)
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return STATE_FORMATS[self.state_format]
 
 
 def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, schedule_every, gpu_memory_limit,
              speculate, host_memory_limit, fence, overlap, workers, slice_elements, trace, pool, model, blocks,
-             bucket_elements) -> Settings:
+             bucket_elements, state_format="fp32") -> Settings:
     """The engine's settings from HybridAdamW's keyword arguments (each checked, with its default)."""
     if max_grad_norm is not None:
         max_grad_norm = _checks.real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
@@ -67,6 +76,8 @@ def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, sc
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(fence, bool):
         raise TypeError(f"fence must be True or False, got {fence!r}")
+    if not isinstance(state_format, str) or state_format not in STATE_FORMATS:
+        raise ValueError(f"state_format must be one of {', '.join(map(repr, STATE_FORMATS))}; got {state_format!r}")
     # Default: every usable core but one, which the training thread needs to keep the GPU fed.
     workers = workers if workers is not None else default_workers()
     return Settings(
@@ -77,7 +88,8 @@ def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, sc
         host_memory_limit=_checks.integer("host_memory_limit", host_memory_limit, lo=1), fence=fence,
         overlap=bool(overlap), workers=_checks.integer("workers", workers, lo=1),
         slice_elements=_checks.integer("slice_elements", slice_elements, lo=1024), trace=bool(trace), pool=pool,
-        model=model if blocks is None else None, blocks=blocks, bucket_elements=bucket_elements)
+        model=model if blocks is None else None, blocks=blocks, bucket_elements=bucket_elements,
+        state_format=state_format)
 
 
 def _scalar(name, x) -> float:
@@ -116,10 +128,13 @@ def check_flags(group, where) -> None:
         raise TypeError(f"{where}: foreach and fused must be None, True or False")
 
 
-def check_group_values(param_groups, amsgrad_bound=None) -> None:
+def check_group_values(param_groups, amsgrad_bound=None, state_format="fp32") -> None:
     """Every group's values (checked at each step: a loop may set them); amsgrad may not switch once
-    the state was created with it (``amsgrad_bound``: each group's value then)."""
+    the state was created with it (``amsgrad_bound``: each group's value then), and needs fp32 states."""
     for i, g in enumerate(param_groups):
+        if g.get("amsgrad") and state_format != "fp32":
+            raise ValueError(f"param_groups[{i}]: amsgrad needs state_format='fp32' (compact {state_format} "
+                             "states keep no max_exp_avg_sq)")
         try:
             validate_hparams(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
             check_flags(g, f"param_groups[{i}]")

@@ -133,7 +133,7 @@ class StateStore:
         if k and not self.cuda:
             raise CapacityError(
                 f"the optimizer state of {self._count()} parameters needs {format_bytes(sum(per_block))} of pinned "
-                f"host memory (fp32 master, m and v), but {self._room_text(room)}: use a host with more "
+                f"host memory ({self._what()}), but {self._room_text(room)}: use a host with more "
                 "memory, shard the model over more processes (--nproc / FSDP2), or train a smaller model")
         self.floor = k
         return k
@@ -165,11 +165,18 @@ class StateStore:
         room = self.host_room()
         return CapacityError(
             f"the optimizer state of {self._count()} parameters does not fit: it needs "
-            f"{format_bytes(sum(per_block))} of pinned host memory (fp32 master, m and v and staging) for all "
+            f"{format_bytes(sum(per_block))} of pinned host memory ({self._what()} and staging) for all "
             f"{len(per_block)} blocks; {self._room_text(room or 0)}, so the first {k} blocks must "
             f"keep theirs on the GPU ({format_bytes(on_gpu)}), but {format_bytes(max(0, free))} of GPU memory is left "
             "beside the weights, gradients and activations: use a host with more memory or a larger "
             "GPU, shard the model over more processes (--nproc / FSDP2), or train a smaller model")
+
+    def _what(self) -> str:
+        fmt = self.settings.state_format
+        return "fp32 master, m and v" + ("" if fmt == "fp32" else f" in {fmt}")
+
+    def _state_code(self) -> int:
+        return _checks.DTYPE_CODES[self.settings.state_dtype]
 
     def _count(self) -> str:
         n = sum(local(p).numel() for p in self.plan.params)
@@ -203,7 +210,7 @@ class StateStore:
             n = local(p).numel()
             if not n:
                 continue
-            sizes = [4 * n] * (2 + (1 if self.plan.amsgrad(p) else 0))  # m, v, max v
+            sizes = [self.plan.state_size * n] * 2 + ([4 * n] if self.plan.amsgrad(p) else [])  # m, v, max v
             if p.dtype != torch.float32 or self.cuda:
                 sizes.append(4 * n)  # master
             if self.cuda:
@@ -211,8 +218,12 @@ class StateStore:
             out += [-(-size // align) * align for size in sizes]
         return out
 
+    def _dtype(self, key) -> torch.dtype:
+        """m and v in the state format's dtype; the master (and amsgrad's max v) in fp32."""
+        return self.settings.state_dtype if key in STATE_KEYS[:2] else torch.float32
+
     def _keys(self, p):
-        """The state's fp32 tensors (with the master for every CUDA or low-precision parameter)."""
+        """The state's tensors (with the fp32 master for every CUDA or low-precision parameter)."""
         keys = list(STATE_KEYS[:2]) + (["max_exp_avg_sq"] if self.plan.amsgrad(p) else [])
         if p.dtype != torch.float32 or self.cuda:
             keys.append("master")
@@ -227,7 +238,7 @@ class StateStore:
         w = local(p)
         st["step"] = torch.zeros((), dtype=torch.float32)
         if on_gpu and w.numel():
-            d = {key: torch.zeros(w.shape, dtype=torch.float32, device=self.device)
+            d = {key: torch.zeros(w.shape, dtype=self._dtype(key), device=self.device)
                  for key in self._keys(p) if key != "master"}
             # (an fp32 weight is its own master)
             d["master"] = w.detach().float() if p.dtype != torch.float32 else w.detach()
@@ -237,7 +248,8 @@ class StateStore:
                 st[key] = d[key]
             handle = self.table.add(master=0, exp_avg=0, exp_avg_sq=0, max_exp_avg_sq=0, step=st["step"].data_ptr(),
                                     grad=0, dtype=_checks.DTYPE_CODES[p.dtype], copy=0, numel=w.numel(),
-                                    group=self.plan.group_index[id(p)], amsgrad=self.plan.amsgrad(p), on_host=False)
+                                    group=self.plan.group_index[id(p)], amsgrad=self.plan.amsgrad(p), on_host=False,
+                                    state_dtype=self._state_code())
         else:
             host = self._host_state(p, fill=True)
             st.update({key: t for key, t in host.items() if key not in ("grad", "copy")})
@@ -246,7 +258,8 @@ class StateStore:
                 exp_avg_sq=st["exp_avg_sq"].data_ptr(), max_exp_avg_sq=_checks.address(st.get("max_exp_avg_sq")),
                 step=st["step"].data_ptr(), grad=_checks.address(host.get("grad")),
                 dtype=_checks.DTYPE_CODES[p.dtype], copy=_checks.address(host.get("copy")),
-                numel=w.numel(), group=self.plan.group_index[id(p)], amsgrad="max_exp_avg_sq" in st)
+                numel=w.numel(), group=self.plan.group_index[id(p)], amsgrad="max_exp_avg_sq" in st,
+                state_dtype=self._state_code())
         assert handle == self.plan.index(p)
 
     def _host_state(self, p, *, fill):
@@ -263,7 +276,7 @@ class StateStore:
             empty = zeros
         out = {}
         for key in self._keys(p):
-            out[key] = (zeros if fill and key != "master" else empty)(w.shape, torch.float32)
+            out[key] = (zeros if fill and key != "master" else empty)(w.shape, self._dtype(key))
         if fill and "master" in out:
             out["master"].copy_(w.detach())
         if self.cuda:
@@ -396,7 +409,7 @@ class StateStore:
         moving = []
         for p in self.plan.blocks[b]:
             st = self.state[p]
-            d = {key: torch.empty(st[key].shape, dtype=torch.float32, device=self.device)
+            d = {key: torch.empty(st[key].shape, dtype=st[key].dtype, device=self.device)
                  for key in self._keys(p) if key != "master" or p.dtype != torch.float32}
             d["grad"] = torch.empty_like(local(p))
             moving.append((p, st, d))
@@ -511,7 +524,8 @@ class StateStore:
         half = dtype != torch.float32
         fused = CudaAdamW([d["master"] for d in ds], [d["exp_avg"] for d in ds], [d["exp_avg_sq"] for d in ds],
                           [d["grad"] for d in ds], weights=[local(p) for p in ps] if half else None,
-                          amsgrad=amsgrad, max_exp_avg_sqs=[d["max_exp_avg_sq"] for d in ds] if amsgrad else None)
+                          amsgrad=amsgrad, max_exp_avg_sqs=[d["max_exp_avg_sq"] for d in ds] if amsgrad else None,
+                          seeds=[self.plan.index(p) for p in ps])  # the table's seeds: the handles
         self._fused[key] = fused
         return fused, True
 
@@ -562,7 +576,7 @@ class StateStore:
         try:
             for p in self.plan.blocks[b]:
                 st = self.state[p]
-                sh = {key: self.pool.empty(st[key].shape, torch.float32) for key in _STATE_AND_MASTER if key in st}
+                sh = {key: self.pool.empty(st[key].shape, st[key].dtype) for key in _STATE_AND_MASTER if key in st}
                 if p.dtype != torch.float32:
                     sh["copy"] = self.pool.empty(local(p).shape, p.dtype)
                 self._set_shadow(p, sh)
