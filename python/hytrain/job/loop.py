@@ -171,7 +171,7 @@ def _run(args, ranks, say, out) -> int:
                       # This loop never reads the gradients after backward, and touches the weights
                       # only through the model's forward and the checkpoints, which wait for the
                       # updates: the fence for every other path (1-4 % on L3B) is not needed.
-                      release_grads=True, fence=False)
+                      release_grads=True, fence=False, state_format=args.state_format)
     if ranks.main:  # the newest checkpoint is written before the oldest is pruned: keep + 1 at once
         each = ckpt.state_bytes(model, opt)
         root = out / "checkpoints"
@@ -308,7 +308,7 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
                "tokens_per_s": tokens / elapsed if elapsed > 0 else None, "trace": str(trace), **pictures}
     # Where the optimizer's state lived at the end, and the process's peaks.
     placed = opt.residency()
-    summary.update(k=len(placed["gpu"]), state_host_gb=placed["host_bytes"] / 1e9,
+    summary.update(k=len(placed["gpu"]), state_format=opt.state_format, state_host_gb=placed["host_bytes"] / 1e9,
                    state_gpu_gb=placed["gpu_bytes"] / 1e9, shadows_host_gb=placed["shadow_bytes"] / 1e9,
                    peak_host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
     if torch.device(device).type == "cuda":
