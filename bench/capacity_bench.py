@@ -23,6 +23,7 @@ Systems:
   hytrain            hytrain.HybridAdamW(max_grad_norm=1.0, model=model, gpu_blocks="auto"); the bf16 model
                      is built directly on the GPU; fp32 masters and Adam states in pinned host memory
                      except the k blocks the scheduler keeps on the GPU
+  hytrain_bf16       the same with compact states (state_format="bf16": bf16 m and v beside fp32 masters)
   deepspeed_offload  DeepSpeed ZeRO-2, offload_optimizer cpu (DeepSpeedCPUAdam), configured as in
                      train_bench.py; only when `import deepspeed` works (else a record says skipped)
   fsdp2_offload      torch FSDP2 at world size 1: fully_shard on each decoder layer, then the root, with
@@ -84,7 +85,7 @@ SIZES = {  # in increasing order
     "20b": dict(hidden_size=6144, num_layers=44, num_heads=48, intermediate_size=16384, vocab=VOCAB),
     "30b": dict(hidden_size=6656, num_layers=60, num_heads=52, intermediate_size=17920, vocab=VOCAB),
 }
-SYSTEMS = ("hytrain", "deepspeed_offload", "fsdp2_offload")
+SYSTEMS = ("hytrain", "hytrain_bf16", "deepspeed_offload", "fsdp2_offload")
 INIT_STD = 0.02
 INIT_POOL = 4194301  # a prime: the tiled init pattern does not repeat along rows of any matrix here
 
@@ -282,11 +283,12 @@ def run_one(args):
             os.kill(os.getpid(), signal.SIGKILL)
         opt = engine = None
         t1 = time.perf_counter()
-        if system == "hytrain":
+        if system.startswith("hytrain"):
             import hytrain
 
             opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP,
-                                      model=model, gpu_blocks="auto")
+                                      model=model, gpu_blocks="auto",
+                                      state_format="bf16" if system == "hytrain_bf16" else "fp32")
         elif system == "deepspeed_offload":
             import deepspeed
 
@@ -329,14 +331,14 @@ def run_one(args):
             losses.append(iteration())
             sync()
             times.append(time.perf_counter() - t)
-            if system == "hytrain":
+            if system.startswith("hytrain"):
                 ks.append(opt.gpu_blocks)
         iter_s = statistics.median(times[args.warmup:])
         losses = [float(v) for v in losses]
         rec.update(trains=True, iter_s=iter_s, tokens_per_s=BATCH * SEQ / iter_s,
                    iter_times_s=[round(t, 4) for t in times], loss_first=losses[0], loss_last=losses[-1],
                    finite_loss=all(v == v and abs(v) != float("inf") for v in losses))
-        if system == "hytrain":
+        if system.startswith("hytrain"):
             stats = opt.schedule_stats()
             rec["k"] = stats.get("k", opt.gpu_blocks)
             rec["k_per_iteration"] = ks
@@ -472,16 +474,17 @@ def summarize(results, systems, sizes, machine, device):
             "first_failure": {"size": fail["size"], "reason": fail.get("reason"), "failure": fail.get("failure")}
             if fail else None,
             "ceiling_found": fail is not None, "skipped": skipped}
-    hy = per.get("hytrain", {}).get("params")
-    ratios = {}
-    for system in systems:
-        if system != "hytrain" and "hytrain" in per:
-            other = per[system]["params"]
-            ratios[system] = round((hy or 0) / other, 3) if other else None
-    return {"machine": machine, "device": device, "sizes": sizes,
-            "largest": {s: p["largest"] for s, p in per.items()},
-            "largest_params": {s: p["params"] for s, p in per.items()},
-            "hytrain_params_vs": ratios, "systems": per}
+    out = {"machine": machine, "device": device, "sizes": sizes,
+           "largest": {s: p["largest"] for s, p in per.items()},
+           "largest_params": {s: p["params"] for s, p in per.items()}}
+    for mine in ("hytrain", "hytrain_bf16"):  # each hytrain format's largest over every other system's
+        if mine not in per:
+            continue
+        hy = per[mine]["params"]
+        out[f"{mine}_params_vs"] = {s: round((hy or 0) / per[s]["params"], 3) if per[s]["params"] else None
+                                    for s in systems if not s.startswith("hytrain")}
+    out["systems"] = per
+    return out
 
 
 def table(summary):
