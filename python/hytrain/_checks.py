@@ -91,9 +91,10 @@ def state_dtype(exp_avg, exp_avg_sq, *, amsgrad: bool) -> torch.dtype:
     dtype = getattr(exp_avg, "dtype", None)
     if dtype not in STATE_DTYPES:
         return torch.float32  # the tensor check names what is wrong
-    if getattr(exp_avg_sq, "dtype", None) != dtype:
+    other = getattr(exp_avg_sq, "dtype", None)
+    if other in STATE_DTYPES and other != dtype:
         raise TypeError(f"exp_avg and exp_avg_sq must have one dtype; got {str(dtype).replace('torch.', '')} "
-                        f"and {str(getattr(exp_avg_sq, 'dtype', None)).replace('torch.', '')}")
+                        f"and {str(other).replace('torch.', '')}")
     if amsgrad and dtype != torch.float32:
         raise ValueError("amsgrad needs float32 exp_avg and exp_avg_sq (compact bfloat16 states have no max_exp_avg_sq)")
     return dtype

@@ -99,10 +99,15 @@ def test_native_errors_become_python_exceptions():
     # A raw call that skips the Python checks still gets an exception, not a crash.
     with pytest.raises(RuntimeError, match="step must be >= 1"):
         nat.adamw_step(0, 0, 0, 0, 0, 0, 0, 1, 4, 1e-3, 0.9, 0.999, 1e-8, 0.0, 0, True, False,
-                       1.0, 1, "auto")
+                       1.0, 1, "auto", 0, 0, 0)
     with pytest.raises(RuntimeError, match="must be non-null"):
         nat.adamw_step(0, 0, 0, 0, 0, 0, 0, 1, 4, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, True, False,
-                       1.0, 1, "auto")
+                       1.0, 1, "auto", 0, 0, 0)
     with pytest.raises(RuntimeError, match="unknown SIMD path"):
         nat.adamw_step(0, 0, 0, 0, 0, 0, 0, 1, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, True, False,
-                       1.0, 1, "neon")
+                       1.0, 1, "neon", 0, 0, 0)
+    buf = torch.zeros(64)  # fp16 "states": refused by the native check too
+    a = buf.data_ptr()
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        nat.adamw_step(a, a + 64, a + 128, 0, a + 192, 0, 0, 1, 8, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, True, False,
+                       1.0, 1, "auto", 2, 0, 0)
