@@ -159,8 +159,10 @@ def publish(root: Path, tmp: Path, final: Path, keep: int) -> Path:
     """A complete checkpoint written in ``tmp`` (its manifest last) goes into place: flushed, renamed
     to ``final``, pointed to by ``latest`` (atomic replace), and all but the newest ``keep`` removed."""
     fsync(tmp)
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # the same step saved again: the old one leaves by a rename, never half-deleted
+        trash = root / f".{final.name}.trash"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
     os.rename(tmp, final)
     pointer = root / ".latest.tmp"
     pointer.write_text(final.name + "\n")
@@ -220,18 +222,18 @@ def _complete(path: Path) -> bool:
 def resolve(out: str | os.PathLike, spec: str) -> Path:
     """``spec``: a checkpoint directory, or ``latest``: the newest complete checkpoint under ``out`` --
     the one the pointer names, or a newer complete one (the pointer is written after the rename, so a
-    kill between the two leaves it behind)."""
+    kill between the two leaves it behind), or, where the one it names is missing or incomplete
+    (damaged on disk), the newest complete one before it, said on stderr."""
     if spec == "latest":
         root = Path(out) / "checkpoints"
         named = _pointer(root)
         found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.is_dir() else []
         for cand in found:
-            if named is not None and cand.name < named.name:
-                break
             if _complete(cand):
+                if named is not None and cand.name < named.name:
+                    print(f"hytrain: {named.name}, which {root / 'latest'} names, is missing or incomplete; "
+                          f"resuming from {cand.name}, the newest complete checkpoint", file=sys.stderr)
                 return cand
-        if named is not None and named.is_dir():
-            return named
         if not found:
             raise CheckpointError(f"--resume latest: no checkpoint under {root}")
         raise CheckpointError(f"--resume latest: no complete checkpoint under {root} "

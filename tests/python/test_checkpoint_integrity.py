@@ -124,6 +124,30 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path):
     assert ckpt.resolve(out, "latest") == first
 
 
+def test_latest_falls_back_past_a_damaged_newest_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    first = save("single", out, 10)
+    second = save("single", out, 20)
+    # The pointer names step 20, whose optimizer file lost its end on disk: the newest complete
+    # checkpoint before it is resumed from, and the user is told which and why.
+    data = (second / "optimizer.pt").read_bytes()
+    (second / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    assert ckpt.resolve(out, "latest") == first
+    assert "step_00000020" in capsys.readouterr().err
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    # A run resumed from an older checkpoint saves a step that exists: the old directory leaves by a
+    # rename (a kill never leaves it half-deleted under its name), the new one is complete.
+    out = tmp_path / "run"
+    save("single", out, 10)
+    again = save("single", out, 10)
+    root = out / "checkpoints"
+    assert ckpt.resolve(out, "latest") == again and ckpt._complete(again)
+    assert not list(root.glob(".step_*"))  # the old one swept
+    assert load("single", again) == 10
+
+
 def test_hytrain_verify(tmp_path):
     out = tmp_path / "run"
     path = save("sharded", out, 5)
