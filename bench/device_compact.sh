@@ -8,7 +8,9 @@
 #             installed): DeepSpeed, then hytrain k auto and k = 0 with fp32 and with bf16 states
 #   l7b       train_bench L7B at 75 GB: hytrain k auto with fp32 and with bf16 states (host peaks)
 #   converge  `hytrain train` on the 125m preset for $STEPS steps (default 2000), fp32 then bf16
-#             states, same seed ($SEED, default 0) and data; $PRESETS overrides the presets (e.g. "125m 1b")
+#             states ($FORMATS, default "fp32 bf16"), same seed ($SEED, default 0) and data; $PRESETS
+#             overrides the presets (e.g. "125m 1b"); a run is stopped after $TRAIN_TIMEOUT seconds
+#             (default 3600), its metrics kept
 # Logs go to $OUT (or ./device-out).
 set -uo pipefail
 source "$(dirname "$0")/stage_env.sh" 16
@@ -36,10 +38,10 @@ for stage in "$@"; do
         2>&1 | tee "$out/train_bench_l7b.txt" ;;
     converge)
       for preset in ${PRESETS:-125m}; do
-        for fmt in fp32 bf16; do
+        for fmt in ${FORMATS:-fp32 bf16}; do
           run=/tmp/converge_${preset}_${fmt}_s${SEED:-0}  # checkpoints stay on the machine; summaries come back
           rm -rf "$run"
-          python3 -m hytrain train --model "$preset" --steps "${STEPS:-2000}" --eval-every 500 --eval-batches 32 \
+          timeout "${TRAIN_TIMEOUT:-3600}" python3 -m hytrain train --model "$preset" --steps "${STEPS:-2000}" --eval-every 500 --eval-batches 32 \
             --state-format "$fmt" --seed "${SEED:-0}" --out "$run" --no-progress 2>&1 | tail -6 | tee "$out/$(basename "$run").txt"
           cp "$run/summary.json" "$out/$(basename "$run")_summary.json" 2>/dev/null
           cp "$run/metrics.jsonl" "$out/$(basename "$run")_metrics.jsonl" 2>/dev/null
