@@ -49,6 +49,22 @@ def test_resume_is_bit_identical_on_cpu(tmp_path):
     assert la == lb
 
 
+def test_resume_after_steps_past_the_last_save_records_each_step_once(tmp_path):
+    # Killed after step 8, saved at step 4: the steps the kill lost are taken again, and
+    # metrics.jsonl ends with every step once, their losses those of an uninterrupted run.
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["--steps", "8", "--eval-every", "0", "--out", a, *FAST]) == 0
+    assert main(["--steps", "8", "--eval-every", "0", "--save-every", "4", "--out", b, *FAST]) == 0
+    ckpt_dir = ckpt.resolve(b, "latest")
+    assert ckpt_dir.name == "step_00000008"
+    os.rename(ckpt_dir, ckpt_dir.parent / ".step_00000008.trash")  # as if the kill came before the save
+    with open(os.path.join(b, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 9, "loss"')  # and cut a record short
+    assert main(["--steps", "8", "--eval-every", "0", "--out", b, "--resume", "latest", *FAST]) == 0
+    assert [r["step"] for r in metrics(b)] == list(range(1, 9))
+    assert [r["loss"] for r in metrics(b)] == [r["loss"] for r in metrics(a)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpu_blocks", ["2", "auto"])
 def test_resume_on_the_gpu_continues_the_run(tmp_path, gpu_blocks):

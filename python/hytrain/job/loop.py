@@ -201,7 +201,7 @@ def _run(args, ranks, say, out) -> int:
         stop["signal"] = signum  # finish the step, save, exit
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    metrics = Metrics(out) if ranks.main else None
+    metrics = Metrics(out, resumed_at=start if resume_dir is not None else None) if ranks.main else None
     power = Power(device)
     bar = None if args.no_progress or not ranks.main else tqdm(total=args.steps, initial=start, unit="step",
                                                                dynamic_ncols=True)

@@ -4,6 +4,7 @@ NVML when nvidia-ml-py is installed, and the validation loss."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,10 +71,12 @@ class Metrics:
     gone read-only) is reported once on stderr and dropped: training goes on, and its checkpoints say
     for themselves whether the disk still holds them."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, resumed_at: int | None = None):
         self.path = out / "metrics.jsonl"
         self.file = None
         try:
+            if resumed_at is not None:
+                self._rewind(resumed_at)
             self.file = open(self.path, "a")
         except OSError as e:
             self._drop("file", e)
@@ -84,6 +87,25 @@ class Metrics:
             self.tb = SummaryWriter(str(out / "tensorboard"))
         except Exception:  # TensorBoard not installed
             self.tb = None
+
+    def _rewind(self, step: int) -> None:
+        """A resumed run continues the file from its checkpoint: records of later steps (written
+        before a kill, after the last save) go, so every step is in the file once; replaced
+        atomically."""
+        if not self.path.exists():
+            return
+        keep = []
+        with open(self.path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by the kill
+                if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or rec["step"] <= step:
+                    keep.append(json.dumps(rec) + "\n")
+        tmp = self.path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, self.path)
 
     def _drop(self, which: str, e: BaseException) -> None:
         name = self.path if which == "file" else "TensorBoard"
