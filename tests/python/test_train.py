@@ -343,6 +343,45 @@ def test_a_stale_lock_is_taken_over(tmp_path):
     assert r.returncode == 0 and "taking over" in r.stderr, r.stderr
 
 
+def _race_for_the_lock(out, barrier, results):
+    from hytrain.job.lock import RunLock
+    from hytrain.job.options import ConfigError
+
+    lock = RunLock(out)
+    barrier.wait()  # all at once
+    try:
+        lock.acquire()
+        results.put("held")
+        time.sleep(0.3)  # hold it while the others look
+    except ConfigError as e:
+        results.put("refused" if "in use by another run" in str(e) else f"other: {e}")
+
+
+def test_of_runs_racing_for_a_stale_lock_exactly_one_takes_it(tmp_path):
+    # Eight processes released by a barrier on the same stale lock, twenty rounds: each round one
+    # holds it and seven are refused naming it -- never two holders (the takeover used to let
+    # about half the rounds end with two).
+    import multiprocessing
+    import socket
+
+    ctx = multiprocessing.get_context("fork")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for attempt in range(20):
+        out = tmp_path / f"run{attempt}"
+        out.mkdir()
+        (out / "hytrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid,
+                                                      "started": 0}))
+        barrier, results = ctx.Barrier(8), ctx.Queue()
+        procs = [ctx.Process(target=_race_for_the_lock, args=(out, barrier, results)) for _ in range(8)]
+        for p in procs:
+            p.start()
+        got = sorted(results.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+        assert got == ["held"] + ["refused"] * 7, (attempt, got)
+
+
 def test_a_closed_stdout_does_not_stop_training(tmp_path):
     out = tmp_path / "run"
     cmd = (f"{sys.executable} -m hytrain train --steps 6 --eval-every 2 --out {out} {' '.join(FAST)} | head -c 1")

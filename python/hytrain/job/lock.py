@@ -59,11 +59,20 @@ class RunLock:
         return None
 
     def acquire(self) -> None:
-        body = json.dumps(self.me).encode()
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
+        # The lock appears whole or not at all: written to a file of our own, then linked into place
+        # (link fails where the name exists), so no reader ever sees an empty lock and takes it for
+        # stale. Taking over a stale lock is serialised by a second file made with O_EXCL: of
+        # several runs that find the same stale lock, exactly one replaces it.
+        mine = self.path.with_name(f".{NAME}.{os.getpid()}")
+        mine.write_bytes(json.dumps(self.me).encode())
+        try:
+            for _ in range(200):
+                try:
+                    os.link(mine, self.path)
+                    self.held = True
+                    return
+                except FileExistsError:
+                    pass
                 holder = self._holder()
                 if holder is None:
                     continue  # released meanwhile
@@ -75,19 +84,35 @@ class RunLock:
                     raise ConfigError(f"{self.path.parent} is in use by another run (pid {holder['pid']} on "
                                       f"{holder.get('host')}, started {when}): wait for it or use another "
                                       f"--out{hint}")
-                print(f"hytrain train: taking over {self.path} from {why}", file=sys.stderr, flush=True)
-                tmp = self.path.with_name(f".{NAME}.{os.getpid()}")
-                tmp.write_bytes(body)
-                os.replace(tmp, self.path)
-                if self._holder() == self.me:
+                if self._take_over(mine, holder, why):
                     self.held = True
                     return
-                continue
-            with os.fdopen(fd, "wb") as f:
-                f.write(body)
-            self.held = True
-            return
+                time.sleep(0.02)  # another run is taking it over: see who holds it then
+        finally:
+            mine.unlink(missing_ok=True)
         raise ConfigError(f"could not take {self.path}: another run is starting on the same --out")
+
+    def _take_over(self, mine: Path, stale: dict, why: str) -> bool:
+        """Replaces the stale lock ``stale`` with ours, unless another run is doing so or did."""
+        guard = self.path.with_name(f".{NAME}.takeover")
+        try:
+            fd = os.open(guard, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:  # a guard left by a run killed in the middle of a takeover
+                if time.time() - guard.stat().st_mtime > 30:
+                    guard.unlink(missing_ok=True)
+            except OSError:
+                pass
+            return False
+        os.close(fd)
+        try:
+            if self._holder() != stale:
+                return False  # taken over (or released) since we looked
+            print(f"hytrain train: taking over {self.path} from {why}", file=sys.stderr, flush=True)
+            os.replace(mine, self.path)
+            return True
+        finally:
+            guard.unlink(missing_ok=True)
 
     def release(self) -> None:
         if self.held and self._holder() == self.me:
