@@ -452,6 +452,28 @@ def test_frozen_parameters_are_skipped_and_can_be_unfrozen():
     assert got == want
 
 
+def test_a_frozen_integer_parameter_is_skipped_as_torch_skips_it():
+    # torch's optimizers accept a parameter that never gets a gradient whatever its dtype (an index
+    # table kept as a frozen nn.Parameter); a complex one HybridAdamW cannot update is refused.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    ref = copy.deepcopy(model)
+    table = torch.nn.Parameter(torch.arange(4), requires_grad=False)
+    opt = hytrain.HybridAdamW([*model.parameters(), table], lr=1e-2)
+    ref_opt = torch.optim.AdamW([*ref.parameters(), torch.nn.Parameter(torch.arange(4), requires_grad=False)],
+                                lr=1e-2, foreach=False)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    torch.testing.assert_close(model.weight, ref.weight)
+    assert table.tolist() == [0, 1, 2, 3] and len(opt.state_dict()["state"]) == 2
+    with pytest.raises(TypeError, match="parameter 0 has dtype torch.complex64"):
+        hytrain.HybridAdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))])
+
+
 def test_add_param_group_progressive_unfreezing():
     def case(model, opt, xs):
         train(model, opt, xs[:2])

@@ -26,7 +26,8 @@ def check_param_list(params) -> None:
         if not p.is_leaf:
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not a leaf tensor; "
                              "optimize the leaf (e.g. the nn.Parameter), not a result of an operation")
-        if not p.is_floating_point():
+        # A frozen integer parameter is never stepped (as in torch); a complex one is not supported.
+        if not p.is_floating_point() and (p.requires_grad or p.is_complex()):
             raise TypeError(f"parameter {i} has dtype {p.dtype}; HybridAdamW supports float32, bfloat16 "
                             "and float16")
 
