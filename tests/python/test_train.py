@@ -63,6 +63,8 @@ def test_resume_after_steps_past_the_last_save_records_each_step_once(tmp_path):
     assert main(["--steps", "8", "--eval-every", "0", "--out", b, "--resume", "latest", *FAST]) == 0
     assert [r["step"] for r in metrics(b)] == list(range(1, 9))
     assert [r["loss"] for r in metrics(b)] == [r["loss"] for r in metrics(a)]
+    summary = json.load(open(os.path.join(b, "summary.json")))
+    assert summary["from_step"] == 5 and summary["first_loss"] == metrics(a)[4]["loss"]
 
 
 @pytest.mark.gpu

@@ -302,6 +302,9 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
     tokens = tokens_per_step * len(history)
     summary = {"steps": history[-1]["step"] if history else 0, "params": n_params, "device": str(device),
                "processes": ranks.world,
+               # this process's part of the run (a resumed run starts after its checkpoint's step):
+               # first_loss, tokens and tokens_per_s are of the steps from from_step on
+               "from_step": history[0]["step"] if history else None,
                "first_loss": history[0]["loss"] if history else None,
                "final_loss": history[-1]["loss"] if history else None,
                "final_val_loss": vals[-1] if vals else None, "tokens": tokens,
