@@ -49,6 +49,17 @@ def test_resume_is_bit_identical_on_cpu(tmp_path):
     assert la == lb
 
 
+def test_resume_in_another_state_format_converts_and_says_so(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(["--steps", "4", "--eval-every", "0", "--out", out, "--state-format", "bf16", *FAST]) == 0
+    capsys.readouterr()
+    assert main(["--steps", "6", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    said = capsys.readouterr().out
+    assert "optimizer states are bf16; they continue as fp32" in said and "--state-format bf16" in said
+    assert json.load(open(os.path.join(out, "summary.json")))["state_format"] == "fp32"
+    assert ckpt.read_meta(ckpt.resolve(out, "latest"))["state_format"] == "fp32"
+
+
 def test_resume_after_steps_past_the_last_save_records_each_step_once(tmp_path):
     # Killed after step 8, saved at step 4: the steps the kill lost are taken again, and
     # metrics.jsonl ends with every step once, their losses those of an uninterrupted run.

@@ -130,11 +130,11 @@ class HybridAdamW(torch.optim.Optimizer):
                   "optimizers do, for the device and dtype the parameters have then).")
     device = _view("store.device", "The parameters' device, once the state exists.")
     scheduler = _view("planner.scheduler", "The native ``KSplitScheduler`` (for inspection: ``costs()``, "
-                      "``predict(k)``), or None: it exists on CUDA with a model, "
-                      "from the first step on.")
+                      "``predict(k)``), or None: it exists on CUDA with a model, from the first step on.")
     gpu_memory_limit = _view("planner.gpu_memory_limit", "The GPU memory the planner budgets within (bytes).")
     timeline = _view("timeline", "The recorded iterations (``trace=True``), from the first step on.")
     speculation_counts = _view("speculation_counts", "Speculated block updates so far: adopted and redone.")
+    state_format = _view("settings.state_format", "The format of m and v: 'fp32' or 'bf16' (set at construction).")
     last_grad_norm = _view("intake.last_grad_norm", "The last step's global gradient norm before clipping "
                            "(when clipping), else None.")
 
@@ -251,11 +251,11 @@ class HybridAdamW(torch.optim.Optimizer):
         """The state for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``): ``{"state":
         {index: {key: tensor}}, "param_groups": [...]}``. The tensors are the optimizer's own buffers
         (host, or GPU for resident blocks); for sharded (FSDP2) parameters they are DTensors over the
-        parameters' mesh, each rank's buffer its own shard of the global tensor, so a save writes every rank's shard once
-        and a load -- at this or another world size -- reads each rank's shard straight into its
-        buffers. ``step`` is a plain (replicated) tensor. Call :meth:`load_sharded_state_dict` with
-        the dict after ``dcp.load``. Creates the state if the first step has not (the parameters
-        must be where they will train)."""
+        parameters' mesh, each rank's buffer its own shard of the global tensor, so a save writes
+        every rank's shard once and a load -- at this or another world size -- reads each rank's
+        shard straight into its buffers. ``step`` is a plain (replicated) tensor. Call
+        :meth:`load_sharded_state_dict` with the dict after ``dcp.load``. Creates the state if the
+        first step has not (the parameters must be where they will train)."""
         engine = self._engine
         if not engine.bound:
             check_group_values(self.param_groups)
@@ -296,4 +296,4 @@ class HybridAdamW(torch.optim.Optimizer):
 
 
 _SETTINGS_VIEWS = frozenset(("max_grad_norm", "release_grads", "accumulation_steps", "auto", "gpu_blocks",
-                             "schedule_every", "speculate", "host_memory_limit", "fence", "overlap", "state_format"))
+                             "schedule_every", "speculate", "host_memory_limit", "fence", "overlap"))

@@ -188,6 +188,11 @@ def _run(args, ranks, say, out) -> int:
         else:
             start = ckpt.load(resume_dir, model, opt, sched)
         say(f"resumed from {resume_dir} at step {start}", flush=True)
+        saved = ckpt.read_meta(resume_dir).get("state_format", "fp32")
+        if saved != args.state_format:  # options are not taken from the checkpoint: say what changes
+            say(f"hytrain train: the checkpoint's optimizer states are {saved}; they continue as "
+                f"{args.state_format} (--state-format {args.state_format}; pass --state-format {saved} to keep "
+                "them as they were)", flush=True)
     config = {"options": vars(args), "model": model_cfg, "world_size": ranks.world}
     if ranks.main:
         (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
