@@ -229,7 +229,9 @@ def test_bad_input():
     lin = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match="non-leaf|not a leaf"):
         hytrain.HybridAdamW([lin.weight * 2])
-    with pytest.raises(TypeError, match="int64"):
+    with pytest.raises(TypeError, match="complex64"):
+        hytrain.HybridAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match="no parameter that requires gradients"):  # a frozen int64 one is skipped
         hytrain.HybridAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)])
     # Device and dtype are those the parameters have at the first step (they may still move).
     for params, kw, err, msg in [([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))], {}, TypeError, "float64"),
