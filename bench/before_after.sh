@@ -14,8 +14,7 @@ source "$(dirname "$0")/stage_env.sh" 16
 for stage in "$@"; do
   case "$stage" in
     build)
-      nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
-      python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
+      install_tree
       if [ -n "${BEFORE:-}" ]; then
         python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/before "$BEFORE" 2>&1 | tail -3
       fi ;;

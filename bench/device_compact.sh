@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compact optimizer states (state_format="bf16") on a GPU machine, in stages (each one call or several
 # in one, the machine kept warm between):
-#   build     installs this tree; DeepSpeed too when its sdist and wheels are in build/wheels
+#   build     installs this tree; DeepSpeed too when its sdist and wheels are in .whl/
 #             (../shared/ANCHORS.md says which), for the same-run baseline
 #   tests     the compact-state GPU tests, then the CUDA AdamW and HybridAdamW GPU tests
 #   l3b       train_bench L3B at DeepSpeed ZeRO-Offload's reserved peak (27.1 GB when DeepSpeed is not
@@ -17,19 +17,14 @@ source "$(dirname "$0")/stage_env.sh" 16
 for stage in "$@"; do
   case "$stage" in
     build)
-      nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
-      python3 -m pip install -q --no-build-isolation --no-deps . 2>&1 | tail -3
-      if ls build/wheels/deepspeed-*.tar.gz >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site build/wheels/*.whl 2>&1 | tail -2
-        DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
-          build/wheels/deepspeed-*.tar.gz 2>&1 | tail -2
-      fi ;;
+      install_tree
+      install_deepspeed ;;
     tests)
       timeout 500 python3 -m pytest -q -m gpu -x -rs tests/python/test_compact_states.py \
         tests/python/test_cuda_adam.py tests/python/test_hybrid_adam_cuda.py 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
     l3b)
       if [ -d /tmp/site/deepspeed ]; then cap=deepspeed; modes=deepspeed_offload,; else cap=27.1; modes=; fi
-      PYTHONPATH=/tmp/site python3 bench/train_bench.py --workloads l3b --cap-gb "$cap" --skip-nocap --no-profile \
+      python3 bench/train_bench.py --workloads l3b --cap-gb "$cap" --skip-nocap --no-profile \
         --iters "$iters" --modes "${modes}hytrain_auto,hytrain_auto_bf16,hytrain_k0,hytrain_k0_bf16" \
         2>&1 | tee "$out/train_bench_l3b.txt" ;;
     l7b)

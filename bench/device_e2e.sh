@@ -10,20 +10,12 @@
 # then stands on steady-state iterations even when a k change or the first speculation falls in them).
 set -uo pipefail
 source "$(dirname "$0")/stage_env.sh" 10
-if [ -d /tmp/site ]; then export PYTHONPATH=/tmp/site; fi
 for stage in "$@"; do
   case $stage in
     build)
-      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+      install_tree
       free -g | head -2 | tee -a "$out/device.txt"
-      python3 -m pip install -q --no-build-isolation --no-deps -Cbuild-dir=build/pip . 2>&1 | tail -3
-      if ls .whl/*.whl >/dev/null 2>&1; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
-        DS_BUILD_OPS=0 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
-          .whl/deepspeed-*.tar.gz 2>&1 | tail -2
-        export PYTHONPATH=/tmp/site
-        python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -1
-      fi ;;
+      install_deepspeed ;;
     tests)
       python3 -m pytest -q -rs tests/python 2>&1 | tee "$out/tests_e2e.log" | tail -15 ;;
     l3b)

@@ -30,16 +30,7 @@ struct Scalars {
   bool amsgrad;
 };
 
-// ---- compact (bf16) states: dtype.h's stochastic rounding, bit for bit --------------------------
-
-__device__ __forceinline__ uint32_t mix(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x21F0AAADu;
-  x ^= x >> 15;
-  x *= 0x735A2D97u;
-  x ^= x >> 15;
-  return x;
-}
+// ---- compact (bf16) states: dtype.h's stochastic rounding (its sr_mix), bit for bit --------------
 
 __device__ __forceinline__ uint16_t round_sr(float x, uint32_t r16) {
   const uint32_t u = __float_as_uint(x);
@@ -63,7 +54,7 @@ __device__ __forceinline__ void store_mv(const AdamWTensorRef& t, int64_t i, flo
     static_cast<float*>(t.exp_avg)[i] = m;
     static_cast<float*>(t.exp_avg_sq)[i] = v;
   } else {
-    const uint32_t r = mix(static_cast<uint32_t>(i) + key);
+    const uint32_t r = sr_mix(static_cast<uint32_t>(i) + key);
     static_cast<uint16_t*>(t.exp_avg)[i] = round_sr(m, r & 0xFFFFu);
     static_cast<uint16_t*>(t.exp_avg_sq)[i] = round_sr(v, r >> 16);
   }
@@ -147,7 +138,7 @@ __global__ void __launch_bounds__(kThreads)
     const Chunk ch = chunks[c];
     const AdamWTensorRef t = descs[ch.tensor];
     const int64_t end = min(ch.start + kChunk, t.numel);
-    const uint32_t key = S == DType::f32 ? 0u : mix(t.seed ^ s.step_key);
+    const uint32_t key = S == DType::f32 ? 0u : sr_mix(t.seed ^ s.step_key);
     if constexpr (!kVectorized) {
       scalar_range<G, kW, WD, S>(t, ch.start + threadIdx.x, end, kThreads, gscale, s, key);
     } else {
@@ -177,7 +168,7 @@ __global__ void __launch_bounds__(kThreads)
           uint16_t hm[4], hv[4];
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            const uint32_t r = mix(static_cast<uint32_t>(i + k) + key);
+            const uint32_t r = sr_mix(static_cast<uint32_t>(i + k) + key);
             hm[k] = round_sr(x[k].m, r & 0xFFFFu);
             hv[k] = round_sr(x[k].v, r >> 16);
           }

@@ -6,6 +6,13 @@
 #include <cstdint>
 #include <cstring>
 
+// Functions also compiled for the device by the CUDA kernels (pure integer arithmetic).
+#ifdef __CUDACC__
+#define HYTRAIN_HOST_DEVICE __host__ __device__
+#else
+#define HYTRAIN_HOST_DEVICE
+#endif
+
 namespace hytrain {
 
 enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
@@ -80,7 +87,7 @@ inline uint16_t f32_to_f16(float x) {
 // Rounding up with probability equal to the discarded fraction makes the rounding unbiased, so v's
 // slow decay (beta2 = 0.999 moves it by less than half a bf16 ulp) is kept on average instead of
 // being rounded away every step.
-inline uint32_t sr_mix(uint32_t x) {  // a 32-bit integer hash (two multiplies, three shifts)
+HYTRAIN_HOST_DEVICE inline uint32_t sr_mix(uint32_t x) {  // a 32-bit integer hash (two multiplies, three shifts)
   x ^= x >> 16;
   x *= 0x21F0AAADu;
   x ^= x >> 15;
