@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .hybrid.settings import STATE_FORMATS
+
 FORMAT = 2
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt")
 SHARDED_FORMAT = "dcp-2"  # hytrain.dist_checkpoint's
@@ -95,7 +97,7 @@ def state_bytes(model, opt) -> int:
     """About what a checkpoint of this model and optimizer takes on disk (weights and optimizer
     state; metadata only, nothing is copied)."""
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
-    moments = 2 * (2 if getattr(opt, "state_format", "fp32") == "bf16" else 4)
+    moments = 2 * STATE_FORMATS[getattr(opt, "state_format", "fp32")].itemsize  # m and v
     for p in (p for g in opt.param_groups for p in g["params"]):
         per = moments + (4 if p.dtype != torch.float32 or p.device.type == "cuda" else 0)
         total += p.numel() * per
