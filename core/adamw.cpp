@@ -9,6 +9,7 @@
 #include <string>
 
 #include "hytrain/error.h"
+#include "hytrain/quant8.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -108,11 +109,18 @@ void validate_adamw_job(const AdamWTensor& t, const AdamWConfig& cfg) {
   if (t.numel == 0) return;
   HYTRAIN_CHECK(t.param && t.exp_avg && t.exp_avg_sq && t.grad,
                 "param, exp_avg, exp_avg_sq and grad must be non-null");
-  HYTRAIN_CHECK(t.state_dtype == DType::f32 || t.state_dtype == DType::bf16,
-                "exp_avg and exp_avg_sq must be float32 or bfloat16");
+  HYTRAIN_CHECK(t.state_dtype == DType::f32 || t.state_dtype == DType::bf16 || t.state_dtype == DType::q8,
+                "exp_avg and exp_avg_sq must be float32, bfloat16 or 8-bit");
+  if (t.state_dtype == DType::q8) {
+    HYTRAIN_CHECK(t.index_base >= 0 && t.index_base % kQ8Block == 0,
+                  "8-bit states: a tensor starts on a block boundary (index_base a multiple of 256)");
+    HYTRAIN_CHECK(t.state_numel == 0 || t.state_numel >= t.index_base + t.numel,
+                  "8-bit states: state_numel is smaller than the tensor");
+  }
   HYTRAIN_CHECK(!cfg.amsgrad || t.state_dtype == DType::f32, "amsgrad needs float32 states");
   HYTRAIN_CHECK(!cfg.amsgrad || t.max_exp_avg_sq, "amsgrad needs max_exp_avg_sq");
-  HYTRAIN_CHECK(t.param_copy == nullptr || t.param_copy_dtype != DType::f32,
+  HYTRAIN_CHECK(t.grad_dtype != DType::q8, "grad must be float32, bfloat16 or float16");
+  HYTRAIN_CHECK(t.param_copy == nullptr || t.param_copy_dtype == DType::bf16 || t.param_copy_dtype == DType::f16,
                 "param_copy must be bfloat16 or float16");
   HYTRAIN_CHECK((t.param_out == nullptr && t.exp_avg_out == nullptr && t.exp_avg_sq_out == nullptr &&
                  t.max_exp_avg_sq_out == nullptr) ||
@@ -140,7 +148,8 @@ bool adamw_step(const AdamWTensor& t, const AdamWConfig& cfg, int num_threads, S
     // Contiguous pieces of whole cache lines, sized by the team OpenMP actually gave us.
     const int64_t team = omp_get_num_threads();
     const int64_t per = (t.numel + team - 1) / team;
-    const int64_t piece = (per + kPieceAlign - 1) / kPieceAlign * kPieceAlign;
+    const int64_t align = t.state_dtype == DType::q8 ? kQ8Block : kPieceAlign;  // whole 8-bit blocks
+    const int64_t piece = (per + align - 1) / align * align;
     const int64_t b = omp_get_thread_num() * piece;
     const int64_t e = b + piece < t.numel ? b + piece : t.numel;
     if (b < e) nonfinite |= kernel(t, s, b, e) ? 1 : 0;

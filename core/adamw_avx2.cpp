@@ -61,6 +61,35 @@ struct VecAvx2 {
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   }
+
+  static F abs(F x) { return _mm256_castsi256_ps(_mm256_and_si256(_mm256_castps_si256(x), iset1(0x7FFFFFFFu))); }
+  static float hmax(F x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
+  static F decode_q8(const float* value, const uint8_t* codes) {
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    return _mm256_i32gather_ps(value, c, 4);
+  }
+  static void store_q8(uint8_t* out, F x, const Q8Map& map) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i a = _mm256_and_si256(bits, iset1(0x7FFFFFFFu));
+    __m256i b = _mm256_sub_epi32(_mm256_srli_epi32(a, kQ8BucketShift), iset1(kQ8BucketLo));
+    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), iset1(kQ8Buckets - 1));
+    __m256i j = _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(map.bucket), b, 2),
+                                 iset1(0xFFFFu));  // int16 entries
+    const __m256 thr = _mm256_i32gather_ps(map.mid, j, 4);
+    // a true comparison is all ones (-1): subtracting it adds one
+    j = _mm256_sub_epi32(j, _mm256_castps_si256(_mm256_cmp_ps(_mm256_castsi256_ps(a), thr, _CMP_GT_OQ)));
+    if (map.is_signed) {
+      const __m256i neg = _mm256_and_si256(_mm256_srai_epi32(bits, 31), _mm256_cmpgt_epi32(j, _mm256_setzero_si256()));
+      j = _mm256_blendv_epi8(j, _mm256_add_epi32(_mm256_min_epi32(j, iset1(127)), iset1(128)), neg);
+    }
+    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(j), _mm256_extracti128_si256(j, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));
+  }
 };
 
 }  // namespace

@@ -63,6 +63,27 @@ struct VecAvx512 {
     r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
     return _mm512_cvtepi32_epi16(r);
   }
+
+  static F abs(F x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), iset1(0x7FFFFFFFu))); }
+  static float hmax(F x) { return _mm512_reduce_max_ps(x); }
+  static F decode_q8(const float* value, const uint8_t* codes) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    return _mm512_i32gather_ps(c, value, 4);
+  }
+  static void store_q8(uint8_t* out, F x, const Q8Map& map) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i a = _mm512_and_si512(bits, iset1(0x7FFFFFFFu));
+    __m512i b = _mm512_sub_epi32(_mm512_srli_epi32(a, kQ8BucketShift), iset1(kQ8BucketLo));
+    b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), iset1(kQ8Buckets - 1));
+    __m512i j = _mm512_and_si512(_mm512_i32gather_epi32(b, map.bucket, 2), iset1(0xFFFFu));  // int16 entries
+    const __m512 thr = _mm512_i32gather_ps(j, map.mid, 4);
+    j = _mm512_mask_add_epi32(j, _mm512_cmp_ps_mask(_mm512_castsi512_ps(a), thr, _CMP_GT_OQ), j, iset1(1));
+    if (map.is_signed) {
+      const __mmask16 neg = _mm512_test_epi32_mask(bits, iset1(0x80000000u)) & _mm512_test_epi32_mask(j, j);
+      j = _mm512_mask_add_epi32(j, neg, _mm512_min_epi32(j, iset1(127)), iset1(128));
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(j));
+  }
 };
 
 }  // namespace

@@ -6,7 +6,8 @@
 // pack_bf16/pack_f16 (round to nearest even into W 16-bit values), pack_bf16_sr (stochastic
 // rounding with 16 random bits per lane) and store_half, set1, add, sub, mul, div, sqrt, max,
 // fmadd(a,b,c) = a*b+c, any_nan; I (W uint32 lanes) with iset1, lanes(at) = at + lane, iadd, ixor,
-// iand, imul (low 32 bits), isrl<n>; and kStream: whether stream and stream_half
+// iand, imul (low 32 bits), isrl<n>; for 8-bit states abs, hmax (the largest lane), decode_q8 (W
+// codes through a map's value table) and store_q8 (W codes of x, quant8.h's encoding); and kStream: whether stream and stream_half
 // (non-temporal stores to aligned addresses) and fence exist. The tail (fewer than W elements) goes through W-element stack buffers,
 // so every path handles any size with the same full-width code and no allocation.
 //
@@ -21,6 +22,7 @@
 #include <cstring>
 
 #include "hytrain/adamw.h"
+#include "hytrain/quant8.h"
 
 namespace hytrain {
 namespace detail {
@@ -125,6 +127,22 @@ struct AdamWBody {
         gscale(V::set1(s.grad_scale)), zero(V::set1(0.0f)), key(V::iset1(s.sr_key)),
         low16(V::iset1(0xFFFFu)) {}
 
+  // The moments' update and the decay of p, from the raw gradient (every state format's first half).
+  inline void moments(F& p, F& m, F& v, F graw, F& bad) const {
+    F g = V::mul(graw, gscale);
+    bad = V::fmadd(g, zero, bad);
+    g = V::fmadd(wd, p, g);  // Adam's L2 term; wd is 0 for AdamW
+    p = V::mul(p, pdecay);   // AdamW's decoupled decay; pdecay is 1 for Adam
+    m = V::fmadd(omb1, V::sub(g, m), m);
+    v = V::fmadd(V::mul(omb2, g), g, V::mul(v, b2));
+  }
+
+  // The new weight from the decayed p, the new m and the denominator's v.
+  inline F apply(F p, F m, F vd) const {
+    const F denom = V::add(V::div(V::sqrt(vd), bc2s), eps);
+    return V::fmadd(nstep, V::div(m, denom), p);
+  }
+
   // Updates W elements at offset i of the slice, whose first element is element `at` of the
   // parameter (bf16 states hash it); `bad` accumulates g*0, which is NaN exactly when some g was
   // non-finite.
@@ -132,19 +150,13 @@ struct AdamWBody {
     F p = V::load(x.p + i);
     F m = load_state<V, S>(x.m, i);
     F v = load_state<V, S>(x.v, i);
-    F g = V::mul(load_grad<V, G>(x.g, i), gscale);
-    bad = V::fmadd(g, zero, bad);
-    g = V::fmadd(wd, p, g);  // Adam's L2 term; wd is 0 for AdamW
-    p = V::mul(p, pdecay);   // AdamW's decoupled decay; pdecay is 1 for Adam
-    m = V::fmadd(omb1, V::sub(g, m), m);
-    v = V::fmadd(V::mul(omb2, g), g, V::mul(v, b2));
+    moments(p, m, v, load_grad<V, G>(x.g, i), bad);
     F vd = v;
     if constexpr (kAmsgrad) {
       vd = V::max(V::load(x.vmax + i), v);
       store_f32<V, kNtState>(x.vmaxo + i, vd);
     }
-    const F denom = V::add(V::div(V::sqrt(vd), bc2s), eps);
-    p = V::fmadd(nstep, V::div(m, denom), p);
+    p = apply(p, m, vd);
     store_f32<V, kNtState>(x.po + i, p);
     I r = V::iset1(0);
     if constexpr (S != DType::f32) r = mix<V>(V::iadd(V::lanes(at), key));
@@ -205,8 +217,117 @@ bool adamw_range_impl(const AdamWTensor& t, const AdamWScalars& s, int64_t begin
   return V::any_nan(bad);
 }
 
+// ---- 8-bit states (quant8.h) ---------------------------------------------------------------------
+
+// One range's pointers: codes of its first element, and the scales of its first block.
+struct Q8Slice {
+  const float* p;
+  const uint8_t* m;
+  const uint8_t* v;
+  const float* sm;
+  const float* sv;
+  const void* g;
+  void* copy;
+  float* po;
+  uint8_t* mo;
+  uint8_t* vo;
+  float* smo;
+  float* svo;
+};
+
+// The scales of the tensor's first block within the moment buffer whose codes `codes` points into.
+inline float* q8_scales(const void* codes, const AdamWTensor& t) {
+  if (codes == nullptr) return nullptr;
+  const int64_t total = t.state_numel ? t.state_numel : t.index_base + t.numel;
+  char* base = static_cast<char*>(const_cast<void*>(codes)) - t.index_base;  // element 0's code
+  return reinterpret_cast<float*>(base + q8_codes_bytes(total)) + t.index_base / kQ8Block;
+}
+
+// Updates the kQ8Block elements at offset i of the slice (block `blk` of it): pass one dequantises
+// m and v, updates them and p in fp32 and keeps the new moments in L1-resident buffers with their
+// largest magnitudes; pass two quantises them against those new scales. The block is read whole
+// before any of it is written, so in place works.
+template <class V, DType G, bool kCopy, DType C, bool kNtP, bool kNtCopy, class Body>
+inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk, typename V::F& bad,
+                     const Q8Map& ms, const Q8Map& mu) {
+  using F = typename V::F;
+  constexpr int W = V::W;
+  alignas(64) float mb[kQ8Block], vb[kQ8Block];
+  const F sm = V::set1(x.sm[blk]), sv = V::set1(x.sv[blk]);
+  F am = V::set1(0.0f), av = V::set1(0.0f);
+  for (int64_t k = 0; k < kQ8Block; k += W) {
+    F p = V::load(x.p + i + k);
+    F m = V::mul(V::decode_q8(ms.value, x.m + i + k), sm);
+    F v = V::mul(V::decode_q8(mu.value, x.v + i + k), sv);
+    body.moments(p, m, v, load_grad<V, G>(x.g, i + k), bad);
+    p = body.apply(p, m, v);
+    store_f32<V, kNtP>(x.po + i + k, p);
+    if constexpr (kCopy) store_copy<V, C, kNtCopy>(x.copy, i + k, p);
+    V::store(mb + k, m);
+    V::store(vb + k, v);
+    am = V::max(am, V::abs(m));
+    av = V::max(av, V::abs(v));
+  }
+  const float amax_m = V::hmax(am), amax_v = V::hmax(av);
+  const F im = V::set1(amax_m > 0.0f ? 1.0f / amax_m : 0.0f);
+  const F iv = V::set1(amax_v > 0.0f ? 1.0f / amax_v : 0.0f);
+  for (int64_t k = 0; k < kQ8Block; k += W) {
+    V::store_q8(x.mo + i + k, V::mul(V::load(mb + k), im), ms);
+    V::store_q8(x.vo + i + k, V::mul(V::load(vb + k), iv), mu);
+  }
+  x.smo[blk] = amax_m;
+  x.svo[blk] = amax_v;
+}
+
+// [begin, end) of an 8-bit-state tensor: begin is a block boundary of the parameter, end one too or
+// the tensor's end (validated). A last partial block goes through zero-padded stack buffers (zero
+// codes and gradients give zero moments, which leave the scales alone).
+template <class V, DType G, bool kCopy, DType C, bool kNtP, bool kNtCopy>
+bool adamw_range_q8(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end) {
+  using F = typename V::F;
+  const AdamWBody<V, G, kCopy, C, false, DType::f32, kNtP, kNtCopy> body(s);
+  const Q8Map& ms = q8_map(true);
+  const Q8Map& mu = q8_map(false);
+  F bad = V::set1(0.0f);
+  const Outputs o(t);
+  const Q8Slice whole{t.param, static_cast<const uint8_t*>(t.exp_avg), static_cast<const uint8_t*>(t.exp_avg_sq),
+                      q8_scales(t.exp_avg, t), q8_scales(t.exp_avg_sq, t), t.grad, t.param_copy, o.po,
+                      static_cast<uint8_t*>(o.mo), static_cast<uint8_t*>(o.vo), q8_scales(o.mo, t),
+                      q8_scales(o.vo, t)};
+  int64_t i = begin;
+  for (; i + kQ8Block <= end; i += kQ8Block) {
+    q8_block<V, G, kCopy, C, kNtP, kNtCopy>(body, whole, i, i / kQ8Block, bad, ms, mu);
+  }
+  if constexpr (kNtP || kNtCopy) V::fence();
+
+  const int64_t n = end - i;
+  if (n > 0) {
+    alignas(64) float p[kQ8Block] = {};
+    alignas(64) uint8_t m[kQ8Block] = {}, v[kQ8Block] = {};
+    alignas(64) unsigned char g[kQ8Block * 4] = {};
+    alignas(64) uint16_t copy[kQ8Block] = {};
+    float sm = whole.sm[i / kQ8Block], sv = whole.sv[i / kQ8Block];
+    const int64_t gsz = dtype_bytes(G);
+    std::memcpy(p, t.param + i, n * 4);
+    std::memcpy(m, whole.m + i, n);
+    std::memcpy(v, whole.v + i, n);
+    std::memcpy(g, static_cast<const unsigned char*>(t.grad) + i * gsz, n * gsz);
+    const AdamWBody<V, G, kCopy, C, false, DType::f32> plain(s);
+    q8_block<V, G, kCopy, C, false, false>(plain, Q8Slice{p, m, v, &sm, &sv, g, copy, p, m, v, &sm, &sv}, 0, 0,
+                                           bad, ms, mu);
+    std::memcpy(o.po + i, p, n * 4);
+    std::memcpy(whole.mo + i, m, n);
+    std::memcpy(whole.vo + i, v, n);
+    whole.smo[i / kQ8Block] = sm;
+    whole.svo[i / kQ8Block] = sv;
+    if (kCopy) std::memcpy(static_cast<uint16_t*>(t.param_copy) + i, copy, n * 2);
+  }
+  return V::any_nan(bad);
+}
+
 template <class V, DType G, bool kCopy, DType C, bool kNtState, bool kNtCopy>
 bool adamw_range_ams(const AdamWTensor& t, const AdamWScalars& s, int64_t b, int64_t e) {
+  if (t.state_dtype == DType::q8) return adamw_range_q8<V, G, kCopy, C, kNtState, kNtCopy>(t, s, b, e);
   if (t.state_dtype == DType::bf16) {  // amsgrad needs fp32 states (validated)
     return adamw_range_impl<V, G, kCopy, C, false, DType::bf16, kNtState, kNtCopy>(t, s, b, e);
   }
@@ -241,6 +362,7 @@ bool adamw_range(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int
     case DType::f32: return adamw_range_copy<V, DType::f32>(t, s, begin, end);
     case DType::bf16: return adamw_range_copy<V, DType::bf16>(t, s, begin, end);
     case DType::f16: return adamw_range_copy<V, DType::f16>(t, s, begin, end);
+    case DType::q8: break;  // a state format, never a gradient's (validated)
   }
   return false;
 }

@@ -38,6 +38,11 @@ struct VecScalar {
   template <int n>
   static I isrl(I a) { return a >> n; }
   static uint16_t pack_bf16_sr(F x, I rnd) { return f32_to_bf16_sr(x, rnd); }
+
+  static F abs(F x) { return std::fabs(x); }
+  static float hmax(F x) { return x; }
+  static F decode_q8(const float* value, const uint8_t* codes) { return value[*codes]; }
+  static void store_q8(uint8_t* out, F x, const Q8Map& map) { *out = q8_encode(map, x); }
 };
 
 }  // namespace

@@ -27,8 +27,8 @@ int64_t ParamTable::add(const ParamEntry& e) {
   if (e.numel > 0 && e.on_host) check_slots(e.state, e.amsgrad, "a parameter");
   if (!e.step) HYTRAIN_THROW("ParamTable: a parameter needs its step counter");
   if (e.group < 0) HYTRAIN_THROW("ParamTable: negative group index");
-  if (e.state_dtype != DType::f32 && e.state_dtype != DType::bf16) {
-    HYTRAIN_THROW("ParamTable: states must be float32 or bfloat16");
+  if (e.state_dtype != DType::f32 && e.state_dtype != DType::bf16 && e.state_dtype != DType::q8) {
+    HYTRAIN_THROW("ParamTable: states must be float32, bfloat16 or 8-bit");
   }
   if (e.state_dtype != DType::f32 && e.amsgrad) HYTRAIN_THROW("ParamTable: amsgrad needs float32 states");
   if (e.numel > 0 && e.on_host && e.grad_dtype != DType::f32 && !e.copy && e.grad) {
@@ -160,6 +160,7 @@ UpdateJob ParamTable::job(int64_t handle, const GroupHyper& g, double grad_scale
   j.tensor.param_copy = r.e.grad_dtype != DType::f32 ? r.e.copy : nullptr;
   j.tensor.param_copy_dtype = r.e.grad_dtype != DType::f32 ? r.e.grad_dtype : DType::bf16;
   j.tensor.numel = r.e.numel;
+  j.tensor.state_numel = r.e.numel;
   j.config.lr = g.lr;
   j.config.beta1 = g.beta1;
   j.config.beta2 = g.beta2;

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "hytrain/error.h"
+#include "hytrain/quant8.h"
 
 namespace hytrain {
 
@@ -33,6 +34,7 @@ AdamWTensor slice_of(const AdamWTensor& t, int64_t begin, int64_t end) {
     s.exp_avg_sq_out = offset_by(t.exp_avg_sq_out, sd, begin);
     s.max_exp_avg_sq_out = offset_by(t.max_exp_avg_sq_out, DType::f32, begin);
   }
+  s.state_numel = t.state_numel ? t.state_numel : t.index_base + t.numel;  // 8-bit scales stay where they are
   s.index_base = t.index_base + begin;
   s.numel = end - begin;
   return s;
@@ -81,8 +83,11 @@ void UpdateEngine::submit(int64_t block, const std::vector<UpdateJob>& jobs) {
     b->jobs = jobs;
     for (int i = 0; i < static_cast<int>(jobs.size()); ++i) {
       const int64_t n = jobs[i].tensor.numel;
-      for (int64_t s = 0; s < n; s += slice_elems_) {
-        b->slices.push_back({b, i, s, std::min(n, s + slice_elems_)});
+      // 8-bit states are quantised in whole blocks: their slices start on block boundaries.
+      const int64_t step = jobs[i].tensor.state_dtype == DType::q8
+                               ? (slice_elems_ + kQ8Block - 1) / kQ8Block * kQ8Block : slice_elems_;
+      for (int64_t s = 0; s < n; s += step) {
+        b->slices.push_back({b, i, s, std::min(n, s + step)});
       }
       b->timing.elements += n;
     }

@@ -9,6 +9,7 @@
 #include "dtype_convert.cuh"
 #include "hytrain/cuda_adamw.h"
 #include "hytrain/error.h"
+#include "hytrain/quant8.h"
 
 namespace hytrain {
 namespace cuda {
@@ -192,6 +193,101 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- 8-bit states (quant8.h): one warp per block of kQ8Block elements -------------------------------
+
+struct Q8Tables {
+  float value_s[256], value_u[256], mid_s[256], mid_u[256];
+};
+
+constexpr int kQ8PerLane = kQ8Block / 32;
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ uint8_t q8_encode_dev(const float* mid, bool is_signed, float x) {
+  const int j = q8_magnitude_index(mid, fabsf(x));
+  return q8_code(is_signed, (__float_as_uint(x) >> 31) != 0, j);
+}
+
+template <DType G, bool kW, DType WD>
+__global__ void __launch_bounds__(kThreads)
+    adamw_q8_kernel(const AdamWTensorRef* __restrict__ descs, const Chunk* __restrict__ chunks,
+                    int64_t num_chunks, Scalars s, const float* grad_scale, const float* found_inf,
+                    const Q8Tables* __restrict__ tables) {
+  __shared__ Q8Tables q;
+  if (found_inf != nullptr && *found_inf != 0.0f) return;  // skipped step: write nothing
+  for (int i = threadIdx.x; i < 256; i += kThreads) {
+    q.value_s[i] = tables->value_s[i], q.value_u[i] = tables->value_u[i];
+    q.mid_s[i] = tables->mid_s[i], q.mid_u[i] = tables->mid_u[i];
+  }
+  __syncthreads();
+  const float gscale = grad_scale ? __fmul_rn(s.host_scale, *grad_scale) : s.host_scale;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t c = blockIdx.x; c < num_chunks; c += gridDim.x) {
+    const Chunk ch = chunks[c];
+    const AdamWTensorRef t = descs[ch.tensor];
+    const int64_t end = min(ch.start + kChunk, t.numel);
+    uint8_t* mc = static_cast<uint8_t*>(t.exp_avg);
+    uint8_t* vc = static_cast<uint8_t*>(t.exp_avg_sq);
+    float* ms = reinterpret_cast<float*>(mc + q8_codes_bytes(t.numel));
+    float* vs = reinterpret_cast<float*>(vc + q8_codes_bytes(t.numel));
+    for (int64_t b = ch.start + int64_t{warp} * kQ8Block; b < end; b += int64_t{kThreads / 32} * kQ8Block) {
+      const int64_t blk = b / kQ8Block;
+      const float sm = ms[blk], sv = vs[blk];
+      float m[kQ8PerLane], v[kQ8PerLane];
+      float am = 0.0f, av = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kQ8PerLane; ++k) {
+        const int64_t i = b + lane + 32 * k;
+        m[k] = v[k] = 0.0f;
+        if (i < end) {
+          Elem x{t.param[i], __fmul_rn(q.value_s[mc[i]], sm), __fmul_rn(q.value_u[vc[i]], sv), 0.0f};
+          update(x, load_grad<G>(t.grad, i), gscale, s);
+          t.param[i] = x.p;
+          if constexpr (kW) static_cast<uint16_t*>(t.weight)[i] = narrow<WD>(x.p);
+          m[k] = x.m, v[k] = x.v;
+          am = fmaxf(am, fabsf(x.m)), av = fmaxf(av, fabsf(x.v));
+        }
+      }
+      am = warp_max(am), av = warp_max(av);
+      const float im = am > 0.0f ? __fdiv_rn(1.0f, am) : 0.0f;
+      const float iv = av > 0.0f ? __fdiv_rn(1.0f, av) : 0.0f;
+#pragma unroll
+      for (int k = 0; k < kQ8PerLane; ++k) {
+        const int64_t i = b + lane + 32 * k;
+        if (i < end) {
+          mc[i] = q8_encode_dev(q.mid_s, true, __fmul_rn(m[k], im));
+          vc[i] = q8_encode_dev(q.mid_u, false, __fmul_rn(v[k], iv));
+        }
+      }
+      if (lane == 0) ms[blk] = am, vs[blk] = av;
+    }
+  }
+}
+
+using Q8KernelFn = void (*)(const AdamWTensorRef*, const Chunk*, int64_t, Scalars, const float*, const float*,
+                            const Q8Tables*);
+
+template <DType G>
+Q8KernelFn pick_q8_weight(bool has_weight, DType wd) {
+  if (!has_weight) return adamw_q8_kernel<G, false, DType::bf16>;
+  if (wd == DType::bf16) return adamw_q8_kernel<G, true, DType::bf16>;
+  return adamw_q8_kernel<G, true, DType::f16>;
+}
+
+Q8KernelFn pick_q8(DType g, bool has_weight, DType wd) {
+  switch (g) {
+    case DType::f32: return pick_q8_weight<DType::f32>(has_weight, wd);
+    case DType::bf16: return pick_q8_weight<DType::bf16>(has_weight, wd);
+    case DType::f16: return pick_q8_weight<DType::f16>(has_weight, wd);
+    case DType::q8: break;
+  }
+  HYTRAIN_THROW("unknown gradient dtype");
+}
+
 // ---- dispatch ------------------------------------------------------------------------------------
 
 using KernelFn = void (*)(const AdamWTensorRef*, const Chunk*, int64_t, Scalars, const float*,
@@ -219,6 +315,7 @@ KernelFn pick_kernel(DType g, bool has_weight, DType wd, bool vectorized, DType 
     case DType::f32: return pick_weight<DType::f32>(has_weight, wd, vectorized, sd);
     case DType::bf16: return pick_weight<DType::bf16>(has_weight, wd, vectorized, sd);
     case DType::f16: return pick_weight<DType::f16>(has_weight, wd, vectorized, sd);
+    case DType::q8: break;
   }
   HYTRAIN_THROW("unknown gradient dtype");
 }
@@ -234,10 +331,12 @@ AdamWGroup::AdamWGroup(const std::vector<AdamWTensorRef>& tensors, DType grad_dt
     : grad_dtype_(grad_dtype), has_weight_(has_weight), weight_dtype_(weight_dtype),
       amsgrad_(amsgrad), state_dtype_(state_dtype), vectorized_(true), device_(device) {
   HYTRAIN_CHECK(!has_weight || weight_dtype != DType::f32, "weight must be bfloat16 or float16");
-  HYTRAIN_CHECK(state_dtype == DType::f32 || state_dtype == DType::bf16, "states must be float32 or bfloat16");
+  HYTRAIN_CHECK(state_dtype == DType::f32 || state_dtype == DType::bf16 || state_dtype == DType::q8,
+                "states must be float32, bfloat16 or 8-bit");
+  HYTRAIN_CHECK(grad_dtype != DType::q8, "gradients must be float32, bfloat16 or float16");
   HYTRAIN_CHECK(!amsgrad || state_dtype == DType::f32, "amsgrad needs float32 states");
   const int64_t gsize = grad_dtype == DType::f32 ? 4 : 2;
-  const int64_t ssize = state_dtype == DType::f32 ? 4 : 2;
+  const int64_t ssize = dtype_bytes(state_dtype);
   std::vector<Chunk> chunks;
   for (size_t k = 0; k < tensors.size(); ++k) {
     const AdamWTensorRef& t = tensors[k];
@@ -261,8 +360,18 @@ AdamWGroup::AdamWGroup(const std::vector<AdamWTensorRef>& tensors, DType grad_dt
   try {
     descs_ = upload(tensors);
     chunks_ = upload(chunks);
+    if (state_dtype == DType::q8) {
+      Q8Tables tab;
+      const Q8Map &ms = q8_map(true), &mu = q8_map(false);
+      for (int i = 0; i < 256; ++i) {
+        tab.value_s[i] = ms.value[i], tab.value_u[i] = mu.value[i];
+        tab.mid_s[i] = ms.mid[i], tab.mid_u[i] = mu.mid[i];
+      }
+      q8_ = upload(std::vector<Q8Tables>{tab});
+    }
   } catch (...) {  // a constructor that throws gets no destructor: free what was made
     free_device(descs_);
+    free_device(chunks_);
     throw;
   }
 }
@@ -270,6 +379,7 @@ AdamWGroup::AdamWGroup(const std::vector<AdamWTensorRef>& tensors, DType grad_dt
 AdamWGroup::~AdamWGroup() {
   free_device(descs_);
   free_device(chunks_);
+  free_device(q8_);
 }
 
 void AdamWGroup::step(const AdamWConfig& cfg, const float* grad_scale, const float* found_inf,
@@ -282,6 +392,14 @@ void AdamWGroup::step(const AdamWConfig& cfg, const float* grad_scale, const flo
                   a.param_decay, a.neg_step_size, a.bias_correction2_sqrt, a.grad_scale,
                   sr_mix(static_cast<uint32_t>(cfg.step)), a.amsgrad};
   DeviceGuard guard(device_);
+  if (state_dtype_ == DType::q8) {
+    const Q8KernelFn k = pick_q8(grad_dtype_, has_weight_, weight_dtype_);
+    k<<<grid_, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+        static_cast<const AdamWTensorRef*>(descs_), static_cast<const Chunk*>(chunks_), num_chunks_, s, grad_scale,
+        found_inf, static_cast<const Q8Tables*>(q8_));
+    HYTRAIN_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
   const KernelFn k = pick_kernel(grad_dtype_, has_weight_, weight_dtype_, vectorized_, state_dtype_);
   k<<<grid_, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
       static_cast<const AdamWTensorRef*>(descs_), static_cast<const Chunk*>(chunks_), num_chunks_,

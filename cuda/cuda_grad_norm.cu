@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(kThreads)
       case DType::f32: acc = thread_sum<DType::f32>(t, ch.start, end, bad); break;
       case DType::bf16: acc = thread_sum<DType::bf16>(t, ch.start, end, bad); break;
       case DType::f16: acc = thread_sum<DType::f16>(t, ch.start, end, bad); break;
+      case DType::q8: break;  // never a gradient's dtype
     }
     const float total = block_tree_sum<float, kThreads>(acc, shared);
     if (threadIdx.x == 0) partials[c] = total;

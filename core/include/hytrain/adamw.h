@@ -12,10 +12,12 @@
 //   v_max = max(v_max, v)                    (amsgrad; the denominator then uses v_max)
 //   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //
-// States are fp32, or (compact states) bf16 m and v beside the fp32 master: they are read widened,
-// the update runs in fp32 exactly as above, and the new m and v are stored stochastically rounded
-// (dtype.h: sr_mix). Such a tensor carries a seed (each parameter its own) and the index of its
-// first element in the parameter (index_base), which with the step pick each element's random bits.
+// States are fp32; or compact: bf16 m and v beside the fp32 master, read widened, updated in fp32
+// exactly as above and stored stochastically rounded (dtype.h: sr_mix; each tensor carries a seed,
+// each parameter its own, and the index of its first element in the parameter, index_base, which
+// with the step pick each element's random bits); or 8-bit: blockwise-quantised m and v
+// (quant8.h), each block of 256 elements dequantised, updated in fp32 as above, its largest |m| and
+// |v| kept as the block's new scales and the new m and v stored as their nearest codes.
 #pragma once
 
 #include <cstdint>
@@ -60,12 +62,16 @@ struct AdamWTensor {
   void* exp_avg_out = nullptr;
   void* exp_avg_sq_out = nullptr;
   void* max_exp_avg_sq_out = nullptr;
-  DType state_dtype = DType::f32;   // of exp_avg, exp_avg_sq and their outputs: f32, or bf16 (compact)
+  DType state_dtype = DType::f32;   // of exp_avg, exp_avg_sq and their outputs: f32, bf16 or q8
   uint32_t seed = 0;                // bf16 states: the parameter's stochastic-rounding seed
-  int64_t index_base = 0;           // bf16 states: the parameter index of element 0 of this tensor
+  int64_t index_base = 0;           // the parameter index of element 0 of this tensor (a slice's)
+  // q8 states: the parameter's element count, which places the block scales after its codes in each
+  // moment's buffer (quant8.h); 0 means index_base + numel (a whole tensor). A q8 range starts on a
+  // block boundary of the parameter (index_base + begin a multiple of kQ8Block).
+  int64_t state_numel = 0;
 };
 
-inline int64_t dtype_bytes(DType t) { return t == DType::f32 ? 4 : 2; }
+inline int64_t dtype_bytes(DType t) { return t == DType::f32 ? 4 : (t == DType::q8 ? 1 : 2); }
 // p advanced by n elements of dtype t.
 inline void* offset_by(void* p, DType t, int64_t n) {
   return p ? static_cast<char*>(p) + n * dtype_bytes(t) : nullptr;

@@ -15,13 +15,15 @@
 
 namespace hytrain {
 
-enum class DType : int { f32 = 0, bf16 = 1, f16 = 2 };
+// q8: 8-bit blockwise-quantised optimizer state (quant8.h), never a weight or gradient dtype.
+enum class DType : int { f32 = 0, bf16 = 1, f16 = 2, q8 = 3 };
 
 inline const char* dtype_name(DType t) {
   switch (t) {
     case DType::f32: return "float32";
     case DType::bf16: return "bfloat16";
     case DType::f16: return "float16";
+    case DType::q8: return "8-bit blockwise";
   }
   return "unknown";
 }

@@ -46,8 +46,9 @@ struct ParamEntry {
   int64_t numel = 0;
   int group = 0;                    // index into the step's hyperparameter list
   bool amsgrad = false;
-  // m and v: f32, or bf16 (compact states, stochastically rounded with the handle as seed, so a
-  // parameter rounds the same way on either side and in every pass).
+  // m and v: f32, bf16 (compact states, stochastically rounded with the handle as seed, so a
+  // parameter rounds the same way on either side and in every pass) or q8 (8-bit blockwise, each
+  // moment one buffer of q8_state_bytes(numel): codes, then block scales).
   DType state_dtype = DType::f32;
   // false: the state lives on the GPU (a resident block); the host holds none of it, so the entry
   // has no state slots or staging, and building a pass for it throws.

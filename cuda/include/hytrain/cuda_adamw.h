@@ -1,6 +1,7 @@
 // Fused multi-tensor AdamW on the GPU: one launch updates a whole list of tensors (fp32 master
-// weight, m, v -- fp32, or bf16 stochastically rounded as on the CPU -- resident on the device), reading fp32/bf16/fp16 gradients and writing the bf16/fp16
-// model weight in place. The math is the CPU kernel's, operation for operation with the same fused
+// weight, m, v -- fp32, bf16 stochastically rounded as on the CPU, or 8-bit blockwise as on the
+// CPU, quant8.h -- resident on the device), reading fp32/bf16/fp16 gradients and writing the
+// bf16/fp16 model weight in place. The math is the CPU kernel's, operation for operation with the same fused
 // multiply-adds and correctly rounded sqrt/divide, so a block gives bit-identical results on either
 // side and can move between them without changing the training trajectory.
 //
@@ -30,7 +31,8 @@ struct AdamWTensorRef {
 // A fixed list of tensors on one device, with its chunk table uploaded once at construction.
 class AdamWGroup {
  public:
-  // state_dtype: f32, or bf16 m and v (compact states, rounded as the CPU kernel rounds them).
+  // state_dtype: f32, bf16 m and v (compact states, rounded as the CPU kernel rounds them) or q8
+  // (each moment one buffer of q8_state_bytes(numel), quantised as the CPU kernel quantises).
   AdamWGroup(const std::vector<AdamWTensorRef>& tensors, DType grad_dtype, bool has_weight,
              DType weight_dtype, bool amsgrad, int device, DType state_dtype = DType::f32);
   ~AdamWGroup();
@@ -49,6 +51,7 @@ class AdamWGroup {
  private:
   void* descs_ = nullptr;   // device AdamWTensorRef[num_tensors_]
   void* chunks_ = nullptr;  // device chunk table
+  void* q8_ = nullptr;      // q8 states: the maps' values and midpoints (device)
   int64_t num_chunks_ = 0;
   int64_t num_tensors_ = 0;
   int64_t numel_ = 0;

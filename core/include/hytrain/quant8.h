@@ -1,0 +1,87 @@
+// 8-bit optimizer states: blockwise dynamic quantisation of Adam's m and v (the scheme of
+// Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization").
+//
+// A moment of n elements is one byte buffer of q8_state_bytes(n): n one-byte codes, padded to a
+// multiple of 64 bytes, then one fp32 scale per block of kQ8Block elements (the block's largest
+// |value|; blocks start at element 0 of the parameter). Element i holds value[code_i] * scale, where
+// value is a 256-entry map over [-1, 1] (m: signed) or [0, 1] (v: unsigned). All-zero bytes are the
+// zero state (every scale 0), so zero-filled memory is a fresh optimizer state, and a buffer moves
+// between host and GPU as a plain copy.
+//
+// The maps ("dynamic tree" quantisation): magnitudes in decades 10^-d (d = 0..6), each decade cut
+// into equal parts in its [0.1, 1] * 10^-d range with the part's midpoint as value; the top decade
+// gets 64 parts (signed) or 128 (unsigned), each lower one half as many; plus 0 and 1. So
+// the precision is finest near the block's largest value and the range spans seven decades.
+//
+// Encoding (the definition every path computes exactly): the magnitudes A[0] = 0 < A[1] < ... of the
+// map and the float midpoints mid[i] = (A[i] + A[i+1]) * 0.5f; x in [-1, 1] (already divided by the
+// block's scale) has magnitude index j = #{i : |x| > mid[i]} (nearest, ties to the smaller
+// magnitude). Unsigned: code j. Signed: code j for x >= 0, 128 + min(j, 127) for x < 0 with j > 0
+// (the map has +1 but no -1), and 0 for x < 0 with j = 0. The CPU finds j with a bucket table on
+// |x|'s top bits and one comparison; the GPU with a binary search over mid; both count the same.
+#pragma once
+
+#include <cstdint>
+
+#include "hytrain/dtype.h"
+
+namespace hytrain {
+
+constexpr int64_t kQ8Block = 256;      // elements per scale
+constexpr int64_t kQ8CodeAlign = 64;   // bytes: the scales start on a cache line
+
+HYTRAIN_HOST_DEVICE inline int64_t q8_codes_bytes(int64_t n) {
+  return (n + kQ8CodeAlign - 1) / kQ8CodeAlign * kQ8CodeAlign;
+}
+HYTRAIN_HOST_DEVICE inline int64_t q8_blocks(int64_t n) { return (n + kQ8Block - 1) / kQ8Block; }
+// Bytes of one 8-bit moment of n elements: codes, padding, scales.
+HYTRAIN_HOST_DEVICE inline int64_t q8_state_bytes(int64_t n) { return q8_codes_bytes(n) + 4 * q8_blocks(n); }
+
+// The bucket table of the CPU encoder: |x|'s bits >> kQ8BucketShift (exponent and 8 mantissa bits),
+// clamped to [2^-23, 1]; below 2^-23 every |x| is under the first midpoint.
+constexpr int kQ8BucketShift = 15;
+constexpr int32_t kQ8BucketLo = (127 - 23) << 8;  // bits(2^-23) >> 15
+constexpr int32_t kQ8BucketHi = 127 << 8;         // bits(1.0) >> 15
+constexpr int32_t kQ8Buckets = kQ8BucketHi - kQ8BucketLo + 1;
+
+struct Q8Map {
+  bool is_signed = false;
+  int magnitudes = 0;     // entries of A: 129 (signed) or 256 (unsigned)
+  float value[256];       // code -> value in [-1, 1]
+  float mid[256];         // mid[i] between A[i] and A[i+1]; +infinity from magnitudes - 1 on
+  // bucket[b]: #{i : mid[i] < the smallest float of bucket b}; each bucket holds at most one
+  // midpoint, so j = bucket[b] + (|x| > mid[bucket[b]]). Two entries of padding: the vector paths
+  // gather 32 bits at 2-byte offsets.
+  int16_t bucket[kQ8Buckets + 2];
+};
+
+// The two maps, built once (thread-safe).
+const Q8Map& q8_map(bool is_signed);
+
+// The magnitude index of |x| by binary search over mid (the GPU's way; also the reference).
+HYTRAIN_HOST_DEVICE inline int q8_magnitude_index(const float* mid, float ax) {
+  int j = 0;
+  for (int step = 128; step >= 1; step >>= 1) {
+    if (mid[j + step - 1] < ax) j += step;
+  }
+  return j;
+}
+
+// The code of x from its magnitude index j (see above).
+HYTRAIN_HOST_DEVICE inline uint8_t q8_code(bool is_signed, bool negative, int j) {
+  if (!is_signed || !negative) return static_cast<uint8_t>(j);
+  return j == 0 ? 0 : static_cast<uint8_t>(128 + (j < 127 ? j : 127));
+}
+
+// Scalar encoder with the bucket table (what the SIMD paths do lane by lane).
+inline uint8_t q8_encode(const Q8Map& map, float x) {
+  const uint32_t bits = f32_bits(x);
+  const uint32_t a = bits & 0x7FFFFFFFu;
+  int32_t b = static_cast<int32_t>(a >> kQ8BucketShift) - kQ8BucketLo;
+  b = b < 0 ? 0 : (b >= kQ8Buckets ? kQ8Buckets - 1 : b);
+  int j = map.bucket[b];
+  j += bits_f32(a) > map.mid[j] ? 1 : 0;
+  return q8_code(map.is_signed, (bits >> 31) != 0, j);
+}
+
+}  // namespace hytrain

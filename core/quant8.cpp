@@ -1,0 +1,66 @@
+// The two 8-bit maps of quant8.h and the CPU encoder's bucket tables, built once.
+#include "hytrain/quant8.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "hytrain/error.h"
+
+namespace hytrain {
+
+namespace {
+
+Q8Map build(bool is_signed) {
+  Q8Map m{};
+  m.is_signed = is_signed;
+  // Magnitudes: 0, the decades from the smallest up, 1.
+  std::vector<double> mags{0.0};
+  for (int d = 6; d >= 0; --d) {
+    const int parts = 1 << ((is_signed ? 6 : 7) - d);
+    for (int j = 0; j < parts; ++j) {
+      mags.push_back(std::pow(10.0, -d) * (0.1 + 0.9 * (j + 0.5) / parts));
+    }
+  }
+  mags.push_back(1.0);
+  m.magnitudes = static_cast<int>(mags.size());
+  HYTRAIN_CHECK(m.magnitudes == (is_signed ? 129 : 256), "q8 map: wrong number of magnitudes");
+  std::vector<float> a(mags.begin(), mags.end());
+  HYTRAIN_CHECK(std::is_sorted(a.begin(), a.end()), "q8 map: magnitudes out of order");
+  for (int i = 0; i < 256; ++i) {
+    m.mid[i] = i + 1 < m.magnitudes ? (a[i] + a[i + 1]) * 0.5f : std::numeric_limits<float>::infinity();
+  }
+  for (int c = 0; c < 256; ++c) {
+    if (!is_signed || c <= 128) {
+      m.value[c] = c < m.magnitudes ? a[c] : 0.0f;
+    } else {
+      m.value[c] = -a[c - 128];
+    }
+  }
+  // Buckets: count the midpoints below each bucket's smallest float; check that no bucket holds two.
+  int j = 0;
+  for (int32_t b = 0; b < kQ8Buckets; ++b) {
+    const float lo = bits_f32(static_cast<uint32_t>(b + kQ8BucketLo) << kQ8BucketShift);
+    const float hi = bits_f32(static_cast<uint32_t>(b + 1 + kQ8BucketLo) << kQ8BucketShift);
+    while (m.mid[j] < lo) ++j;
+    m.bucket[b] = static_cast<int16_t>(b == 0 ? 0 : j);
+    int inside = 0;
+    for (int k = m.bucket[b]; k < 256 && m.mid[k] < hi; ++k) ++inside;
+    HYTRAIN_CHECK(b == kQ8Buckets - 1 || inside <= 1, "q8 map: a bucket holds two midpoints");
+  }
+  HYTRAIN_CHECK(m.mid[0] > bits_f32(static_cast<uint32_t>(kQ8BucketLo + 1) << kQ8BucketShift),
+                "q8 map: the first midpoint is inside the lowest bucket");
+  m.bucket[kQ8Buckets] = m.bucket[kQ8Buckets + 1] = 0;
+  return m;
+}
+
+}  // namespace
+
+const Q8Map& q8_map(bool is_signed) {
+  static const Q8Map s = build(true);
+  static const Q8Map u = build(false);
+  return is_signed ? s : u;
+}
+
+}  // namespace hytrain
