@@ -24,6 +24,7 @@ Systems:
                      is built directly on the GPU; fp32 masters and Adam states in pinned host memory
                      except the k blocks the scheduler keeps on the GPU
   hytrain_bf16       the same with compact states (state_format="bf16": bf16 m and v beside fp32 masters)
+  hytrain_8bit       the same with 8-bit states (state_format="8bit": blockwise-quantised m and v)
   deepspeed_offload  DeepSpeed ZeRO-2, offload_optimizer cpu (DeepSpeedCPUAdam), configured as in
                      train_bench.py; only when `import deepspeed` works (else a record says skipped)
   fsdp2_offload      torch FSDP2 at world size 1: fully_shard on each decoder layer, then the root, with
@@ -85,7 +86,8 @@ SIZES = {  # in increasing order
     "20b": dict(hidden_size=6144, num_layers=44, num_heads=48, intermediate_size=16384, vocab=VOCAB),
     "30b": dict(hidden_size=6656, num_layers=60, num_heads=52, intermediate_size=17920, vocab=VOCAB),
 }
-SYSTEMS = ("hytrain", "hytrain_bf16", "deepspeed_offload", "fsdp2_offload")
+SYSTEMS = ("hytrain", "hytrain_bf16", "hytrain_8bit", "deepspeed_offload", "fsdp2_offload")
+HYTRAIN_FORMATS = {"hytrain": "fp32", "hytrain_bf16": "bf16", "hytrain_8bit": "8bit"}
 INIT_STD = 0.02
 INIT_POOL = 4194301  # a prime: the tiled init pattern does not repeat along rows of any matrix here
 
@@ -288,7 +290,7 @@ def run_one(args):
 
             opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP,
                                       model=model, gpu_blocks="auto",
-                                      state_format="bf16" if system == "hytrain_bf16" else "fp32")
+                                      state_format=HYTRAIN_FORMATS[system])
         elif system == "deepspeed_offload":
             import deepspeed
 
@@ -477,7 +479,7 @@ def summarize(results, systems, sizes, machine, device):
     out = {"machine": machine, "device": device, "sizes": sizes,
            "largest": {s: p["largest"] for s, p in per.items()},
            "largest_params": {s: p["params"] for s, p in per.items()}}
-    for mine in ("hytrain", "hytrain_bf16"):  # each hytrain format's largest over every other system's
+    for mine in HYTRAIN_FORMATS:  # each hytrain format's largest over every other system's
         if mine not in per:
             continue
         hy = per[mine]["params"]

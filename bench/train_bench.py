@@ -21,6 +21,7 @@ Modes (each in its own process, so memory and pinned pages start clean):
   deepspeed_offload   DeepSpeed ZeRO-2 with offload_optimizer cpu (DeepSpeedCPUAdam), when importable
   <hytrain mode>_bf16 that mode with compact states (state_format="bf16": bf16 m and v), e.g.
                       hytrain_auto_bf16, hytrain_k0_bf16
+  <hytrain mode>_8bit that mode with 8-bit states (state_format="8bit": blockwise-quantised m and v)
 
 --cap-gb limits hytrain's GPU memory (torch.cuda.set_per_process_memory_fraction, and the scheduler's
 budget): a run pretending to be a smaller GPU, honestly. ``--cap-gb deepspeed`` uses the peak that
@@ -51,7 +52,15 @@ WORKLOADS = {
 }
 VOCAB, BATCH, SEQ, LR, WD, CLIP = 32000, 2, 2048, 1e-4, 0.01, 1.0
 HYTRAIN_MODES = ("hytrain_k0", "hytrain_no_overlap", "hytrain_nospec", "hytrain_auto", "hytrain_nofence")
-COMPACT = "_bf16"  # a hytrain mode with this suffix runs with state_format="bf16"
+FORMATS = {"_bf16": "bf16", "_8bit": "8bit"}  # a hytrain mode with this suffix runs with that state_format
+
+
+def split_mode(mode):
+    """(the hytrain mode without its state-format suffix, the state format)."""
+    for suffix, fmt in FORMATS.items():
+        if mode.endswith(suffix):
+            return mode.removesuffix(suffix), fmt
+    return mode, "fp32"
 SETTLE, SETTLE_MAX = 3, 10  # iterations a hytrain plan must hold before timing; most extra warmup
 
 
@@ -182,8 +191,7 @@ def run_mode(args):
     elif mode.startswith("hytrain"):
         import hytrain
 
-        state_format = "bf16" if mode.endswith(COMPACT) else "fp32"
-        mode = mode.removesuffix(COMPACT)
+        mode, state_format = split_mode(mode)
         opt = hytrain.HybridAdamW(
             model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
             gpu_blocks="auto" if mode in ("hytrain_auto", "hytrain_nospec", "hytrain_nofence") else 0,
@@ -381,11 +389,12 @@ def main():
             if ww == w and rec.get("iter_s") and ref and m != "torch_gpu":
                 summary[f"{w}_{m}_vs_torch_gpu"] = round(rec["iter_s"] / ref, 3)
         ds = t(w, "deepspeed_offload")
-        for m in ("hytrain_auto", "hytrain_k0", "hytrain_auto" + COMPACT, "hytrain_k0" + COMPACT):
+        for m in (b + suffix for b in ("hytrain_auto", "hytrain_k0") for suffix in ("", *FORMATS)):
             if ds and t(w, m):
                 summary[f"{w}_{m}_speedup_vs_deepspeed"] = round(ds / t(w, m), 3)
-            if m.endswith(COMPACT) and t(w, m) and t(w, m.removesuffix(COMPACT)):
-                summary[f"{w}_{m}_speedup_vs_fp32_states"] = round(t(w, m.removesuffix(COMPACT)) / t(w, m), 3)
+            base = split_mode(m)[0]
+            if base != m and t(w, m) and t(w, base):
+                summary[f"{w}_{m}_speedup_vs_fp32_states"] = round(t(w, base) / t(w, m), 3)
         if t(w, "hytrain_auto") and t(w, "hytrain_nofence"):
             summary[f"{w}_fence_cost"] = round(t(w, "hytrain_auto") / t(w, "hytrain_nofence"), 3)
         if t(w, "hytrain_no_overlap") and t(w, "hytrain_k0"):

@@ -4,6 +4,7 @@
 #include "common.h"
 #include "hytrain/cpu_features.h"
 #include "hytrain/membench.h"
+#include "hytrain/quant8.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -89,6 +90,13 @@ void bind_core(py::module_& m) {
       },
       py::arg("elements"), py::arg("num_threads") = 0, py::arg("repeats") = 5);
 
+  m.def(
+      "q8_map",
+      [](bool is_signed) {
+        const Q8Map& map = q8_map(is_signed);
+        return py::make_tuple(std::vector<float>(map.value, map.value + 256), std::vector<float>(map.mid, map.mid + 256));
+      },
+      py::arg("signed"), "The 8-bit state map (quant8.h): (value of each code, midpoints; +inf past the last).");
   m.def("steady_now_ns", &steady_now_ns, "The clock of UpdateEngine timings (ns).");
 }
 

@@ -84,8 +84,12 @@ struct VecAvx2 {
     // a true comparison is all ones (-1): subtracting it adds one
     j = _mm256_sub_epi32(j, _mm256_castps_si256(_mm256_cmp_ps(_mm256_castsi256_ps(a), thr, _CMP_GT_OQ)));
     if (map.is_signed) {
-      const __m256i neg = _mm256_and_si256(_mm256_srai_epi32(bits, 31), _mm256_cmpgt_epi32(j, _mm256_setzero_si256()));
+      const __m256i neg = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ)),
+                                           _mm256_cmpgt_epi32(j, _mm256_setzero_si256()));
       j = _mm256_blendv_epi8(j, _mm256_add_epi32(_mm256_min_epi32(j, iset1(127)), iset1(128)), neg);
+    } else {  // a nonzero x is never coded 0
+      const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+      j = _mm256_max_epi32(j, _mm256_and_si256(pos, iset1(1)));
     }
     const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(j), _mm256_extracti128_si256(j, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packus_epi16(w, w));

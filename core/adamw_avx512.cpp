@@ -79,8 +79,10 @@ struct VecAvx512 {
     const __m512 thr = _mm512_i32gather_ps(j, map.mid, 4);
     j = _mm512_mask_add_epi32(j, _mm512_cmp_ps_mask(_mm512_castsi512_ps(a), thr, _CMP_GT_OQ), j, iset1(1));
     if (map.is_signed) {
-      const __mmask16 neg = _mm512_test_epi32_mask(bits, iset1(0x80000000u)) & _mm512_test_epi32_mask(j, j);
+      const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) & _mm512_test_epi32_mask(j, j);
       j = _mm512_mask_add_epi32(j, neg, _mm512_min_epi32(j, iset1(127)), iset1(128));
+    } else {  // a nonzero x is never coded 0
+      j = _mm512_mask_max_epi32(j, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ), j, iset1(1));
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(j));
   }

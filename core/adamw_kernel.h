@@ -137,9 +137,10 @@ struct AdamWBody {
     v = V::fmadd(V::mul(omb2, g), g, V::mul(v, b2));
   }
 
-  // The new weight from the decayed p, the new m and the denominator's v.
-  inline F apply(F p, F m, F vd) const {
-    const F denom = V::add(V::div(V::sqrt(vd), bc2s), eps);
+  // The new weight from the decayed p, the new m and the denominator's v (or its square root).
+  inline F apply(F p, F m, F vd) const { return apply_root(p, m, V::sqrt(vd)); }
+  inline F apply_root(F p, F m, F root) const {
+    const F denom = V::add(V::div(root, bc2s), eps);
     return V::fmadd(nstep, V::div(m, denom), p);
   }
 
@@ -244,8 +245,8 @@ inline float* q8_scales(const void* codes, const AdamWTensor& t) {
 }
 
 // Updates the kQ8Block elements at offset i of the slice (block `blk` of it): pass one dequantises
-// m and v, updates them and p in fp32 and keeps the new moments in L1-resident buffers with their
-// largest magnitudes; pass two quantises them against those new scales. The block is read whole
+// m and u = sqrt(v), updates m, v and p in fp32 and keeps the new m and u in L1-resident buffers with
+// their largest magnitudes; pass two quantises them against those new scales. The block is read whole
 // before any of it is written, so in place works.
 template <class V, DType G, bool kCopy, DType C, bool kNtP, bool kNtCopy, class Body>
 inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk, typename V::F& bad,
@@ -258,15 +259,17 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
   for (int64_t k = 0; k < kQ8Block; k += W) {
     F p = V::load(x.p + i + k);
     F m = V::mul(V::decode_q8(ms.value, x.m + i + k), sm);
-    F v = V::mul(V::decode_q8(mu.value, x.v + i + k), sv);
+    const F u = V::mul(V::decode_q8(mu.value, x.v + i + k), sv);
+    F v = V::mul(u, u);
     body.moments(p, m, v, load_grad<V, G>(x.g, i + k), bad);
-    p = body.apply(p, m, v);
+    const F root = V::sqrt(v);
+    p = body.apply_root(p, m, root);
     store_f32<V, kNtP>(x.po + i + k, p);
     if constexpr (kCopy) store_copy<V, C, kNtCopy>(x.copy, i + k, p);
     V::store(mb + k, m);
-    V::store(vb + k, v);
+    V::store(vb + k, root);
     am = V::max(am, V::abs(m));
-    av = V::max(av, V::abs(v));
+    av = V::max(av, root);
   }
   const float amax_m = V::hmax(am), amax_v = V::hmax(av);
   const F im = V::set1(amax_m > 0.0f ? 1.0f / amax_m : 0.0f);

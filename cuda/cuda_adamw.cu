@@ -208,8 +208,7 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 __device__ __forceinline__ uint8_t q8_encode_dev(const float* mid, bool is_signed, float x) {
-  const int j = q8_magnitude_index(mid, fabsf(x));
-  return q8_code(is_signed, (__float_as_uint(x) >> 31) != 0, j);
+  return q8_code(is_signed, x, q8_magnitude_index(mid, fabsf(x)));
 }
 
 template <DType G, bool kW, DType WD>
@@ -244,12 +243,13 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t i = b + lane + 32 * k;
         m[k] = v[k] = 0.0f;
         if (i < end) {
-          Elem x{t.param[i], __fmul_rn(q.value_s[mc[i]], sm), __fmul_rn(q.value_u[vc[i]], sv), 0.0f};
+          const float u = __fmul_rn(q.value_u[vc[i]], sv);  // v's square root
+          Elem x{t.param[i], __fmul_rn(q.value_s[mc[i]], sm), __fmul_rn(u, u), 0.0f};
           update(x, load_grad<G>(t.grad, i), gscale, s);
           t.param[i] = x.p;
           if constexpr (kW) static_cast<uint16_t*>(t.weight)[i] = narrow<WD>(x.p);
-          m[k] = x.m, v[k] = x.v;
-          am = fmaxf(am, fabsf(x.m)), av = fmaxf(av, fabsf(x.v));
+          m[k] = x.m, v[k] = __fsqrt_rn(x.v);
+          am = fmaxf(am, fabsf(x.m)), av = fmaxf(av, v[k]);
         }
       }
       am = warp_max(am), av = warp_max(av);

@@ -11,8 +11,11 @@ from numbers import Integral, Real
 
 import torch
 
+from . import quant8
+
 # Codes shared with hytrain::DType in core/include/hytrain/dtype.h.
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+STATE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 3}  # uint8: 8-bit states (DType::q8)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -83,11 +86,27 @@ def integer(name: str, x, *, lo: int | None = None, hi: int | None = None) -> in
     return x
 
 
-STATE_DTYPES = (torch.float32, torch.bfloat16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+
+
+def state_numel(dtype, n: int) -> int:
+    """The elements of a moment of an n-element parameter: n, or for 8-bit states (uint8) the bytes
+    of its buffer (codes and block scales, hytrain.quant8)."""
+    return quant8.state_bytes(n) if dtype == torch.uint8 else n
+
+
+def state_tensor(name: str, t, *, dtype, n: int, device: str = "cpu") -> torch.Tensor:
+    """A moment buffer: ``tensor``'s checks with the state's size; 8-bit buffers 4-byte aligned (their
+    scales are fp32)."""
+    tensor(name, t, dtypes=(dtype,), numel=state_numel(dtype, n), device=device)
+    if dtype == torch.uint8 and t.data_ptr() % 4:
+        raise ValueError(f"{name} (an 8-bit state buffer) must start at a 4-byte aligned address")
+    return t
 
 
 def state_dtype(exp_avg, exp_avg_sq, *, amsgrad: bool) -> torch.dtype:
-    """The dtype of m and v: both float32, or both bfloat16 (compact states, without amsgrad)."""
+    """The dtype of m and v: both float32, both bfloat16 (compact states) or both uint8 (8-bit
+    states, hytrain.quant8); the compact formats without amsgrad."""
     dtype = getattr(exp_avg, "dtype", None)
     if dtype not in STATE_DTYPES:
         return torch.float32  # the tensor check names what is wrong
@@ -96,7 +115,8 @@ def state_dtype(exp_avg, exp_avg_sq, *, amsgrad: bool) -> torch.dtype:
         raise TypeError(f"exp_avg and exp_avg_sq must have one dtype; got {str(dtype).replace('torch.', '')} "
                         f"and {str(other).replace('torch.', '')}")
     if amsgrad and dtype != torch.float32:
-        raise ValueError("amsgrad needs float32 exp_avg and exp_avg_sq (compact bfloat16 states have no max_exp_avg_sq)")
+        raise ValueError("amsgrad needs float32 exp_avg and exp_avg_sq (compact bfloat16 and 8-bit states have no "
+                         "max_exp_avg_sq)")
     return dtype
 
 

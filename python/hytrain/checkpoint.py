@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .hybrid.settings import STATE_FORMATS
+from .hybrid.settings import moment_bytes
 
 FORMAT = 2
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt")
@@ -97,10 +97,10 @@ def state_bytes(model, opt) -> int:
     """About what a checkpoint of this model and optimizer takes on disk (weights and optimizer
     state; metadata only, nothing is copied)."""
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
-    moments = 2 * STATE_FORMATS[getattr(opt, "state_format", "fp32")].itemsize  # m and v
+    fmt = getattr(opt, "state_format", "fp32")
     for p in (p for g in opt.param_groups for p in g["params"]):
-        per = moments + (4 if p.dtype != torch.float32 or p.device.type == "cuda" else 0)
-        total += p.numel() * per
+        master = 4 if p.dtype != torch.float32 or p.device.type == "cuda" else 0
+        total += p.numel() * master + 2 * moment_bytes(fmt, p.numel())  # m and v
     return total + (1 << 20)
 
 

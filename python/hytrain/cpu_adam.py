@@ -80,14 +80,19 @@ def adamw_step(
     fp32 on their widened values and stores the new ones stochastically rounded, element ``i`` with
     random bits drawn from ``(seed, step, i)`` (the same on every SIMD path, thread count and on the
     GPU); amsgrad needs float32 states.
+
+    8-bit states: ``exp_avg`` and ``exp_avg_sq`` may both be flat uint8 buffers of
+    ``hytrain.quant8.state_bytes(n)`` bytes (codes and per-block scales; zeros are a fresh state).
+    Each block of 256 elements is dequantised, updated in fp32 and quantised again against its new
+    largest magnitude (``hytrain.quant8``).
     """
     fp32 = (torch.float32,)
     _checks.tensor("param", param, dtypes=fp32)
     n = param.numel()
     _checks.tensor("grad", grad, dtypes=tuple(_checks.DTYPE_CODES), numel=n)
     state_dtype = _checks.state_dtype(exp_avg, exp_avg_sq, amsgrad=amsgrad)
-    _checks.tensor("exp_avg", exp_avg, dtypes=(state_dtype,), numel=n)
-    _checks.tensor("exp_avg_sq", exp_avg_sq, dtypes=(state_dtype,), numel=n)
+    _checks.state_tensor("exp_avg", exp_avg, dtype=state_dtype, n=n)
+    _checks.state_tensor("exp_avg_sq", exp_avg_sq, dtype=state_dtype, n=n)
     seed = _checks.integer("seed", seed, lo=0, hi=2**32 - 1)
     if amsgrad:
         if max_exp_avg_sq is None:
@@ -111,5 +116,5 @@ def adamw_step(
         addr(param), addr(exp_avg), addr(exp_avg_sq), addr(max_exp_avg_sq), addr(grad),
         _checks.DTYPE_CODES[grad.dtype], addr(param_copy), copy_code, n,
         lr, beta1, beta2, eps, weight_decay, step, bool(decoupled), bool(amsgrad), grad_scale,
-        threads, path, _checks.DTYPE_CODES[state_dtype], seed, 0,
+        threads, path, _checks.STATE_CODES[state_dtype], seed, 0,
     )

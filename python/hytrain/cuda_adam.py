@@ -26,8 +26,9 @@ class CudaAdamW:
 
     Args:
         params: fp32 CUDA tensors, contiguous, one device.
-        exp_avgs, exp_avg_sqs: all fp32, or all bf16 (compact states: updated in fp32, stored
-            stochastically rounded exactly as :func:`hytrain.adamw_step` rounds them).
+        exp_avgs, exp_avg_sqs: all fp32, all bf16 (compact states: updated in fp32, stored
+            stochastically rounded exactly as :func:`hytrain.adamw_step` rounds them), or all
+            8-bit buffers (uint8, ``hytrain.quant8``: quantised exactly as the CPU kernel does).
         grads: gradients, all fp32, all bf16 or all fp16, matching sizes.
         weights: optional bf16/fp16 model weights receiving the updated values.
         max_exp_avg_sqs: required with ``amsgrad=True`` (fp32 states only).
@@ -77,7 +78,10 @@ class CudaAdamW:
             n = _checks.tensor(f"params[{i}]", p, dtypes=_FP32, device="cuda").numel()
             ts = {k: seq[i] for k, seq in lists.items()}
             for k, t in ts.items():
-                _checks.tensor(f"{k}[{i}]", t, dtypes=allowed[k], numel=n, device="cuda")
+                if k in ("exp_avgs", "exp_avg_sqs"):
+                    _checks.state_tensor(f"{k}[{i}]", t, dtype=state, n=n, device="cuda")
+                else:
+                    _checks.tensor(f"{k}[{i}]", t, dtypes=allowed[k], numel=n, device="cuda")
                 if t.device != device:
                     raise ValueError(f"{k}[{i}] is on {t.device} but params[0] is on {device}")
             _checks.distinct(**{f"{k}[{i}]": t for k, t in ts.items()})
@@ -94,7 +98,7 @@ class CudaAdamW:
             rows, _checks.DTYPE_CODES[grad_dtype], weights is not None,
             _checks.DTYPE_CODES[weight_dtype] if weight_dtype is not None else 1, self.amsgrad,
             device.index if device.index is not None else torch.cuda.current_device(),
-            _checks.DTYPE_CODES[state])
+            _checks.STATE_CODES[state])
         self.state_dtype = state
 
     def step(self, *, step: int, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,

@@ -1,6 +1,6 @@
 // 8-bit blockwise Adam states on the CPU (quant8.h). The maps are rebuilt here from their
 // definition; the encoder is checked against a linear scan over every midpoint on values that hit
-// each bucket and midpoint; one step from fresh random codes and scales is checked against a
+// each bucket and midpoint (v's map codes its square root, a nonzero one never as 0); one step from fresh random codes and scales is checked against a
 // float64 reference on every compiled SIMD path the CPU runs (odd sizes, partial last blocks); and
 // every vector width, thread count, UpdateEngine slicing and out-of-place update gives the same bytes.
 #include <algorithm>
@@ -39,7 +39,8 @@ std::vector<float> magnitudes(bool is_signed) {
 uint8_t code_by_scan(const std::vector<float>& a, bool is_signed, float x) {
   int j = 0;
   for (size_t i = 0; i + 1 < a.size(); ++i) j += std::fabs(x) > (a[i] + a[i + 1]) * 0.5f;
-  if (!is_signed || !std::signbit(x)) return static_cast<uint8_t>(j);
+  if (!is_signed) return static_cast<uint8_t>(j == 0 && x > 0 ? 1 : j);  // nonzero is never 0
+  if (!std::signbit(x)) return static_cast<uint8_t>(j);
   return j == 0 ? 0 : static_cast<uint8_t>(128 + std::min(j, 127));
 }
 
@@ -146,7 +147,7 @@ TEST(q8_encoder_counts_the_midpoints_below_x) {
       if (!sg && std::signbit(x)) x = -x;
       const uint8_t want = code_by_scan(a, sg, x);
       wrong += q8_encode(map, x) != want;
-      wrong_search += q8_code(sg, std::signbit(x), q8_magnitude_index(map.mid, std::fabs(x))) != want;
+      wrong_search += q8_code(sg, x, q8_magnitude_index(map.mid, std::fabs(x))) != want;
     }
     CHECK_MSG(wrong == 0 && wrong_search == 0, "%s map: %lld codes off by the bucket table, %lld by the search",
               sg ? "signed" : "unsigned", static_cast<long long>(wrong), static_cast<long long>(wrong_search));
@@ -170,7 +171,8 @@ TEST(q8_step_matches_float64_on_every_path) {
         double am = 0, av = 0;
         for (int64_t i = lo; i < hi; ++i) {
           const double m0 = double(decode(as, true, in.m[i])) * ref_in.sm()[b];
-          const double v0 = double(decode(au, false, in.v[i])) * ref_in.sv()[b];
+          const double u0 = double(decode(au, false, in.v[i])) * ref_in.sv()[b];  // v is kept as its root
+          const double v0 = u0 * u0;
           const double g = double(bf16_to_f32(in.g[i])) * c.grad_scale;
           m[i - lo] = m0 + (1.0 - c.beta1) * (g - m0);
           v[i - lo] = c.beta2 * v0 + (1.0 - c.beta2) * g * g;
@@ -179,7 +181,7 @@ TEST(q8_step_matches_float64_on_every_path) {
           bad_p += std::fabs(o.p[i] - p) > 2e-6 * std::fmax(std::fabs(p), 1e-3) + 1e-5 * std::fabs(u);
           bad_copy += o.copy[i] != f32_to_bf16(o.p[i]);
           am = std::max(am, std::fabs(m[i - lo]));
-          av = std::max(av, v[i - lo]);
+          av = std::max(av, std::sqrt(v[i - lo]));
         }
         State& oo = const_cast<State&>(o);
         const double sm = oo.sm()[b], sv = oo.sv()[b];
@@ -189,7 +191,7 @@ TEST(q8_step_matches_float64_on_every_path) {
           // midpoint, the code on the other side of it is right too.
           for (int k = 0; k < 2; ++k) {
             const bool sg = k == 0;
-            const double x = (sg ? m : v)[i - lo] / (sg ? sm : sv);
+            const double x = (sg ? m[i - lo] : std::sqrt(v[i - lo])) / (sg ? sm : sv);
             const uint8_t got = (sg ? o.m : o.v)[i];
             const std::vector<float>& a = sg ? as : au;
             bool ok = false;

@@ -2,10 +2,14 @@
 // Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization").
 //
 // A moment of n elements is one byte buffer of q8_state_bytes(n): n one-byte codes, padded to a
-// multiple of 64 bytes, then one fp32 scale per block of kQ8Block elements (the block's largest
-// |value|; blocks start at element 0 of the parameter). Element i holds value[code_i] * scale, where
-// value is a 256-entry map over [-1, 1] (m: signed) or [0, 1] (v: unsigned). All-zero bytes are the
-// zero state (every scale 0), so zero-filled memory is a fresh optimizer state, and a buffer moves
+// multiple of 64 bytes, then one fp32 scale per block of kQ8Block elements (blocks start at element
+// 0 of the parameter). m: element i is value[code_i] * scale under the signed map over [-1, 1], the
+// scale being the block's largest |m|. v is kept as its square root, u = sqrt(v) (the update divides
+// by it): u_i = value[code_i] * scale under the unsigned map over [0, 1], the scale being the block's
+// largest u, and v_i = u_i * u_i. So v's codes span seven decades of the gradient's size, as m's do,
+// rather than of its square; and a nonzero u is never coded 0 (the smallest nonzero code instead):
+// a v rounded to zero under a nonzero m would make the update m / eps. All-zero bytes are the zero
+// state (every scale 0), so zero-filled memory is a fresh optimizer state, and a buffer moves
 // between host and GPU as a plain copy.
 //
 // The maps ("dynamic tree" quantisation): magnitudes in decades 10^-d (d = 0..6), each decade cut
@@ -16,8 +20,8 @@
 // Encoding (the definition every path computes exactly): the magnitudes A[0] = 0 < A[1] < ... of the
 // map and the float midpoints mid[i] = (A[i] + A[i+1]) * 0.5f; x in [-1, 1] (already divided by the
 // block's scale) has magnitude index j = #{i : |x| > mid[i]} (nearest, ties to the smaller
-// magnitude). Unsigned: code j. Signed: code j for x >= 0, 128 + min(j, 127) for x < 0 with j > 0
-// (the map has +1 but no -1), and 0 for x < 0 with j = 0. The CPU finds j with a bucket table on
+// magnitude). Unsigned: code j, or 1 where j = 0 < x. Signed: code j for x >= 0, 128 + min(j, 127)
+// for x < 0 with j > 0 (the map has +1 but no -1), and 0 for x < 0 with j = 0. The CPU finds j with a bucket table on
 // |x|'s top bits and one comparison; the GPU with a binary search over mid; both count the same.
 #pragma once
 
@@ -67,10 +71,11 @@ HYTRAIN_HOST_DEVICE inline int q8_magnitude_index(const float* mid, float ax) {
   return j;
 }
 
-// The code of x from its magnitude index j (see above).
-HYTRAIN_HOST_DEVICE inline uint8_t q8_code(bool is_signed, bool negative, int j) {
-  if (!is_signed || !negative) return static_cast<uint8_t>(j);
-  return j == 0 ? 0 : static_cast<uint8_t>(128 + (j < 127 ? j : 127));
+// The code of x from its magnitude index j and sign (see above).
+HYTRAIN_HOST_DEVICE inline uint8_t q8_code(bool is_signed, float x, int j) {
+  if (!is_signed) return static_cast<uint8_t>(j == 0 && x > 0.0f ? 1 : j);
+  if (!(x < 0.0f) || j == 0) return static_cast<uint8_t>(j);  // -0 has j = 0
+  return static_cast<uint8_t>(128 + (j < 127 ? j : 127));
 }
 
 // Scalar encoder with the bucket table (what the SIMD paths do lane by lane).
@@ -81,7 +86,7 @@ inline uint8_t q8_encode(const Q8Map& map, float x) {
   b = b < 0 ? 0 : (b >= kQ8Buckets ? kQ8Buckets - 1 : b);
   int j = map.bucket[b];
   j += bits_f32(a) > map.mid[j] ? 1 : 0;
-  return q8_code(map.is_signed, (bits >> 31) != 0, j);
+  return q8_code(map.is_signed, x, j);
 }
 
 }  // namespace hytrain

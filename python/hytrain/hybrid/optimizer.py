@@ -59,8 +59,8 @@ class HybridAdamW(torch.optim.Optimizer):
             allocating (default: 75 % of the machine's memory, which leaves room for the rest of
             the process, page cache and the system).
         accumulation_steps: micro-batches per step; blocks are updated after the last one.
-        state_format: ``"fp32"`` (default) or ``"bf16"``: m and v in bfloat16 beside fp32 masters (8 bytes of
-            state per parameter, not 12), updated in fp32 and stored stochastically rounded; no amsgrad.
+        state_format: ``"fp32"`` (default); ``"bf16"``: m and v stochastically rounded to bfloat16 (8 bytes of
+            state per parameter, not 12); ``"8bit"``: blockwise-quantised m and v (about 6). Neither with amsgrad.
         workers: CPU update threads (default: this process's share of the node's cores -- under
             torchrun the cores divided by LOCAL_WORLD_SIZE -- less one, for the training thread).
         pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
@@ -134,7 +134,7 @@ class HybridAdamW(torch.optim.Optimizer):
     gpu_memory_limit = _view("planner.gpu_memory_limit", "The GPU memory the planner budgets within (bytes).")
     timeline = _view("timeline", "The recorded iterations (``trace=True``), from the first step on.")
     speculation_counts = _view("speculation_counts", "Speculated block updates so far: adopted and redone.")
-    state_format = _view("settings.state_format", "The format of m and v: 'fp32' or 'bf16' (set at construction).")
+    state_format = _view("settings.state_format", "The format of m and v: 'fp32', 'bf16', '8bit' (at construction).")
     last_grad_norm = _view("intake.last_grad_norm", "The last step's global gradient norm before clipping "
                            "(when clipping), else None.")
 

@@ -47,8 +47,8 @@ class BlockPlan:
     table is its index here); ``frozen``: those without; ``blocks``: lists of parameters in forward
     order."""
 
-    def __init__(self, param_groups, *, model=None, blocks=None, bucket_elements=4 << 20, state_size=4):
-        self.state_size = state_size  # bytes of one element of m or v
+    def __init__(self, param_groups, *, model=None, blocks=None, bucket_elements=4 << 20, moment_bytes=None):
+        self.moment_bytes = moment_bytes or (lambda n: 4 * n)  # bytes of m (or v) of an n-element parameter
         everything = [p for g in param_groups for p in g["params"]]
         check_param_list(everything)
         self.params = [p for p in everything if p.requires_grad]
@@ -87,7 +87,7 @@ class BlockPlan:
 
     def sizes(self):
         """Per block: elements (at least 1), weight bytes, and the bytes its states take on the GPU
-        (m and v of ``state_size`` bytes, fp32 max v, master for low-precision weights, and the
+        (m and v of ``moment_bytes``, fp32 max v, master for low-precision weights, and the
         gradient buffer)."""
         numel, weight, state = [], [], []
         for blk in self.blocks:
@@ -96,10 +96,10 @@ class BlockPlan:
                 e = local(p).numel()
                 n += e
                 w += e * p.element_size()
-                per = 2 * self.state_size + (4 if self.amsgrad(p) else 0) + p.element_size()
+                per = (4 if self.amsgrad(p) else 0) + p.element_size()
                 if p.dtype != torch.float32:
                     per += 4  # master
-                s += e * per
+                s += e * per + 2 * self.moment_bytes(e)
             numel.append(max(1, n))
             weight.append(w)
             state.append(s)

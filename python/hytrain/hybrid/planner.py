@@ -148,8 +148,9 @@ class Planner:
         """alpha's GPU side before any block runs there: the fused AdamW on 4 M scratch elements."""
         n, device = 1 << 22, self.store.device
         dtype = self.plan.blocks[0][0].dtype
-        sd = self.settings.state_dtype
-        t = [torch.zeros(n, device=device), *(torch.zeros(n, dtype=sd, device=device) for _ in range(2))]
+        st = self.settings
+        t = [torch.zeros(n, device=device),
+             *(torch.zeros(st.moment_shape((n,)), dtype=st.state_dtype, device=device) for _ in range(2))]
         g = torch.full((n,), 1e-3, dtype=dtype, device=device)
         w = torch.empty(n, dtype=dtype, device=device) if dtype != torch.float32 else None
         fused = CudaAdamW([t[0]], [t[1]], [t[2]], [g], weights=[w] if w is not None else None)
@@ -166,7 +167,8 @@ class Planner:
         """c, the CPU side, before any block runs there: the workers' AdamW on 4 M scratch elements."""
         n, workers = 1 << 22, self.settings.workers
         dtype = self.plan.blocks[0][0].dtype
-        w, (m, v) = torch.zeros(n), (torch.zeros(n, dtype=self.settings.state_dtype) for _ in range(2))
+        st = self.settings
+        w, (m, v) = torch.zeros(n), (torch.zeros(st.moment_shape((n,)), dtype=st.state_dtype) for _ in range(2))
         g = torch.full((n,), 1e-3, dtype=dtype)
         copy = torch.empty(n, dtype=dtype) if dtype != torch.float32 else None
         adamw_step(w, g, m, v, step=1, param_copy=copy, num_threads=workers)

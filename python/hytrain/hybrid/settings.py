@@ -4,18 +4,32 @@ changed by none but ``set_gpu_blocks`` (k) and the planner (k, when auto)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .. import _checks
+from .. import _checks, quant8
 from ..distributed import default_workers
 from ..pool import PinnedPool, physical_memory_bytes
 
 
-# The optimizer-state formats: the dtype of Adam's m and v (the master weights stay fp32).
-STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The optimizer-state formats: the dtype of Adam's m and v (the master weights stay fp32); "8bit":
+# blockwise-quantised m and v, each one flat uint8 buffer of codes and block scales (hytrain.quant8).
+STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
+
+
+def moment_shape(state_format, shape) -> tuple:
+    """The shape of m's (and v's) buffer for a parameter of ``shape``: its own, or flat 8-bit bytes."""
+    if state_format == "8bit":
+        return (quant8.state_bytes(math.prod(shape)),)
+    return tuple(shape)
+
+
+def moment_bytes(state_format, n) -> int:
+    """The bytes of m (or v) of an n-element parameter."""
+    return quant8.state_bytes(n) if state_format == "8bit" else n * STATE_FORMATS[state_format].itemsize
 
 
 @dataclass
@@ -38,11 +52,17 @@ class Settings:
     model: nn.Module | None
     blocks: list | None
     bucket_elements: int
-    state_format: str  # "fp32", or "bf16": m and v in bfloat16 (STATE_FORMATS)
+    state_format: str  # "fp32", "bf16" (m and v in bfloat16) or "8bit" (STATE_FORMATS)
 
     @property
     def state_dtype(self) -> torch.dtype:
         return STATE_FORMATS[self.state_format]
+
+    def moment_shape(self, shape) -> tuple:
+        return moment_shape(self.state_format, shape)
+
+    def moment_bytes(self, n) -> int:
+        return moment_bytes(self.state_format, n)
 
 
 def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, schedule_every, gpu_memory_limit,
@@ -148,9 +168,15 @@ def check_group_values(param_groups, amsgrad_bound=None, state_format="fp32") ->
 
 
 def check_state_value(i, key, val, shape) -> None:
-    """A loaded state tensor must have the shape of the buffer it goes into and a floating dtype."""
+    """A loaded state tensor must have the parameter's shape (``shape``) and a floating dtype; m and
+    v may instead be 8-bit buffers (uint8, of the parameter's size), converted on the way in."""
     if key == "step" and isinstance(val, torch.Tensor) and val.numel() == 1:
         shape = val.shape  # torch keeps step as a 0-d tensor; older checkpoints as one element
+    if key in ("exp_avg", "exp_avg_sq") and isinstance(val, torch.Tensor) and val.dtype == torch.uint8:
+        if val.shape != moment_shape("8bit", shape):
+            raise ValueError(f"parameter {i}: 8-bit state {key!r} has shape {tuple(val.shape)}, expected "
+                             f"{moment_shape('8bit', shape)} (codes and block scales of {math.prod(shape)} elements)")
+        return
     if not isinstance(val, torch.Tensor) or val.shape != shape:
         raise ValueError(f"parameter {i}: state {key!r} has shape {getattr(val, 'shape', None)}, "
                          f"expected {tuple(shape)}")

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .. import _checks
+from .. import _checks, quant8
 from .._native import native
 from ..cuda_adam import CudaAdamW
 from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
@@ -51,6 +51,17 @@ def check_params(params) -> torch.device:
     if device.type == "cuda" and not native().cuda_available():
         raise RuntimeError("CUDA parameters need hytrain built with CUDA (this build has no GPU support)")
     return device
+
+
+def _converted(src, dst, key):
+    """A loaded m or v in the format of the buffer it goes into: 8-bit buffers are quantised from
+    (or dequantised into) floating values, exactly as the kernels quantise; floating formats are
+    cast by the copy (fp32 into bf16 rounds to nearest)."""
+    if key not in ("exp_avg", "exp_avg_sq") or (src.dtype == torch.uint8) == (dst.dtype == torch.uint8):
+        return src
+    if dst.dtype == torch.uint8:
+        return quant8.quantize(src, key)
+    return quant8.dequantize(src, dst.numel(), key).view(dst.shape)
 
 
 class StateStore:
@@ -176,7 +187,7 @@ class StateStore:
         return "fp32 master, m and v" + ("" if fmt == "fp32" else f" in {fmt}")
 
     def _state_code(self) -> int:
-        return _checks.DTYPE_CODES[self.settings.state_dtype]
+        return _checks.STATE_CODES[self.settings.state_dtype]
 
     def _count(self) -> str:
         n = sum(local(p).numel() for p in self.plan.params)
@@ -210,7 +221,7 @@ class StateStore:
             n = local(p).numel()
             if not n:
                 continue
-            sizes = [self.plan.state_size * n] * 2 + ([4 * n] if self.plan.amsgrad(p) else [])  # m, v, max v
+            sizes = [self.plan.moment_bytes(n)] * 2 + ([4 * n] if self.plan.amsgrad(p) else [])  # m, v, max v
             if p.dtype != torch.float32 or self.cuda:
                 sizes.append(4 * n)  # master
             if self.cuda:
@@ -221,6 +232,10 @@ class StateStore:
     def _dtype(self, key) -> torch.dtype:
         """m and v in the state format's dtype; the master (and amsgrad's max v) in fp32."""
         return self.settings.state_dtype if key in STATE_KEYS[:2] else torch.float32
+
+    def _shape(self, w, key) -> tuple:
+        """m and v shaped for the state format (8-bit: flat buffers); the rest like the weights."""
+        return self.settings.moment_shape(w.shape) if key in STATE_KEYS[:2] else w.shape
 
     def _keys(self, p):
         """The state's tensors (with the fp32 master for every CUDA or low-precision parameter)."""
@@ -238,7 +253,7 @@ class StateStore:
         w = local(p)
         st["step"] = torch.zeros((), dtype=torch.float32)
         if on_gpu and w.numel():
-            d = {key: torch.zeros(w.shape, dtype=self._dtype(key), device=self.device)
+            d = {key: torch.zeros(self._shape(w, key), dtype=self._dtype(key), device=self.device)
                  for key in self._keys(p) if key != "master"}
             # (an fp32 weight is its own master)
             d["master"] = w.detach().float() if p.dtype != torch.float32 else w.detach()
@@ -276,7 +291,7 @@ class StateStore:
             empty = zeros
         out = {}
         for key in self._keys(p):
-            out[key] = (zeros if fill and key != "master" else empty)(w.shape, self._dtype(key))
+            out[key] = (zeros if fill and key != "master" else empty)(self._shape(w, key), self._dtype(key))
         if fill and "master" in out:
             out["master"].copy_(w.detach())
         if self.cuda:
@@ -359,9 +374,9 @@ class StateStore:
                 if reset_missing:
                     for key in ("step", *STATE_KEYS):
                         if key in mine:
-                            plan.append((mine[key], None))
+                            plan.append((mine[key], None, key))
                     if "master" in mine:
-                        plan.append((mine["master"], local(p).detach()))
+                        plan.append((mine["master"], local(p).detach(), "master"))
                 continue
             for key, val in entry.items():
                 if key == "master" and key not in mine:
@@ -373,13 +388,13 @@ class StateStore:
                 else:
                     raise ValueError(f"parameter {self.plan.index(p)}: state {key!r} does not fit this "
                                      "optimizer (amsgrad differs?)")
-                plan.append((dst, val))
+                plan.append((dst, val, key))
         with torch.no_grad():
-            for dst, src in plan:
+            for dst, src, key in plan:
                 if src is None:
                     dst.zero_()
                 else:
-                    dst.copy_(local(src))
+                    dst.copy_(_converted(local(src), dst, key))
         self.note_weight_versions(sharded=sharded)  # the loaded masters are what the next update starts from
 
     # -- placement: moves between host and GPU ----------------------------------------------------------
