@@ -41,17 +41,18 @@ Q8Map build(bool is_signed) {
   // Buckets: count the midpoints below each bucket's smallest float; check that no bucket holds two.
   int j = 0;
   for (int32_t b = 0; b < kQ8Buckets; ++b) {
-    const float lo = bits_f32(static_cast<uint32_t>(b + kQ8BucketLo) << kQ8BucketShift);
+    const uint32_t lo_bits = static_cast<uint32_t>(b + kQ8BucketLo) << kQ8BucketShift;
+    const float lo = bits_f32(lo_bits);
     const float hi = bits_f32(static_cast<uint32_t>(b + 1 + kQ8BucketLo) << kQ8BucketShift);
     while (m.mid[j] < lo) ++j;
-    m.bucket[b] = static_cast<int16_t>(b == 0 ? 0 : j);
+    HYTRAIN_CHECK(b > 0 || j == 0, "q8 map: a midpoint below the lowest bucket");
     int inside = 0;
-    for (int k = m.bucket[b]; k < 256 && m.mid[k] < hi; ++k) ++inside;
-    HYTRAIN_CHECK(b == kQ8Buckets - 1 || inside <= 1, "q8 map: a bucket holds two midpoints");
+    for (int k = j; k < 256 && m.mid[k] < hi; ++k) ++inside;
+    HYTRAIN_CHECK(inside <= 1 && (inside == 0 || (b > 0 && b < kQ8Buckets - 1)),
+                  "q8 map: a bucket holds two midpoints, or an end bucket one");
+    m.enc[b] = j;
+    if (inside) m.enc[b] |= (1 << 23) | static_cast<int32_t>((f32_bits(m.mid[j]) & 0x7FFFu) << 8);
   }
-  HYTRAIN_CHECK(m.mid[0] > bits_f32(static_cast<uint32_t>(kQ8BucketLo + 1) << kQ8BucketShift),
-                "q8 map: the first midpoint is inside the lowest bucket");
-  m.bucket[kQ8Buckets] = m.bucket[kQ8Buckets + 1] = 0;
   return m;
 }
 

@@ -1,8 +1,8 @@
 // 8-bit blockwise Adam states on the CPU (quant8.h). The maps are rebuilt here from their
 // definition; the encoder is checked against a linear scan over every midpoint on values that hit
-// each bucket and midpoint (v's map codes its square root, a nonzero one never as 0); one step from fresh random codes and scales is checked against a
-// float64 reference on every compiled SIMD path the CPU runs (odd sizes, partial last blocks); and
-// every vector width, thread count, UpdateEngine slicing and out-of-place update gives the same bytes.
+// each bucket and midpoint (v's map codes its square root, a nonzero one never as 0); one step from
+// fresh random codes and scales is checked against a float64 reference on every compiled SIMD path
+// the CPU runs (odd sizes, partial last blocks); and every vector width, thread count, UpdateEngine slicing and out-of-place update gives the same bytes.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

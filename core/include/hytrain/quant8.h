@@ -21,8 +21,9 @@
 // map and the float midpoints mid[i] = (A[i] + A[i+1]) * 0.5f; x in [-1, 1] (already divided by the
 // block's scale) has magnitude index j = #{i : |x| > mid[i]} (nearest, ties to the smaller
 // magnitude). Unsigned: code j, or 1 where j = 0 < x. Signed: code j for x >= 0, 128 + min(j, 127)
-// for x < 0 with j > 0 (the map has +1 but no -1), and 0 for x < 0 with j = 0. The CPU finds j with a bucket table on
-// |x|'s top bits and one comparison; the GPU with a binary search over mid; both count the same.
+// for x < 0 with j > 0 (the map has +1 but no -1), and 0 for x < 0 with j = 0. The CPU finds j
+// with one read of a table indexed by |x|'s top bits (enc); the GPU with a binary search over mid;
+// both count the same.
 #pragma once
 
 #include <cstdint>
@@ -53,10 +54,12 @@ struct Q8Map {
   int magnitudes = 0;     // entries of A: 129 (signed) or 256 (unsigned)
   float value[256];       // code -> value in [-1, 1]
   float mid[256];         // mid[i] between A[i] and A[i+1]; +infinity from magnitudes - 1 on
-  // bucket[b]: #{i : mid[i] < the smallest float of bucket b}; each bucket holds at most one
-  // midpoint, so j = bucket[b] + (|x| > mid[bucket[b]]). Two entries of padding: the vector paths
-  // gather 32 bits at 2-byte offsets.
-  int16_t bucket[kQ8Buckets + 2];
+  // enc[b], for bucket b (the floats whose bits >> 15 are b + kQ8BucketLo): bits 0-7 hold
+  // #{i : mid[i] < the bucket's smallest float}; a bucket holds at most one midpoint, and where it
+  // holds one, bit 23 is set and bits 8-22 hold the midpoint's low 15 bits. Within a bucket every
+  // float has the same high bits, so |x| > that midpoint exactly when its low 15 bits are greater:
+  // j = (enc & 0xFF) + (bit 23 && (bits(|x|) & 0x7FFF) > ((enc >> 8) & 0x7FFF)), one table read.
+  int32_t enc[kQ8Buckets];
 };
 
 // The two maps, built once (thread-safe).
@@ -84,8 +87,8 @@ inline uint8_t q8_encode(const Q8Map& map, float x) {
   const uint32_t a = bits & 0x7FFFFFFFu;
   int32_t b = static_cast<int32_t>(a >> kQ8BucketShift) - kQ8BucketLo;
   b = b < 0 ? 0 : (b >= kQ8Buckets ? kQ8Buckets - 1 : b);
-  int j = map.bucket[b];
-  j += bits_f32(a) > map.mid[j] ? 1 : 0;
+  const int32_t e = map.enc[b];
+  const int j = (e & 0xFF) + (((e >> 23) & 1) && static_cast<int32_t>(a & 0x7FFF) > ((e >> 8) & 0x7FFF) ? 1 : 0);
   return q8_code(map.is_signed, x, j);
 }
 
