@@ -69,9 +69,26 @@ struct VecAvx2 {
     m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
     return _mm_cvtss_f32(m);
   }
-  static F decode_q8(const float* value, const uint8_t* codes) {
+  // quant8.h's groups: j the magnitude index (signed) or code + 1 (unsigned), G its float exponent,
+  // the part j - 2^G; fmaf(part, step_L, base_L) with L = G (signed) or G - 1 (unsigned).
+  static F decode_q8(const Q8Map& map, const uint8_t* codes) {
     const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
-    return _mm256_i32gather_ps(value, c, 4);
+    __m256i j, sign = _mm256_setzero_si256();
+    if (map.is_signed) {
+      const __m256i neg = _mm256_cmpgt_epi32(c, iset1(128));
+      j = _mm256_sub_epi32(c, _mm256_and_si256(neg, iset1(128)));
+      sign = _mm256_and_si256(neg, iset1(0x80000000u));
+    } else {
+      j = _mm256_add_epi32(c, iset1(1));
+    }
+    const __m256 jf = _mm256_cvtepi32_ps(j);
+    const __m256i e = _mm256_srli_epi32(_mm256_castps_si256(jf), 23);  // 127 + G (0 for j = 0)
+    const __m256 part = _mm256_sub_ps(jf, _mm256_castsi256_ps(_mm256_slli_epi32(e, 23)));
+    const __m256i L = _mm256_sub_epi32(e, iset1(map.is_signed ? 127 : 128));
+    const __m256 x = _mm256_fmadd_ps(part, _mm256_permutevar8x32_ps(_mm256_loadu_ps(map.group + 8), L),
+                                     _mm256_permutevar8x32_ps(_mm256_loadu_ps(map.group), L));
+    const __m256i zero = _mm256_cmpeq_epi32(c, _mm256_setzero_si256());  // code 0 is 0 in both maps
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_andnot_si256(zero, _mm256_castps_si256(x)), sign));
   }
   static void store_q8(uint8_t* out, F x, const Q8Map& map) {
     const __m256i bits = _mm256_castps_si256(x);

@@ -66,9 +66,28 @@ struct VecAvx512 {
 
   static F abs(F x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), iset1(0x7FFFFFFFu))); }
   static float hmax(F x) { return _mm512_reduce_max_ps(x); }
-  static F decode_q8(const float* value, const uint8_t* codes) {
+  // quant8.h's groups: j the magnitude index (signed) or code + 1 (unsigned), G its float exponent,
+  // the part j - 2^G; fmaf(part, step_L, base_L) with L = G (signed) or G - 1 (unsigned).
+  static F decode_q8(const Q8Map& map, const uint8_t* codes) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-    return _mm512_i32gather_ps(c, value, 4);
+    __m512i j, sign = _mm512_setzero_si512();
+    if (map.is_signed) {
+      const __mmask16 neg = _mm512_cmpgt_epi32_mask(c, iset1(128));
+      j = _mm512_mask_sub_epi32(c, neg, c, iset1(128));
+      sign = _mm512_maskz_mov_epi32(neg, iset1(0x80000000u));
+    } else {
+      j = _mm512_add_epi32(c, iset1(1));
+    }
+    const __m512 jf = _mm512_cvtepi32_ps(j);
+    const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(jf), 23);  // 127 + G (0 for j = 0)
+    const __m512 part = _mm512_sub_ps(jf, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+    const __m512i L = _mm512_sub_epi32(e, iset1(map.is_signed ? 127 : 128));
+    const __m512 tables = _mm512_loadu_ps(map.group);  // bases in lanes 0..7, steps in 8..15
+    const __m512i Lm = _mm512_and_si512(L, iset1(7));
+    const __m512 x = _mm512_fmadd_ps(part, _mm512_permutexvar_ps(_mm512_add_epi32(Lm, iset1(8)), tables),
+                                     _mm512_permutexvar_ps(Lm, tables));
+    const __mmask16 nonzero = _mm512_test_epi32_mask(c, c);  // code 0 is 0 in both maps
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_maskz_mov_epi32(nonzero, _mm512_castps_si512(x)), sign));
   }
   static void store_q8(uint8_t* out, F x, const Q8Map& map) {
     const __m512i bits = _mm512_castps_si512(x);

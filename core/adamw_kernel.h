@@ -6,8 +6,8 @@
 // pack_bf16/pack_f16 (round to nearest even into W 16-bit values), pack_bf16_sr (stochastic
 // rounding with 16 random bits per lane) and store_half, set1, add, sub, mul, div, sqrt, max,
 // fmadd(a,b,c) = a*b+c, any_nan; I (W uint32 lanes) with iset1, lanes(at) = at + lane, iadd, ixor,
-// iand, imul (low 32 bits), isrl<n>; for 8-bit states abs, hmax (the largest lane), decode_q8 (W
-// codes through a map's value table) and store_q8 (W codes of x, quant8.h's encoding); and kStream: whether stream and stream_half
+// iand, imul (low 32 bits), isrl<n>; for 8-bit states abs, hmax (the largest lane), decode_q8 (the
+// values of W codes under a map) and store_q8 (W codes of x, quant8.h's encoding); and kStream: whether stream and stream_half
 // (non-temporal stores to aligned addresses) and fence exist. The tail (fewer than W elements) goes through W-element stack buffers,
 // so every path handles any size with the same full-width code and no allocation.
 //
@@ -258,8 +258,8 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
   F am = V::set1(0.0f), av = V::set1(0.0f);
   for (int64_t k = 0; k < kQ8Block; k += W) {
     F p = V::load(x.p + i + k);
-    F m = V::mul(V::decode_q8(ms.value, x.m + i + k), sm);
-    const F u = V::mul(V::decode_q8(mu.value, x.v + i + k), sv);
+    F m = V::mul(V::decode_q8(ms, x.m + i + k), sm);
+    const F u = V::mul(V::decode_q8(mu, x.v + i + k), sv);
     F v = V::mul(u, u);
     body.moments(p, m, v, load_grad<V, G>(x.g, i + k), bad);
     const F root = V::sqrt(v);

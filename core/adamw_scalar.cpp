@@ -41,7 +41,7 @@ struct VecScalar {
 
   static F abs(F x) { return std::fabs(x); }
   static float hmax(F x) { return x; }
-  static F decode_q8(const float* value, const uint8_t* codes) { return value[*codes]; }
+  static F decode_q8(const Q8Map& map, const uint8_t* codes) { return map.value[*codes]; }
   static void store_q8(uint8_t* out, F x, const Q8Map& map) { *out = q8_encode(map, x); }
 };
 

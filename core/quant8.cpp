@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -15,19 +16,23 @@ namespace {
 Q8Map build(bool is_signed) {
   Q8Map m{};
   m.is_signed = is_signed;
-  // Magnitudes: 0, the decades from the smallest up, 1.
-  std::vector<double> mags{0.0};
-  for (int d = 6; d >= 0; --d) {
-    const int parts = 1 << ((is_signed ? 6 : 7) - d);
-    for (int j = 0; j < parts; ++j) {
-      mags.push_back(std::pow(10.0, -d) * (0.1 + 0.9 * (j + 0.5) / parts));
-    }
+  // Magnitudes: 0; group L = 0..6 (decade 10^-(6-L), parts = 2^L signed or 2^(L+1) unsigned), part
+  // j at fmaf(j, step_L, base_L); 1 (group 7: base 1, step 0).
+  for (int L = 0; L < 8; ++L) {
+    const double scale = std::pow(10.0, L - 6), parts = std::ldexp(1.0, is_signed ? L : L + 1);
+    m.group[L] = L < 7 ? static_cast<float>(scale * (0.1 + 0.45 / parts)) : 1.0f;  // base
+    m.group[8 + L] = L < 7 ? static_cast<float>(scale * 0.9 / parts) : 0.0f;      // step
   }
-  mags.push_back(1.0);
-  m.magnitudes = static_cast<int>(mags.size());
+  std::vector<float> mags{0.0f};
+  for (int L = 0; L < 8; ++L) {
+    const int parts = L < 7 ? 1 << (is_signed ? L : L + 1) : 1;
+    for (int j = 0; j < parts; ++j) mags.push_back(std::fma(static_cast<float>(j), m.group[8 + L], m.group[L]));
+  }
+  const std::vector<float>& a = mags;
+  m.magnitudes = static_cast<int>(a.size());
   HYTRAIN_CHECK(m.magnitudes == (is_signed ? 129 : 256), "q8 map: wrong number of magnitudes");
-  std::vector<float> a(mags.begin(), mags.end());
-  HYTRAIN_CHECK(std::is_sorted(a.begin(), a.end()), "q8 map: magnitudes out of order");
+  HYTRAIN_CHECK(std::adjacent_find(a.begin(), a.end(), std::greater_equal<float>()) == a.end(),
+                "q8 map: magnitudes not increasing");
   for (int i = 0; i < 256; ++i) {
     m.mid[i] = i + 1 < m.magnitudes ? (a[i] + a[i + 1]) * 0.5f : std::numeric_limits<float>::infinity();
   }

@@ -23,13 +23,15 @@ using namespace hytrain;
 namespace {
 
 // The magnitudes of a map, from its definition: 0; decades 10^-6 .. 10^0, the top one cut into 64
-// (signed) or 128 (unsigned) equal parts of [0.1, 1] * 10^-d with the parts' midpoints, each lower
-// decade half as many; 1.
+// (signed) or 128 (unsigned) equal parts of [0.1, 1] * 10^-d, each lower decade half as many, part j
+// at its midpoint, fmaf(j, width, first midpoint) with the two rounded to float; 1.
 std::vector<float> magnitudes(bool is_signed) {
   std::vector<float> a{0.0f};
   for (int d = 6; d >= 0; --d) {
     const int parts = (is_signed ? 64 : 128) >> d;
-    for (int j = 0; j < parts; ++j) a.push_back(static_cast<float>(std::pow(10.0, -d) * (0.1 + 0.9 * (j + 0.5) / parts)));
+    const float first = static_cast<float>(std::pow(10.0, -d) * (0.1 + 0.45 / parts));
+    const float width = static_cast<float>(std::pow(10.0, -d) * 0.9 / parts);
+    for (int j = 0; j < parts; ++j) a.push_back(std::fma(static_cast<float>(j), width, first));
   }
   a.push_back(1.0f);
   return a;

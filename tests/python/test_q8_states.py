@@ -23,12 +23,16 @@ PATHS = hytrain.simd_paths()["supported"]
 
 
 def magnitudes(signed: bool) -> torch.Tensor:
-    """0, seven decades cut into 64 (signed) or 128 parts at the top and half as many below, 1."""
-    out = [0.0]
+    """0, seven decades cut into 64 (signed) or 128 parts at the top and half as many below, each part
+    at its midpoint: j * width + first midpoint, the two rounded to float and the result rounded once
+    (exact in float64 first: a fused multiply-add); 1."""
+    out = [torch.zeros(1, dtype=torch.float64)]
     for d in range(6, -1, -1):
         parts = (64 if signed else 128) >> d
-        out += [10.0 ** -d * (0.1 + 0.9 * (j + 0.5) / parts) for j in range(parts)]
-    return torch.tensor(out + [1.0], dtype=torch.float64).float()
+        first = torch.tensor(10.0 ** -d * (0.1 + 0.45 / parts)).float().double()
+        width = torch.tensor(10.0 ** -d * 0.9 / parts).float().double()
+        out.append(torch.arange(parts, dtype=torch.float64) * width + first)
+    return torch.cat(out + [torch.ones(1, dtype=torch.float64)]).float()
 
 
 def values(signed: bool) -> torch.Tensor:

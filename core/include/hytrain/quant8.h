@@ -15,7 +15,11 @@
 // The maps ("dynamic tree" quantisation): magnitudes in decades 10^-d (d = 0..6), each decade cut
 // into equal parts in its [0.1, 1] * 10^-d range with the part's midpoint as value; the top decade
 // gets 64 parts (signed) or 128 (unsigned), each lower one half as many; plus 0 and 1. So
-// the precision is finest near the block's largest value and the range spans seven decades.
+// the precision is finest near the block's largest value and the range spans seven decades. In
+// float: decade 10^-(6-L) is group L = 0..6 with base_L and step_L (its first midpoint and the
+// parts' width, each rounded to float once) and its part j is fmaf(j, step_L, base_L); 1 is group 7
+// (base 1, step 0). The vector paths decode a code arithmetically this way: the group is the
+// exponent of the code's magnitude index as a float, the part its remaining bits.
 //
 // Encoding (the definition every path computes exactly): the magnitudes A[0] = 0 < A[1] < ... of the
 // map and the float midpoints mid[i] = (A[i] + A[i+1]) * 0.5f; x in [-1, 1] (already divided by the
@@ -54,6 +58,7 @@ struct Q8Map {
   int magnitudes = 0;     // entries of A: 129 (signed) or 256 (unsigned)
   float value[256];       // code -> value in [-1, 1]
   float mid[256];         // mid[i] between A[i] and A[i+1]; +infinity from magnitudes - 1 on
+  float group[16];        // part j of group L is fmaf(j, group[8 + L], group[L]): bases, then steps
   // enc[b], for bucket b (the floats whose bits >> 15 are b + kQ8BucketLo): bits 0-7 hold
   // #{i : mid[i] < the bucket's smallest float}; a bucket holds at most one midpoint, and where it
   // holds one, bit 23 is set and bits 8-22 hold the midpoint's low 15 bits. Within a bucket every
