@@ -221,6 +221,13 @@ def _complete(path: Path) -> bool:
         return False
 
 
+def complete_checkpoints(out: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints under ``out``, oldest first."""
+    root = Path(out) / "checkpoints"
+    found = sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+    return [p for p in found if _complete(p)]
+
+
 def resolve(out: str | os.PathLike, spec: str) -> Path:
     """``spec``: a checkpoint directory, or ``latest``: the newest complete checkpoint under ``out`` --
     the one the pointer names, or a newer complete one (the pointer is written after the rename, so a

@@ -108,6 +108,6 @@ def test_native_errors_become_python_exceptions():
                        1.0, 1, "neon", 0, 0, 0)
     buf = torch.zeros(64)  # fp16 "states": refused by the native check too
     a = buf.data_ptr()
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or 8-bit"):
         nat.adamw_step(a, a + 64, a + 128, 0, a + 192, 0, 0, 1, 8, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1, True, False,
                        1.0, 1, "auto", 2, 0, 0)

@@ -53,11 +53,43 @@ def test_resume_in_another_state_format_converts_and_says_so(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert main(["--steps", "4", "--eval-every", "0", "--out", out, "--state-format", "bf16", *FAST]) == 0
     capsys.readouterr()
-    assert main(["--steps", "6", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    # Without --state-format a resumed run keeps the checkpoint's format, silently.
+    assert main(["--steps", "5", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    assert "they continue as" not in capsys.readouterr().out
+    assert ckpt.read_meta(ckpt.resolve(out, "latest"))["state_format"] == "bf16"
+    # Asked for another format, it converts and says so.
+    assert main(["--steps", "6", "--eval-every", "0", "--out", out, "--resume", "latest", "--state-format", "fp32",
+                 *FAST]) == 0
     said = capsys.readouterr().out
-    assert "optimizer states are bf16; they continue as fp32" in said and "--state-format bf16" in said
+    assert "optimizer states are bf16; they continue as fp32, as --state-format fp32 asks" in said
     assert json.load(open(os.path.join(out, "summary.json")))["state_format"] == "fp32"
     assert ckpt.read_meta(ckpt.resolve(out, "latest"))["state_format"] == "fp32"
+
+
+def test_a_fresh_start_on_an_earlier_runs_out_is_refused(tmp_path, capsys):
+    # Its steps would go into the same metrics and checkpoints, and --resume latest would later pick
+    # the earlier run's higher step: refused in one line, nothing of the earlier run touched.
+    out = str(tmp_path / "run")
+    assert main(["--steps", "3", "--eval-every", "0", "--out", out, *FAST]) == 0
+    before = sorted(os.listdir(os.path.join(out, "checkpoints"))), open(os.path.join(out, "metrics.jsonl")).read()
+    capsys.readouterr()
+    assert main(["--steps", "2", "--eval-every", "0", "--out", out, *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "holds an earlier run's checkpoints (the newest step_00000003)" in err and "--resume latest" in err
+    assert (sorted(os.listdir(os.path.join(out, "checkpoints"))), open(os.path.join(out, "metrics.jsonl")).read()) == before
+    assert main(["--steps", "4", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    assert [r["step"] for r in metrics(out) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_8bit_states_train_and_resume_on_cpu(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    args = ["--eval-every", "0", "--state-format", "8bit", *FAST]
+    assert main(["--steps", "8", "--out", a, *args]) == 0
+    assert main(["--steps", "4", "--out", b, *args]) == 0
+    assert main(["--steps", "8", "--out", b, "--resume", "latest", *args]) == 0
+    assert [r["loss"] for r in metrics(a) if "loss" in r] == [r["loss"] for r in metrics(b) if "loss" in r]
+    summary = json.load(open(os.path.join(b, "summary.json")))
+    assert summary["state_format"] == "8bit"
 
 
 def test_resume_after_steps_past_the_last_save_records_each_step_once(tmp_path):

@@ -122,6 +122,12 @@ def _run(args, ranks, say, out) -> int:
     if restart and (out / "checkpoints" / "latest").is_file():
         resume = "latest"  # torchrun restarted the group after a failure: go on from the last checkpoint
     resume_dir, sharded_ckpt = None, False
+    if not resume:  # a fresh start would mix its steps with an earlier run's and lose them at --resume latest
+        held = ckpt.complete_checkpoints(out)
+        if held:
+            raise ConfigError(f"--out {out} holds an earlier run's checkpoints (the newest {held[-1].name}): "
+                              f"continue it with --resume latest, or start afresh with another --out "
+                              f"(or after removing {out / 'checkpoints'})")
     if resume:
         resume_dir = ckpt.resolve(out, resume)
         sharded_ckpt = dist_checkpoint.is_sharded_checkpoint(resume_dir)
@@ -136,6 +142,9 @@ def _run(args, ranks, say, out) -> int:
                               "resumes from its own (sharded) checkpoints")
         if not sharded_ckpt:
             ckpt.verify(resume_dir)  # a corrupted checkpoint is refused before anything is built
+    saved_format = ckpt.read_meta(resume_dir).get("state_format", "fp32") if resume_dir is not None else None
+    asked_format = args.state_format
+    args.state_format = asked_format or saved_format or "fp32"  # a resumed run keeps its format unless told
     train_data, val_data, desc = load_corpus(args.data, args.max_data_bytes)
     shortest = min(len(train_data), len(val_data))
     if args.seq_len + 1 > shortest:
@@ -188,11 +197,10 @@ def _run(args, ranks, say, out) -> int:
         else:
             start = ckpt.load(resume_dir, model, opt, sched)
         say(f"resumed from {resume_dir} at step {start}", flush=True)
-        saved = ckpt.read_meta(resume_dir).get("state_format", "fp32")
-        if saved != args.state_format:  # options are not taken from the checkpoint: say what changes
-            say(f"hytrain train: the checkpoint's optimizer states are {saved}; they continue as "
-                f"{args.state_format} (--state-format {args.state_format}; pass --state-format {saved} to keep "
-                "them as they were)", flush=True)
+        if asked_format is not None and saved_format != asked_format:  # say what changes
+            say(f"hytrain train: the checkpoint's optimizer states are {saved_format}; they continue as "
+                f"{asked_format}, as --state-format {asked_format} asks (leave it out to keep {saved_format})",
+                flush=True)
     config = {"options": vars(args), "model": model_cfg, "world_size": ranks.world}
     if ranks.main:
         (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
