@@ -209,6 +209,10 @@ def test_8bit_state_dicts_convert_between_formats_both_ways():
     bad["state"][0]["exp_avg"] = bad["state"][0]["exp_avg"][:-4]
     with pytest.raises(ValueError, match="parameter 0: 8-bit state 'exp_avg' has shape"):
         same.load_state_dict(bad)
+    cast = copy.deepcopy(sd_q)
+    cast["state"][0]["exp_avg"] = cast["state"][0]["exp_avg"].float()
+    with pytest.raises(ValueError, match="the size of an 8-bit state, which loads as uint8, not torch.float32"):
+        same.load_state_dict(cast)
 
 
 def test_8bit_refusals_and_checkpoint_format(tmp_path):

@@ -178,7 +178,10 @@ def check_state_value(i, key, val, shape) -> None:
                              f"{moment_shape('8bit', shape)} (codes and block scales of {math.prod(shape)} elements)")
         return
     if not isinstance(val, torch.Tensor) or val.shape != shape:
+        hint = ""
+        if key in ("exp_avg", "exp_avg_sq") and getattr(val, "shape", None) == moment_shape("8bit", shape):
+            hint = f" (the size of an 8-bit state, which loads as uint8, not {val.dtype})"
         raise ValueError(f"parameter {i}: state {key!r} has shape {getattr(val, 'shape', None)}, "
-                         f"expected {tuple(shape)}")
+                         f"expected {tuple(shape)}{hint}")
     if not torch.is_floating_point(val):
         raise TypeError(f"parameter {i}: state {key!r} must be floating point, got {val.dtype}")
