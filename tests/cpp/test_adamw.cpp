@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "check.h"
+#include "simd_paths.h"
 #include "hytrain/adamw.h"
 #include "hytrain/cpu_features.h"
 #include "hytrain/dtype.h"
@@ -39,14 +40,6 @@ struct State {  // fp32 state of one SIMD path
   std::vector<float> p, m, v, vmax;
   std::vector<uint16_t> copy;
 };
-
-std::vector<SimdPath> runnable_paths() {
-  std::vector<SimdPath> out;
-  for (SimdPath p : compiled_simd_paths()) {
-    if (cpu_supports(p)) out.push_back(p);
-  }
-  return out;
-}
 
 double grad_value(const std::vector<uint16_t>& h, const std::vector<float>& f, DType dt, int64_t i) {
   if (dt == DType::f32) return f[i];

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "check.h"
+#include "simd_paths.h"
 #include "hytrain/adamw.h"
 #include "hytrain/cpu_features.h"
 #include "hytrain/dtype.h"
@@ -44,14 +45,6 @@ uint16_t stochastic(float x, uint32_t r16) {
   uint32_t u;
   std::memcpy(&u, &x, 4);
   return static_cast<uint16_t>((u + r16) >> 16);
-}
-
-std::vector<SimdPath> runnable_paths() {
-  std::vector<SimdPath> out;
-  for (SimdPath p : compiled_simd_paths()) {
-    if (cpu_supports(p)) out.push_back(p);
-  }
-  return out;
 }
 
 struct Inputs {

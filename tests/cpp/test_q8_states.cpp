@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "check.h"
+#include "simd_paths.h"
 #include "hytrain/adamw.h"
 #include "hytrain/cpu_features.h"
 #include "hytrain/dtype.h"
@@ -49,14 +50,6 @@ uint8_t code_by_scan(const std::vector<float>& a, bool is_signed, float x) {
 float decode(const std::vector<float>& a, bool is_signed, uint8_t c) {
   if (!is_signed || c <= 128) return c < a.size() ? a[c] : 0.0f;
   return -a[c - 128];
-}
-
-std::vector<SimdPath> runnable_paths() {
-  std::vector<SimdPath> out;
-  for (SimdPath p : compiled_simd_paths()) {
-    if (cpu_supports(p)) out.push_back(p);
-  }
-  return out;
 }
 
 // A parameter's state: master, the two moment buffers (codes, padding, scales), a bf16 gradient.

@@ -5,7 +5,8 @@ out again in torch (the hash in int64 arithmetic), on every SIMD path; HybridAda
 states in a plain loop (the state is bf16, training follows the fp32-state run); state dicts
 converting between formats both ways; checkpoints recording the format; and bad configurations
 refused by name. GPU: the fused CUDA kernel bit for bit against the CPU one, and HybridAdamW with
-blocks moving between the GPU and the host every few steps bit for bit against k = 0.
+blocks moving between the GPU and the host every few steps bit for bit against k = 0 (with bf16 and
+with 8-bit states).
 """
 
 import copy
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 import hytrain
+from hytrain import quant8
+from hytrain.hybrid.settings import STATE_FORMATS
 from hytrain.models import LlamaModel
 from test_hybrid_adam import CFG, Reference, batches, train
 
@@ -234,18 +237,28 @@ def test_cuda_kernel_matches_the_cpu_kernel_bit_for_bit(offset):
         assert torch.equal(gv.cpu().view(torch.int16), v.view(torch.int16))
 
 
+def held(t: torch.Tensor, n: int) -> torch.Tensor:
+    """What a state tensor holds: itself, or an 8-bit buffer's codes and scales (not its padding)."""
+    if t.dtype != torch.uint8:
+        return t
+    t = t.cpu()
+    return torch.cat([t[:n], t[quant8.codes_bytes(n):]])
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("state_format", ["bf16", "8bit"])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.3])
-def test_cuda_compact_states_are_exact_whatever_the_placement(max_grad_norm):
-    # k changes every few steps (states move both ways, in bf16 as they are) and with clipping the
-    # CPU blocks speculate: every weight and state ends bit-identical to the run that keeps k = 0.
+def test_cuda_compact_states_are_exact_whatever_the_placement(max_grad_norm, state_format):
+    # k changes every few steps (states move both ways, in their format as they are) and with
+    # clipping the CPU blocks speculate: every weight and state ends bit-identical to the run that
+    # keeps k = 0.
     data = [[x.cuda() for x in m] for m in batches(16)]
     runs = []
     for schedule in (None, [0, 3, 1, 2, 0, 3]):
         torch.manual_seed(0)
         model = LlamaModel(CFG).to(torch.bfloat16).cuda()
         opt = hytrain.HybridAdamW(model.parameters(), lr=2e-3, weight_decay=0.1, model=model, gpu_blocks=0,
-                                  max_grad_norm=max_grad_norm, state_format="bf16")
+                                  max_grad_norm=max_grad_norm, state_format=state_format)
 
         def step_fn(i, opt=opt, schedule=schedule):
             opt.step()
@@ -260,5 +273,5 @@ def test_cuda_compact_states_are_exact_whatever_the_placement(max_grad_norm):
     for p, q in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(p, q)
         for key in ("exp_avg", "exp_avg_sq", "master"):
-            assert torch.equal(o0.state[p][key].cpu(), o1.state[q][key].cpu()), key
-        assert o1.state[q]["exp_avg"].dtype == torch.bfloat16
+            assert torch.equal(held(o0.state[p][key], p.numel()).cpu(), held(o1.state[q][key], q.numel()).cpu()), key
+        assert o1.state[q]["exp_avg"].dtype == STATE_FORMATS[state_format]
