@@ -221,6 +221,14 @@ def test_8bit_refusals_and_checkpoint_format(tmp_path):
     model = _model()
     with pytest.raises(ValueError, match="amsgrad needs state_format='fp32'"):
         hytrain.HybridAdamW(model.parameters(), amsgrad=True, state_format="8bit")
+    # An amsgrad state dict is refused at the load, before anything changes.
+    ams = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, amsgrad=True)
+    train(model, ams, batches(1))
+    fresh = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, state_format="8bit")
+    with pytest.raises(ValueError, match="saved param group 0 has amsgrad=True, which needs fp32 states, but this "
+                                         "optimizer's state_format is '8bit'"):
+        fresh.load_state_dict(ams.state_dict())
+    assert fresh.param_groups[0]["amsgrad"] is False
     opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, state_format="8bit")
     train(model, opt, batches(2))
     path = checkpoint.save(tmp_path, 2, model, opt, None, {"preset": "test"})

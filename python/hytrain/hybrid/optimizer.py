@@ -284,7 +284,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict:
             self.synchronize()
         groups, entries = state_dicts.parse(state_dict, self.param_groups,
-                                            engine.store.amsgrad_bound if engine.bound else None)
+                                            engine.store.amsgrad_bound if engine.bound else None, self.state_format)
         active = engine.plan.index_of
         mine = {p: e for p, e in entries.items() if id(p) in active}
         if engine.bound:

@@ -22,9 +22,10 @@ def checked_groups(state_dict, param_groups, what, source):
     return groups
 
 
-def parse(state_dict, param_groups, amsgrad_bound) -> tuple[list, dict]:
+def parse(state_dict, param_groups, amsgrad_bound, state_format="fp32") -> tuple[list, dict]:
     """torch's state dict, checked: (the saved groups, parameter -> {key: tensor}).
-    ``amsgrad_bound``: each group's amsgrad when the state was created (None before)."""
+    ``amsgrad_bound``: each group's amsgrad when the state was created (None before);
+    ``state_format``: the optimizer's (amsgrad needs fp32 states)."""
     groups = checked_groups(state_dict, param_groups,
                             "state_dict must have 'state' and 'param_groups' (from optimizer.state_dict())",
                             "state_dict")
@@ -33,6 +34,10 @@ def parse(state_dict, param_groups, amsgrad_bound) -> tuple[list, dict]:
         if len(g_saved["params"]) != len(g["params"]):
             raise ValueError(f"saved param group {gi} has {len(g_saved['params'])} parameters, the "
                              f"optimizer's has {len(g['params'])}")
+        if g_saved.get("amsgrad", False) and state_format != "fp32":
+            raise ValueError(f"saved param group {gi} has amsgrad=True, which needs fp32 states, but this "
+                             f"optimizer's state_format is {state_format!r}: load it into a HybridAdamW built "
+                             "with state_format='fp32'")
         bound = amsgrad_bound[gi] if amsgrad_bound is not None else None
         if bound is not None and bool(g_saved.get("amsgrad", False)) != bound:
             raise ValueError(f"saved param group {gi} has amsgrad={bool(g_saved.get('amsgrad', False))}, but "
