@@ -4,13 +4,16 @@
 // Bytes per parameter, each read once and each write once:
 //   fp32  : read p, m, v, g (16 B), write p, m, v (12 B)                   = 28 B
 //   mixed : read p, m, v (12 B) + bf16 g (2 B), write p, m, v (12 B) + bf16 copy (2 B) = 28 B
-// so the floor at triad bandwidth B is 28 / B seconds per parameter.
+//   bf16  : mixed with bf16 m and v (compact states)                      = 20 B
+//   8bit  : mixed with 8-bit m and v, plus a 4-byte scale each per 256    = 16.03 B
+// so the floor at triad bandwidth B is that many bytes / B seconds per parameter.
 //
 // Cases: fp32 and mixed in place (the mixed copy in its own buffer), "shared" (mixed, the copy written
 // over the bf16 gradient: the offload pipeline's in-place pass) and "oop" (mixed, the new state and
 // copy written elsewhere: a speculative pass). Each runs with plain and with streaming stores
 // (non-temporal, for the outputs the update does not read), the same bytes counted: plain stores pay a
-// write-allocate read for every such output.
+// write-allocate read for every such output. "bf16" and "8bit" are the mixed case with compact and
+// 8-bit states (quant8.h).
 //
 //   cpu_adam_bench [--params N] [--threads T] [--repeats R]
 #include <algorithm>
@@ -24,6 +27,7 @@
 #include "hytrain/adamw.h"
 #include "hytrain/membench.h"
 #include "hytrain/pinned_pool.h"
+#include "hytrain/quant8.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -85,14 +89,19 @@ int main(int argc, char** argv) {
   std::printf("%-8s %-7s %-10s %10s %9s %9s %9s %10s\n", "path", "case", "stores", "ms/step", "Gparam/s",
               "GB/s", "vs triad", "vs update");
 
-  const double bytes_per_param = 28.0;
   for (SimdPath path : compiled_simd_paths()) {
     if (!cpu_supports(path)) continue;
-    for (const char* kase : {"fp32", "mixed", "shared", "oop"}) {
+    for (const char* kase : {"fp32", "mixed", "shared", "oop", "bf16", "8bit"}) {
       const bool mixed = std::strcmp(kase, "fp32") != 0;
+      const DType states = std::strcmp(kase, "bf16") == 0 ? DType::bf16
+                           : std::strcmp(kase, "8bit") == 0 ? DType::q8 : DType::f32;
+      const double bytes_per_param = states == DType::bf16 ? 20.0 : states == DType::q8 ? 16.0 + 8.0 / kQ8Block : 28.0;
+      std::memset(m, 0, n * 4);  // a zero state in every format (the buffers are fp32-sized)
+      std::memset(v, 0, n * 4);
       for (bool streaming : {false, true}) {
         AdamWTensor t{p, m, v, nullptr, mixed ? static_cast<const void*>(g16) : g32,
                       mixed ? DType::bf16 : DType::f32, mixed ? copy : nullptr, DType::bf16, n};
+        t.state_dtype = states;
         if (std::strcmp(kase, "shared") == 0) t.param_copy = g16;
         if (std::strcmp(kase, "oop") == 0) {
           t.param_out = po;
