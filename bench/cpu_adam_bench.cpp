@@ -76,6 +76,9 @@ int main(int argc, char** argv) {
   float* v = alloc_touch<float>(*alloc, n, 0.0f, threads);
   float* g32 = alloc_touch<float>(*alloc, n, 1e-3f, threads);
   uint16_t* g16 = alloc_touch<uint16_t>(*alloc, n, f32_to_bf16(1e-3f), threads);
+  // Gradients of varied sizes and signs (the 8-bit states' codes depend on them; the rest does not).
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < n; ++i) g16[i] = f32_to_bf16(1e-3f * static_cast<float>((i * 7919) % 1999 - 999) / 999.0f);
   uint16_t* copy = alloc_touch<uint16_t>(*alloc, n, 0, threads);
   float* po = alloc_touch<float>(*alloc, n, 0.0f, threads);
   float* mo = alloc_touch<float>(*alloc, n, 0.0f, threads);
