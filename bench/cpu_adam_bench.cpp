@@ -76,9 +76,12 @@ int main(int argc, char** argv) {
   float* v = alloc_touch<float>(*alloc, n, 0.0f, threads);
   float* g32 = alloc_touch<float>(*alloc, n, 1e-3f, threads);
   uint16_t* g16 = alloc_touch<uint16_t>(*alloc, n, f32_to_bf16(1e-3f), threads);
-  // Gradients of varied sizes and signs (the 8-bit states' codes depend on them; the rest does not).
+  // Gradients of varied sizes and signs (the 8-bit states' codes depend on them; the rest does not),
+  // set again before each case ("shared" writes the weight copy over them).
+  auto fill_g16 = [&] {
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t i = 0; i < n; ++i) g16[i] = f32_to_bf16(1e-3f * static_cast<float>((i * 7919) % 1999 - 999) / 999.0f);
+    for (int64_t i = 0; i < n; ++i) g16[i] = f32_to_bf16(1e-3f * static_cast<float>((i * 7919) % 1999 - 999) / 999.0f);
+  };
   uint16_t* copy = alloc_touch<uint16_t>(*alloc, n, 0, threads);
   float* po = alloc_touch<float>(*alloc, n, 0.0f, threads);
   float* mo = alloc_touch<float>(*alloc, n, 0.0f, threads);
@@ -99,6 +102,7 @@ int main(int argc, char** argv) {
       const DType states = std::strcmp(kase, "bf16") == 0 ? DType::bf16
                            : std::strcmp(kase, "8bit") == 0 ? DType::q8 : DType::f32;
       const double bytes_per_param = states == DType::bf16 ? 20.0 : states == DType::q8 ? 16.0 + 8.0 / kQ8Block : 28.0;
+      fill_g16();
       std::memset(m, 0, n * 4);  // a zero state in every format (the buffers are fp32-sized)
       std::memset(v, 0, n * 4);
       for (bool streaming : {false, true}) {
