@@ -5,6 +5,7 @@
 // saves.
 #include "hytrain/adamw.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -112,7 +113,7 @@ void validate_adamw_job(const AdamWTensor& t, const AdamWConfig& cfg) {
   HYTRAIN_CHECK(t.state_dtype == DType::f32 || t.state_dtype == DType::bf16 || t.state_dtype == DType::q8,
                 "exp_avg and exp_avg_sq must be float32, bfloat16 or 8-bit");
   if (t.state_dtype == DType::q8) {
-    HYTRAIN_CHECK(t.index_base >= 0 && t.index_base % kQ8Block == 0,
+    HYTRAIN_CHECK(t.index_base >= 0 && t.index_base % range_granule(t.state_dtype) == 0,
                   "8-bit states: a tensor starts on a block boundary (index_base a multiple of 256)");
     HYTRAIN_CHECK(t.state_numel == 0 || t.state_numel >= t.index_base + t.numel,
                   "8-bit states: state_numel is smaller than the tensor");
@@ -148,7 +149,7 @@ bool adamw_step(const AdamWTensor& t, const AdamWConfig& cfg, int num_threads, S
     // Contiguous pieces of whole cache lines, sized by the team OpenMP actually gave us.
     const int64_t team = omp_get_num_threads();
     const int64_t per = (t.numel + team - 1) / team;
-    const int64_t align = t.state_dtype == DType::q8 ? kQ8Block : kPieceAlign;  // whole 8-bit blocks
+    const int64_t align = std::max(kPieceAlign, range_granule(t.state_dtype));  // both powers of two
     const int64_t piece = (per + align - 1) / align * align;
     const int64_t b = omp_get_thread_num() * piece;
     const int64_t e = b + piece < t.numel ? b + piece : t.numel;

@@ -83,9 +83,8 @@ void UpdateEngine::submit(int64_t block, const std::vector<UpdateJob>& jobs) {
     b->jobs = jobs;
     for (int i = 0; i < static_cast<int>(jobs.size()); ++i) {
       const int64_t n = jobs[i].tensor.numel;
-      // 8-bit states are quantised in whole blocks: their slices start on block boundaries.
-      const int64_t step = jobs[i].tensor.state_dtype == DType::q8
-                               ? (slice_elems_ + kQ8Block - 1) / kQ8Block * kQ8Block : slice_elems_;
+      const int64_t granule = range_granule(jobs[i].tensor.state_dtype);  // 8-bit: whole blocks
+      const int64_t step = (slice_elems_ + granule - 1) / granule * granule;
       for (int64_t s = 0; s < n; s += step) {
         b->slices.push_back({b, i, s, std::min(n, s + step)});
       }

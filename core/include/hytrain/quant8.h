@@ -39,6 +39,10 @@ namespace hytrain {
 constexpr int64_t kQ8Block = 256;      // elements per scale
 constexpr int64_t kQ8CodeAlign = 64;   // bytes: the scales start on a cache line
 
+// Where a range of a tensor whose states are `t` may start (a multiple of this many elements of the
+// parameter): 8-bit states are quantised in whole blocks; the others anywhere.
+inline int64_t range_granule(DType t) { return t == DType::q8 ? kQ8Block : 1; }
+
 HYTRAIN_HOST_DEVICE inline int64_t q8_codes_bytes(int64_t n) {
   return (n + kQ8CodeAlign - 1) / kQ8CodeAlign * kQ8CodeAlign;
 }
