@@ -171,7 +171,7 @@ def publish(root: Path, tmp: Path, final: Path, keep: int) -> Path:
     fsync(pointer)
     os.replace(pointer, root / "latest")
     fsync(root)
-    done = sorted(p for p in root.glob("step_*") if p.is_dir())
+    done = _step_dirs(root)
     for old in done[:-keep] if keep > 0 else []:
         if old != final:  # renamed first: a kill while removing leaves no half checkpoint under its name
             trash = root / f".{old.name}.trash"
@@ -221,11 +221,14 @@ def _complete(path: Path) -> bool:
         return False
 
 
+def _step_dirs(root: Path) -> list[Path]:
+    """The checkpoint directories under ``root`` (complete or not), oldest first."""
+    return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+
+
 def complete_checkpoints(out: str | os.PathLike) -> list[Path]:
     """The complete checkpoints under ``out``, oldest first."""
-    root = Path(out) / "checkpoints"
-    found = sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
-    return [p for p in found if _complete(p)]
+    return [p for p in _step_dirs(Path(out) / "checkpoints") if _complete(p)]
 
 
 def resolve(out: str | os.PathLike, spec: str) -> Path:
@@ -236,7 +239,7 @@ def resolve(out: str | os.PathLike, spec: str) -> Path:
     if spec == "latest":
         root = Path(out) / "checkpoints"
         named = _pointer(root)
-        found = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True) if root.is_dir() else []
+        found = _step_dirs(root)[::-1]
         for cand in found:
             if _complete(cand):
                 if named is not None and cand.name < named.name:
