@@ -127,7 +127,11 @@ def failed_save(tmp: Path, final: Path, needed: int, e: Exception, remove: bool 
                            "checkpoint is kept and the run stops")
 
 
-def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, keep: int = 2) -> Path:
+def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, keep: int = 2,
+         since: int | None = None) -> Path:
+    """Writes ``<out>/checkpoints/step_<step>`` atomically, then keeps the newest ``keep``. ``since``:
+    the step of the run's previous checkpoint (saved or resumed from), when it resumed: see
+    :func:`publish`."""
     from safetensors.torch import save_file
 
     root = Path(out) / "checkpoints"
@@ -154,13 +158,27 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
     except Exception as e:  # OSError, and the writers' own errors on a full disk (torch.save's
         # "unexpected pos", safetensors' SafetensorError): the same failed save
         raise failed_save(tmp, final, needed, e) from None
-    return publish(root, tmp, final, keep)
+    return publish(root, tmp, final, keep, since)
 
 
-def publish(root: Path, tmp: Path, final: Path, keep: int) -> Path:
+def publish(root: Path, tmp: Path, final: Path, keep: int, since: int | None = None) -> Path:
     """A complete checkpoint written in ``tmp`` (its manifest last) goes into place: flushed, renamed
-    to ``final``, pointed to by ``latest`` (atomic replace), and all but the newest ``keep`` removed."""
+    to ``final``, pointed to by ``latest`` (atomic replace), and all but the newest ``keep`` removed.
+    ``since``: the step of the run's previous checkpoint, for a run resumed from one: the checkpoints
+    after it are another run's future (a resume from an older checkpoint abandons them), and they go
+    before this one is put in place, said on stderr. Left, ``--resume latest`` would take the newest
+    of them over this run's, and pruning would count them (keeping a damaged one, removing this
+    run's good ones)."""
     fsync(tmp)
+    stale = [d for d in _step_dirs(root) if since is not None and d != final and _step_of(d) > since]
+    if stale:
+        print(f"hytrain: removing {', '.join(d.name for d in stale)}: saved after step {since}, which this run "
+              f"resumed from, by the run it replaces", file=sys.stderr, flush=True)
+    for old in stale:  # renamed first, as below; the sweep removes them
+        try:
+            os.rename(old, root / f".{old.name}.trash")
+        except OSError:
+            continue
     if final.exists():  # the same step saved again: the old one leaves by a rename, never half-deleted
         trash = root / f".{final.name}.trash"
         shutil.rmtree(trash, ignore_errors=True)
@@ -224,6 +242,14 @@ def _complete(path: Path) -> bool:
 def _step_dirs(root: Path) -> list[Path]:
     """The checkpoint directories under ``root`` (complete or not), oldest first."""
     return sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+
+
+def _step_of(path: Path) -> int:
+    """The step a ``step_N`` directory's name gives (-1 for a name that gives none)."""
+    try:
+        return int(path.name[len("step_"):])
+    except ValueError:
+        return -1
 
 
 def complete_checkpoints(out: str | os.PathLike) -> list[Path]:

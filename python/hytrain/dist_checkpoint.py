@@ -48,12 +48,16 @@ def _world() -> int:
     return d.get_world_size() if d is not None else 1
 
 
-def _state(model, opt):
-    return {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+def _state(model, opt, state_format=None):
+    """What DCP saves or loads into; ``state_format``: the checkpoint's, when loading one whose m and v
+    may differ from the optimizer's (converted by ``load_sharded_state_dict``)."""
+    optim = opt.sharded_state_dict(state_format) if state_format else opt.sharded_state_dict()
+    return {"model": model.state_dict(), "optim": optim}
 
 
-def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -> Path:
-    """Every rank calls it. ``extra``: small JSON values saved with the step (data position...)."""
+def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2, since: int | None = None) -> Path:
+    """Every rank calls it. ``extra``: small JSON values saved with the step (data position...);
+    ``keep``, ``since``: as :func:`hytrain.checkpoint.save`."""
     import torch.distributed.checkpoint as dcp
 
     root = Path(out) / "checkpoints"
@@ -84,7 +88,7 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2) -
             write_meta(tmp, meta)
         except OSError as e:
             raise failed_save(tmp, final, needed, e) from None
-        publish(root, tmp, final, keep)
+        publish(root, tmp, final, keep, since)
     _barrier()
     return final
 
@@ -112,7 +116,11 @@ def load(path, model, opt) -> dict:
     path = Path(path)
     _verify_shared(path)
     meta = read_meta(path)
-    state = _state(model, opt)
+    state = _state(model, opt, meta.get("state_format", "fp32") if hasattr(opt, "state_format") else None)
+    if int(meta.get("world_size", 1)) != _world():  # 8-bit scales saved per rank fit that world size only
+        for entry in state["optim"]["state"].values():
+            for key in [k for k in entry if k.endswith("_rank_scales")]:
+                del entry[key]
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, _CheckpointException) as e:  # several kinds, for shards and for a model that differs
@@ -165,7 +173,9 @@ def _verify_shared(path: Path) -> None:
         d.all_gather_object(errors, error)
         error = next((e for e in errors if e is not None), None)
     if error is not None:
-        raise CheckpointError(error)
+        err = CheckpointError(error)
+        err.damaged = True  # its files, not the model it was written for
+        raise err
 
 
 def export_safetensors(path, model) -> None:

@@ -49,9 +49,12 @@ def _signed(key: str) -> bool:
     return key == "exp_avg"
 
 
-def quantize(x: torch.Tensor, key: str) -> torch.Tensor:
+def quantize(x: torch.Tensor, key: str, scales: torch.Tensor | None = None) -> torch.Tensor:
     """The 8-bit buffer of moment ``key`` (``"exp_avg"`` or ``"exp_avg_sq"``) from its values ``x``
-    (any shape and floating dtype, converted to fp32; CPU)."""
+    (any shape and floating dtype, converted to fp32; CPU). ``scales``: the blocks' scales to code
+    against (one per block; of m, or of v's root), instead of each block's largest magnitude -- the
+    saved scales of values that came from 8-bit states, so that those states come back exactly
+    (a block whose largest m is negative has a scale above it: the signed map has no -1)."""
     signed = _signed(key)
     x = x.detach().to("cpu", torch.float32).reshape(-1)
     if not signed:
@@ -63,6 +66,10 @@ def quantize(x: torch.Tensor, key: str) -> torch.Tensor:
     padded = torch.zeros(blocks(n) * BLOCK, dtype=torch.float32)
     padded[:n] = x
     scale = padded.view(-1, BLOCK).abs().amax(dim=1)
+    if scales is not None:
+        if scales.numel() != scale.numel():
+            raise ValueError(f"{key}: {scales.numel()} scales for {scale.numel()} blocks of {n} elements")
+        scale = scales.detach().to("cpu", torch.float32).reshape(-1).clone()
     inv = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, 1.0), 0.0)
     y = (padded.view(-1, BLOCK) * inv[:, None]).reshape(-1)[:n]
     _, mid = _map(signed)

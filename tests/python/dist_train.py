@@ -7,6 +7,7 @@ norms, and the full weights after training (and after a resume, when asked)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +30,8 @@ def data(steps):
 
 
 def _dump(path, model, opt):
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        path = f"{path}.{dist.get_rank()}"  # each rank's own shards
     sd = opt.state_dict()
     state = {i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
                  for k, v in st.items()} for i, st in sd["state"].items()}
@@ -47,6 +50,9 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--gpu-blocks", default="auto", help="k: an integer, or auto")
+    ap.add_argument("--state-format", default="fp32", choices=("fp32", "bf16", "8bit"))
+    ap.add_argument("--hidden", type=int, default=CFG.hidden_size,
+                    help="hidden size (256: rows of whole 8-bit blocks in most matrices)")
     ap.add_argument("--ckpt", default=None, help="checkpoint directory (hytrain.dist_checkpoint)")
     ap.add_argument("--save-at", type=int, default=None, help="save after this step, then stop")
     ap.add_argument("--save-every", type=int, default=None, help="save after every N steps and go on")
@@ -72,7 +78,8 @@ def main():
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = LlamaModel(CFG).to(getattr(torch, args.dtype)).to(device)
+    cfg = CFG if args.hidden == CFG.hidden_size else dataclasses.replace(CFG, hidden_size=args.hidden)
+    model = LlamaModel(cfg).to(getattr(torch, args.dtype)).to(device)
     if distributed:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -83,7 +90,7 @@ def main():
         fully_shard(model, mesh=mesh)
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model,
                               max_grad_norm=args.clip, workers=1,
-                              speculate=False if args.no_speculate else "auto",
+                              speculate=False if args.no_speculate else "auto", state_format=args.state_format,
                               gpu_blocks=args.gpu_blocks if args.gpu_blocks == "auto" else int(args.gpu_blocks))
     start = 0
     if args.resume_if_any and (Path(args.ckpt) / "checkpoints" / "latest").is_file():

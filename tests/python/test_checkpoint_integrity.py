@@ -148,6 +148,26 @@ def test_saving_a_step_again_replaces_it_whole(tmp_path):
     assert load("single", again) == 10
 
 
+@pytest.mark.parametrize("kind", ["single", "sharded"])
+def test_a_resumed_runs_first_save_removes_the_replaced_runs_later_checkpoints(tmp_path, capsys, kind):
+    # Checkpoints 10..50 of a run; another resumes from step 20 and saves 40 (since=20): 30 and 50 go
+    # before 40 is put in place, so neither --resume latest nor the pruning (keep 2) sees them.
+    out = tmp_path / "run"
+    model, opt = trained()
+    put = (lambda step, **kw: dist_checkpoint.save(out, step, model, opt, {}, **kw)) if kind == "sharded" else \
+        (lambda step, **kw: ckpt.save(out, step, model, opt, None, {}, **kw))
+    for step in (10, 20, 30, 50):
+        put(step, keep=5)
+    put(40, keep=2, since=20)
+    assert "removing step_00000030, step_00000050: saved after step 20" in capsys.readouterr().err
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["step_00000020", "step_00000040"]
+    assert ckpt.resolve(out, "latest").name == "step_00000040"
+    assert not list((out / "checkpoints").glob(".step_*"))  # swept
+    put(60, keep=2, since=40)  # its own next save: only the pruning
+    assert "removing" not in capsys.readouterr().err
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["step_00000040", "step_00000060"]
+
+
 def test_hytrain_verify(tmp_path):
     out = tmp_path / "run"
     path = save("sharded", out, 5)

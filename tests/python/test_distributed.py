@@ -3,7 +3,8 @@ updates its own shards, and training matches one process on the same global batc
 norms and weights, within reduction-order tolerance -- with the optimizer's clipping, with the loop's
 clipping routed to the optimizer, and without clipping; on 2 and 4 processes. Sharded checkpoints
 (DCP): a resume at the same world size is bit-exact, at another (4 -> 2 -> 1) correct, and a rank
-killed mid-run is restarted by torchrun from the last checkpoint with nothing lost."""
+killed mid-run is restarted by torchrun from the last checkpoint with nothing lost. 8-bit states on
+shards: training as in one process, bit-exact resumes, conversions from and to fp32 checkpoints."""
 
 import json
 import math
@@ -112,6 +113,91 @@ def test_dcp_resume_at_other_world_sizes(tmp_path):
     c = run(tmp_path, "c", "--clip", "0.5", "--ckpt", ck2, "--resume")
     assert c["start"] == 4 and c["world"] == 1
     assert_same_training({**ref, "losses": ref["losses"][4:], "norms": ref["norms"][4:]}, c)
+
+
+# 8-bit states on FSDP2 shards. Hidden size 256: the rows of most matrices are whole 8-bit blocks; the
+# MLP's down projection (rows of 160) and the norms are not.
+Q8 = ["--state-format", "8bit", "--hidden", "256", "--clip", "0.5"]
+
+
+def _states(path, world=2):
+    """Each rank's optimizer state as dist_train's --dump-state wrote it (rank r's own shards)."""
+    return [torch.load(f"{path}.{r}")["state"] for r in range(world)]
+
+
+def _dcp_entries(ckpt_dir):
+    """{DCP key: (dtype, global size)} of the optimizer's state in the newest checkpoint."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hytrain import dist_checkpoint
+
+    md = FileSystemReader(str(dist_checkpoint.resolve(ckpt_dir))).read_metadata().state_dict_metadata
+    return {k: (v.properties.dtype, tuple(v.size)) for k, v in md.items() if k.startswith("optim.state.")}
+
+
+def test_8bit_states_on_sharded_parameters(tmp_path):
+    # Each rank quantises its own shards' blocks: training follows one process with 8-bit states (the
+    # blocks differ only where a shard boundary cuts one, in the norms); a DCP resume at the same
+    # world size is bit-exact, the codes and scales stored as they are where rows are whole blocks.
+    ref = run(tmp_path, "ref8", *Q8)
+    whole = run(tmp_path, "whole8", *Q8, nproc=2)
+    assert_same_training(ref, whole, tol=2e-3)
+    ck = str(tmp_path / "ck")
+    first = run(tmp_path, "first8", *Q8, "--ckpt", ck, "--save-at", "3", "--dump-state", str(tmp_path / "saved"),
+                nproc=2)
+    second = run(tmp_path, "second8", *Q8, "--ckpt", ck, "--resume", "--dump-state", str(tmp_path / "loaded"),
+                 nproc=2)
+    assert second["start"] == 3
+    for saved, loaded in zip(_states(tmp_path / "saved"), _states(tmp_path / "loaded")):
+        for i, st in saved.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert st[key].dtype == torch.uint8 and torch.equal(st[key], loaded[i][key]), (i, key)
+    assert first["losses"] + second["losses"] == whole["losses"]
+    assert _weights_equal(second, whole)
+    entries = _dcp_entries(ck)
+    q = dict(zip(whole["weights"], range(len(whole["weights"]))))  # parameter name -> state index
+    # layers.0.q: rows of 256 -> codes as uint8 shaped like the weight, one scale per row
+    i = q["layers.0.q.weight"]
+    assert entries[f"optim.state.{i}.exp_avg"] == (torch.uint8, (256, 256))
+    assert entries[f"optim.state.{i}.exp_avg_sq_scales"] == (torch.float32, (256, 1))
+    # layers.0.down (rows of 160) and a norm: the values, and each rank's scales
+    for name, shape, blocks in (("layers.0.down.weight", (256, 160), 80), ("norm.weight", (256,), 1)):
+        i = q[name]
+        assert entries[f"optim.state.{i}.exp_avg"] == (torch.float32, shape)
+        assert entries[f"optim.state.{i}.exp_avg_rank_scales"] == (torch.float32, (2, blocks))
+
+
+def test_8bit_sharded_checkpoints_convert(tmp_path):
+    # An fp32 checkpoint resumed with 8-bit states holds each shard's quantised state; an 8-bit one
+    # resumed with fp32 states the dequantised values; an 8-bit one from 2 ranks resumes in one
+    # process (other blocks for the norms: quantised afresh) and trains on as one process would.
+    from hytrain import quant8
+
+    plain = [a for a in Q8 if a not in ("--state-format", "8bit")]
+    run(tmp_path, "f32", *plain, "--ckpt", str(tmp_path / "ckf"), "--save-at", "3", "--dump-state",
+        str(tmp_path / "f32"), nproc=2)
+    run(tmp_path, "to8", *Q8, "--ckpt", str(tmp_path / "ckf"), "--resume", "--dump-state", str(tmp_path / "to8"),
+        nproc=2)
+    for saved, loaded in zip(_states(tmp_path / "f32"), _states(tmp_path / "to8")):
+        for i, st in saved.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if st[key].numel():
+                    assert torch.equal(quant8.quantize(st[key], key), loaded[i][key]), (i, key)
+    ck8 = tmp_path / "ck8"
+    run(tmp_path, "q8", *Q8, "--ckpt", str(ck8), "--save-at", "3", "--dump-state", str(tmp_path / "q8"), nproc=2)
+    shutil.copytree(ck8, tmp_path / "ck8b")
+    run(tmp_path, "to32", *plain, "--ckpt", str(ck8), "--resume", "--dump-state", str(tmp_path / "to32"), nproc=2)
+    for saved, loaded in zip(_states(tmp_path / "q8"), _states(tmp_path / "to32")):
+        for i, st in saved.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = loaded[i][key]
+                assert got.dtype == torch.float32
+                if got.numel():
+                    assert torch.equal(quant8.dequantize(st[key], got.numel(), key).view(got.shape), got), (i, key)
+    ref = run(tmp_path, "ref8", *Q8)
+    one = run(tmp_path, "one8", *Q8, "--ckpt", str(tmp_path / "ck8b"), "--resume")
+    assert one["start"] == 3 and one["world"] == 1
+    assert_same_training({**ref, "losses": ref["losses"][3:], "norms": ref["norms"][3:]}, one, tol=2e-3)
 
 
 def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):

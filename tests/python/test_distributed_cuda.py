@@ -1,7 +1,7 @@
 """HybridAdamW on an FSDP2-sharded model on one GPU (torchrun, NCCL, world size 1), through the whole
 GPU path -- bf16 weights, the offload pipeline, k chosen by the scheduler, speculation under
 clipping -- against the unsharded optimizer on the same GPU, and a sharded checkpoint whose state
-reads back bit for bit."""
+reads back bit for bit (fp32 and 8-bit states)."""
 
 import pytest
 import torch
@@ -29,11 +29,13 @@ def test_fsdp2_world_size_one_matches_the_unsharded_optimizer(tmp_path, clip):
         torch.testing.assert_close(torch.tensor(ref["norms"]), torch.tensor(got["norms"]), rtol=2e-2, atol=2e-2)
 
 
-def test_fsdp2_checkpoint_resume_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("fmt", [[], ["--state-format", "8bit", "--hidden", "256"]], ids=["fp32", "8bit"])
+def test_fsdp2_checkpoint_resume_on_the_gpu(tmp_path, fmt):
     # The optimizer's shards are host buffers while the mesh is a CUDA mesh: the load must fill the
     # buffers themselves (not a GPU copy of them), so the state read back equals the state saved, bit
-    # for bit, and the resumed run follows the uninterrupted one.
-    gpu = ["--device", "cuda", "--dtype", "bfloat16", "--steps", "8", "--clip", "0.5"]
+    # for bit, and the resumed run follows the uninterrupted one. With 8-bit states too (codes and
+    # scales in place, in host buffers and in GPU-resident blocks' buffers; the rest re-quantised).
+    gpu = ["--device", "cuda", "--dtype", "bfloat16", "--steps", "8", "--clip", "0.5", *fmt]
     whole = run(tmp_path, "whole", *gpu, nproc=1)
     ck = str(tmp_path / "ck")
     saved, loaded = tmp_path / "saved.pt", tmp_path / "loaded.pt"

@@ -149,6 +149,35 @@ def test_damaged_checkpoints_are_refused(tmp_path, capsys):
         ckpt.verify(path)
 
 
+def test_a_resume_from_an_older_checkpoint_replaces_the_later_ones(tmp_path, capsys):
+    # Checkpoints at 2, 4, 6; step 6 is damaged; the user resumes from step 4 and saves at 8 keeping 2.
+    # The resumed run's first save removes step 6 (the replaced run's future): the directory then
+    # holds this history, 4 and 8, and --resume latest takes 8. (Pruning by name alone kept the
+    # damaged 6 and removed the good 4.)
+    out = tmp_path / "run"
+    args = ["--eval-every", "0", "--out", str(out), *FAST]
+    assert main(["--steps", "6", "--save-every", "2", "--keep", "5", *args]) == 0
+    opt_file = out / "checkpoints" / "step_00000006" / "optimizer.pt"
+    data = bytearray(opt_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    opt_file.write_bytes(bytes(data))
+    capsys.readouterr()
+    older = out / "checkpoints" / "step_00000004"
+    # --resume latest is refused naming the damaged file, and the checkpoint before it.
+    assert main(["--steps", "8", "--resume", "latest", *args]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.pt is corrupted" in err and f"resume from that one with --resume {older}" in err
+    assert main(["--steps", "8", "--save-every", "4", "--keep", "2", "--resume", str(older), *args]) == 0
+    assert "removing step_00000006: saved after step 4" in capsys.readouterr().err
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["step_00000004", "step_00000008"]
+    assert ckpt.resolve(out, "latest").name == "step_00000008"
+    assert [r["step"] for r in metrics(out)] == list(range(1, 9))
+    # A resume from the newest checkpoint removes nothing of its own history.
+    assert main(["--steps", "12", "--save-every", "2", "--keep", "3", "--resume", "latest", *args]) == 0
+    assert "removing" not in capsys.readouterr().err
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["step_00000008", "step_00000010", "step_00000012"]
+
+
 def test_kill_during_save_keeps_the_last_good_checkpoint(tmp_path):
     out = str(tmp_path / "run")
     assert main(["--steps", "2", "--eval-every", "0", "--out", out, *FAST]) == 0

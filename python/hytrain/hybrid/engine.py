@@ -61,9 +61,6 @@ class Engine:
         # FSDP2-sharded parameters: each rank holds the state of its own shards; the norm and the
         # overflow flag are agreed over this group.
         self.shard_group = collectives.shard_group(plan.params)
-        if self.shard_group is not None and settings.state_format == "8bit":
-            raise ValueError("state_format='8bit' does not support FSDP2-sharded parameters yet (sharded "
-                             "checkpoints hold m and v shaped like the parameters' shards): use 'bf16' or 'fp32'")
         self.fence = Fence(weakref.ref(self))
         self._state = state
         self._make_parts()

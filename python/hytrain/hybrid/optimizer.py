@@ -247,21 +247,20 @@ class HybridAdamW(torch.optim.Optimizer):
             extra.update(engine.pending)
         return state_dicts.with_entries(super().state_dict(), extra, self.param_groups)
 
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self, state_format=None) -> dict:
         """The state for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``): ``{"state":
-        {index: {key: tensor}}, "param_groups": [...]}``. The tensors are the optimizer's own buffers
-        (host, or GPU for resident blocks); for sharded (FSDP2) parameters they are DTensors over the
-        parameters' mesh, each rank's buffer its own shard of the global tensor, so a save writes
-        every rank's shard once and a load -- at this or another world size -- reads each rank's
-        shard straight into its buffers. ``step`` is a plain (replicated) tensor. Call
-        :meth:`load_sharded_state_dict` with the dict after ``dcp.load``. Creates the state if the
-        first step has not (the parameters must be where they will train)."""
+        {index: {key: tensor}}, "param_groups": [...]}``, the tensors the optimizer's own buffers (host,
+        or GPU for resident blocks); for FSDP2 shards DTensors over the parameters' mesh, each rank's
+        buffer its own shard, so a save writes every shard once and a load -- at any world size --
+        reads each shard straight into its buffers (8-bit m and v: see ``state_dicts.sharded``).
+        ``state_format``: to load a checkpoint of another format, m and v in its layout (converted by
+        :meth:`load_sharded_state_dict`). Creates the state if the first step has not."""
         engine = self._engine
         if not engine.bound:
             check_group_values(self.param_groups)
             engine.bind()
         engine.synchronize()
-        return state_dicts.sharded(engine.plan.params, self.state, self.param_groups)
+        return state_dicts.sharded(engine.plan.params, self.state, self.param_groups, self.state_format, state_format)
 
     def load_sharded_state_dict(self, state_dict) -> None:
         """Completes a resume from ``dcp.load(sd, ...)`` where ``sd`` came from

@@ -4,9 +4,11 @@ DTensors over the parameters' mesh for FSDP2 shards)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .. import _checks
+from .. import _checks, quant8
 from .collectives import host_mesh
 from .common import STATE_KEYS, is_sharded, local
 from .settings import check_state_value
@@ -83,35 +85,152 @@ def with_entries(out, entries, param_groups) -> dict:
     return out
 
 
-def sharded(params, state, param_groups) -> dict:
+def sharded(params, state, param_groups, state_format="fp32", as_format=None) -> dict:
     """``{"state": {index: {key: tensor}}, "param_groups": [...]}`` over the buffers (host, or GPU
-    for resident blocks)."""
+    for resident blocks). ``as_format``: the state format of the checkpoint the dict will be loaded
+    from (default: ``state_format``, the optimizer's own); where 8-bit states are involved on either
+    side the sharded m and v take that format's layout (:func:`_sharded_moment`), in new tensors where
+    it is not the buffers'."""
+    as_format = as_format or state_format
     out = {}
     for i, p in enumerate(params):
         st = state[p]
         entry = {"step": st["step"]}
         for key in ("master", *STATE_KEYS):
-            if key in st:
+            if key not in st:
+                continue
+            if key in MOMENTS and "8bit" in (state_format, as_format):
+                entry.update(_sharded_moment(p, key, st[key], state_format, as_format))
+            else:
                 entry[key] = _as_global(p, st[key])
         out[i] = entry
     return {"state": out, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups]}
 
 
+MOMENTS = STATE_KEYS[:2]
+# The 8-bit scales beside m and v in sharded checkpoints (_sharded_moment).
+SCALE_KEYS = tuple(m + suffix for m in MOMENTS for suffix in ("_scales", "_rank_scales"))
+
+
+def _row_blocks(p):
+    """Blocks of 8-bit scales per row of a parameter whose rows are whole blocks and, when sharded, is
+    sharded by rows (each shard, a run of rows, then quantises in blocks that never straddle a row,
+    at any world size), else None."""
+    row = p.numel() // p.shape[0] if p.ndim >= 2 and p.shape[0] else 0
+    if not row or row % quant8.BLOCK:
+        return None
+    if is_sharded(p) and [(type(pl).__name__, getattr(pl, "dim", None)) for pl in p.placements] != [("Shard", 0)]:
+        return None
+    return row // quant8.BLOCK
+
+
+def _sharded_moment(p, key, buf, own, want) -> dict:
+    """m or v of a parameter (sharded or not) in checkpoint format ``want``, from the optimizer's
+    buffer of format ``own``. In 8-bit checkpoints, for a parameter whose rows are whole blocks: the
+    codes, a uint8 DTensor shaped like the parameter, and ``<key>_scales``, fp32 of (rows, blocks per
+    row), both sharded by rows like the parameter -- views of the buffer, so saving and loading copy
+    nothing, and any world size reads the same blocks. For other parameters (norms, biases, rows cut
+    across blocks): the values as fp32 shaped like the parameter, and ``<key>_rank_scales``, each
+    rank's block scales as one row of (world size, blocks of the largest shard), so that at the same
+    world size the codes come back exactly (quantised against the saved scales) and at another they
+    are quantised afresh for the new blocks (the loader leaves the scales out). Floating checkpoints:
+    the values. Loading converts whatever is not the buffer itself (:func:`load_sharded`)."""
+    w = local(p)
+    n, per_row = w.numel(), _row_blocks(p)
+    if want == "8bit" and per_row is not None:
+        shape = (w.shape[0], per_row)
+        if own == "8bit":
+            codes = buf[:n].view(w.shape)
+            scales = buf[quant8.codes_bytes(n):quant8.state_bytes(n)].view(torch.float32).view(shape)
+        else:
+            codes = torch.zeros(w.shape, dtype=torch.uint8, device=buf.device)
+            scales = torch.zeros(shape, dtype=torch.float32, device=buf.device)
+        return {key: _as_global(p, codes), key + "_scales": _as_global(p, scales, (p.shape[0], per_row))}
+    if own != "8bit":
+        values = buf
+    elif n:
+        values = quant8.dequantize(buf, n, key).view(w.shape)
+    else:
+        values = torch.zeros(w.shape)
+    out = {key: _as_global(p, values)}
+    if want == "8bit":
+        world, widest = _shards(p)
+        scales = torch.zeros((1, quant8.blocks(widest)), dtype=torch.float32)
+        if own == "8bit" and n:
+            scales[0, :quant8.blocks(n)] = buf[quant8.codes_bytes(n):quant8.state_bytes(n)].view(torch.float32)
+        out[key + "_rank_scales"] = _by_rank(p, scales, world)
+    return out
+
+
+def _shards(p) -> tuple:
+    """(ranks the parameter is sharded over, elements of its largest shard): chunks as DTensor cuts."""
+    if not is_sharded(p):
+        return 1, p.numel()
+    world, dim = p.device_mesh.size(), p.placements[0].dim
+    rows = -(-p.shape[dim] // world) if p.shape[dim] else 0
+    return world, rows * (p.numel() // p.shape[dim] if p.shape[dim] else 0)
+
+
+def _by_rank(p, t, world):
+    """``t`` (one row) as row r of a DTensor of ``world`` rows over the parameter's ranks (host mesh)."""
+    if not is_sharded(p):
+        return t
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(t, host_mesh(p.device_mesh), (Shard(0),), run_check=False,
+                              shape=torch.Size((world, t.shape[1])), stride=(t.shape[1], 1))
+
+
+def _moment_in(i, key, val, entry, dst, shape):
+    """A loaded m or v (``val``, local) in the format of the buffer ``dst`` of a parameter of local
+    ``shape``, with the scales that came with it in ``entry``: the buffer itself when DCP filled it
+    in place."""
+    n = math.prod(shape)
+    at = quant8.codes_bytes(n)
+    if val.dtype == torch.uint8 and tuple(val.shape) == tuple(shape):  # codes shaped like the parameter
+        scales = entry.get(key + "_scales")
+        if scales is None:
+            raise ValueError(f"parameter {i}: the checkpoint has 8-bit codes of {key!r} without their scales")
+        scales = local(scales)
+        if dst.dtype == torch.uint8 and (not n or (val.data_ptr() == dst.data_ptr()
+                                                   and scales.data_ptr() == dst.data_ptr() + at)):
+            return dst
+        buf = torch.zeros(quant8.state_bytes(n), dtype=torch.uint8)
+        buf[:n] = val.reshape(-1).cpu()
+        buf[at:quant8.state_bytes(n)] = scales.detach().reshape(-1).float().cpu().view(torch.uint8)
+        val = buf
+    if dst.dtype == torch.uint8 and val.dtype != torch.uint8:
+        check_state_value(i, key, val, shape)
+        scales = entry.get(key + "_rank_scales")
+        if scales is not None:
+            scales = local(scales).reshape(-1)[:quant8.blocks(n)]
+        return quant8.quantize(val, key, scales)
+    if dst.dtype != torch.uint8 and val.dtype == torch.uint8:
+        check_state_value(i, key, val, shape)
+        return quant8.dequantize(val, n, key).view(shape)
+    return val
+
+
 def load_sharded(state_dict, params, state, param_groups) -> list:
     """Copies what ``dcp.load`` put outside the buffers (normally nothing: it fills them in place)
-    into them, after the same checks as ``load_state_dict``; returns the saved groups."""
+    into them, converted to the buffers' format, after the same checks as ``load_state_dict``;
+    returns the saved groups."""
     groups = checked_groups(state_dict, param_groups, "expected the dict from sharded_state_dict() "
                             "(after dcp.load)", "the checkpoint")
     plan = []
     for i, entry in state_dict["state"].items():
         if not isinstance(i, int) or not 0 <= i < len(params):
             raise ValueError(f"the checkpoint has state for unknown parameter index {i!r}")
-        st = state[params[i]]
+        st, shape = state[params[i]], local(params[i]).shape
         for key, val in entry.items():
+            if key in SCALE_KEYS:
+                continue  # read with its moment
             if key not in st:
                 raise ValueError(f"parameter {i}: unexpected state {key!r}")
             val, dst = local(val), st[key]
-            check_state_value(i, key, val, dst.shape)
+            if key in MOMENTS and isinstance(val, torch.Tensor):
+                val = _moment_in(i, key, val, entry, dst, shape)
+            check_state_value(i, key, val, torch.Size([]) if key == "step" else shape)
             if val.numel() and val.data_ptr() != dst.data_ptr():
                 plan.append((dst, val))
     for dst, val in plan:
@@ -119,16 +238,18 @@ def load_sharded(state_dict, params, state, param_groups) -> list:
     return groups
 
 
-def _as_global(p, buf):
+def _as_global(p, buf, shape=None):
     """The buffer as a DTensor over the parameter's ranks (the buffer itself is the local shard,
     nothing is copied): over a mesh of host tensors for a host buffer, the parameter's own mesh for
-    a GPU-resident block's."""
+    a GPU-resident block's. ``shape``: the global shape when it is not the parameter's (sharded the
+    same way)."""
     if not is_sharded(p):
         return buf
     from torch.distributed.tensor import DTensor
 
     mesh = p.device_mesh if buf.device.type == p.device_mesh.device_type else host_mesh(p.device_mesh)
-    out = DTensor.from_local(buf, mesh, p.placements, run_check=False,
-                             shape=p.shape, stride=p.stride())
+    shape = torch.Size(shape or p.shape)
+    stride = torch.empty(shape, device="meta").stride()
+    out = DTensor.from_local(buf, mesh, p.placements, run_check=False, shape=shape, stride=stride)
     assert out.to_local().data_ptr() == buf.data_ptr() or not buf.numel()
     return out

@@ -141,7 +141,10 @@ def _run(args, ranks, say, out) -> int:
             raise ConfigError(f"{resume_dir} was written by a single-process run; a run on several processes "
                               "resumes from its own (sharded) checkpoints")
         if not sharded_ckpt:
-            ckpt.verify(resume_dir)  # a corrupted checkpoint is refused before anything is built
+            try:
+                ckpt.verify(resume_dir)  # a corrupted checkpoint is refused before anything is built
+            except ckpt.CheckpointError as e:
+                raise _naming_older(e, out, resume_dir) from None
     saved_format = ckpt.read_meta(resume_dir).get("state_format", "fp32") if resume_dir is not None else None
     asked_format = args.state_format
     args.state_format = asked_format or saved_format or "fp32"  # a resumed run keeps its format unless told
@@ -191,7 +194,10 @@ def _run(args, ranks, say, out) -> int:
     start = 0
     if resume_dir is not None:
         if sharded_ckpt:
-            info = dist_checkpoint.load(resume_dir, model, opt)
+            try:
+                info = dist_checkpoint.load(resume_dir, model, opt)
+            except ckpt.CheckpointError as e:
+                raise (_naming_older(e, out, resume_dir) if getattr(e, "damaged", False) else e) from None
             sched.load_state_dict(info["extra"]["scheduler"])
             start = info["step"]
         else:
@@ -201,6 +207,10 @@ def _run(args, ranks, say, out) -> int:
             say(f"hytrain train: the checkpoint's optimizer states are {saved_format}; they continue as "
                 f"{asked_format}, as --state-format {asked_format} asks (leave it out to keep {saved_format})",
                 flush=True)
+    # A resume from one of --out's own checkpoints continues that history: the checkpoints after it
+    # belong to the run this one replaces, and go at this run's first save (ckpt.publish).
+    own = resume_dir is not None and resume_dir.resolve().parent == (out / "checkpoints").resolve()
+    since = start if own else None
     config = {"options": vars(args), "model": model_cfg, "world_size": ranks.world}
     if ranks.main:
         (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
@@ -274,9 +284,10 @@ def _run(args, ranks, say, out) -> int:
             if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
                 if ranks.distributed or sharded_ckpt:
                     dist_checkpoint.save(out, step, model, opt, {"scheduler": sched.state_dict(), **config},
-                                         keep=args.keep)
+                                         keep=args.keep, since=since)
                 else:
-                    ckpt.save(out, step, model, opt, sched, config, keep=args.keep)
+                    ckpt.save(out, step, model, opt, sched, config, keep=args.keep, since=since)
+                since = step if since is not None else None
             if stopping:
                 stopped = int(max(r[4] for r in every))
                 by = stop["signal"] if stop["signal"] else f"{stopped} (sent to another rank)"
@@ -338,6 +349,17 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
         raise ConfigError(f"training finished and its checkpoint is saved, but writing {out / 'summary.json'} "
                           f"failed: {e}") from None
     return summary
+
+
+def _naming_older(e, out, resume_dir):
+    """A damaged checkpoint's error, naming the newest complete checkpoint before it in --out (not
+    verified: that is the resume's own first step)."""
+    older = [p for p in ckpt.complete_checkpoints(out) if p.name < resume_dir.name]
+    if not older or resume_dir.resolve().parent != (out / "checkpoints").resolve():
+        return e
+    return ckpt.CheckpointError(f"{e}; the newest checkpoint before it is {older[-1]}: resume from that one with "
+                                f"--resume {older[-1]} (its first save then replaces {resume_dir.name} and any "
+                                f"after it)")
 
 
 def main(argv=None) -> int:
