@@ -14,9 +14,11 @@ full weights for inference (one file, rank 0).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,6 +32,15 @@ def _dist():
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
+
+
+@contextlib.contextmanager
+def _one_process_quiet():
+    """Without a process group DCP warns that it assumes one process: what is meant here, so unsaid."""
+    with warnings.catch_warnings():
+        if _dist() is None:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _barrier():
@@ -72,7 +83,8 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2, s
     _barrier()
     opt.synchronize()  # the last step's updates may still be landing (they overlap the next forward)
     try:
-        dcp.save(_state(model, opt), checkpoint_id=str(tmp))
+        with _one_process_quiet():
+            dcp.save(_state(model, opt), checkpoint_id=str(tmp))
     except (Exception, _CheckpointException) as e:  # DCP gathers every rank's failure (a full disk) and raises on all
         cause = _cause(e)
         err = cause if isinstance(cause, OSError) else OSError(f"{type(cause).__name__}: {_first_line(cause)}")
@@ -122,7 +134,8 @@ def load(path, model, opt) -> dict:
             for key in [k for k in entry if k.endswith("_rank_scales")]:
                 del entry[key]
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        with _one_process_quiet():
+            dcp.load(state, checkpoint_id=str(path))
     except (Exception, _CheckpointException) as e:  # several kinds, for shards and for a model that differs
         cause = _cause(e)
         if isinstance(cause, (ValueError, KeyError, RuntimeError)) and any(

@@ -215,6 +215,43 @@ def test_8bit_state_dicts_convert_between_formats_both_ways():
         same.load_state_dict(cast)
 
 
+def test_a_state_dict_loaded_before_the_first_step_comes_back_in_the_optimizers_format():
+    # As torch's load_state_dict casts at once: until the first step creates the buffers, state_dict()
+    # gives the loaded entries converted as the buffers will hold them, and the first step starts
+    # from exactly those.
+    data = batches(8)
+    model = _model()
+    fp32 = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model)
+    train(model, fp32, data[:4])
+    sd = copy.deepcopy(fp32.state_dict())
+    for fmt, dtype in (("8bit", torch.uint8), ("bf16", torch.bfloat16)):
+        m = copy.deepcopy(model)
+        opt = hytrain.HybridAdamW(m.parameters(), lr=1e-3, model=m, state_format=fmt)
+        opt.load_state_dict(sd)
+        early = copy.deepcopy(opt.state_dict())
+        for i, q in enumerate(m.parameters()):
+            for key in ("exp_avg", "exp_avg_sq"):
+                got = early["state"][i][key]
+                want = quant8.quantize(sd["state"][i][key], key) if fmt == "8bit" else sd["state"][i][key].bfloat16()
+                assert got.dtype == dtype and torch.equal(got, want), (fmt, i, key)
+        # The first step starts from what state_dict() gave: as an optimizer that loaded that instead.
+        twin_model = copy.deepcopy(model)
+        twin = hytrain.HybridAdamW(twin_model.parameters(), lr=1e-3, model=twin_model, state_format=fmt)
+        twin.load_state_dict(early)
+        train(m, opt, data[4:6])
+        train(twin_model, twin, data[4:6])
+        for q, r in zip(m.parameters(), twin_model.parameters()):
+            assert torch.equal(q, r)
+    q8 = hytrain.HybridAdamW(copy.deepcopy(model).parameters(), lr=1e-3, state_format="8bit")
+    q8.load_state_dict(sd)
+    back = hytrain.HybridAdamW(copy.deepcopy(model).parameters(), lr=1e-3)
+    back.load_state_dict(q8.state_dict())  # 8-bit into fp32, before either has stepped
+    for i, q in enumerate(model.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = quant8.dequantize(quant8.quantize(sd["state"][i][key], key), q.numel(), key).view(q.shape)
+            assert torch.equal(back.state_dict()["state"][i][key], want), (i, key)
+
+
 def test_8bit_refusals_and_checkpoint_format(tmp_path):
     from hytrain import checkpoint
 

@@ -238,13 +238,13 @@ class HybridAdamW(torch.optim.Optimizer):
         GPU-resident blocks (as torch's AdamW keeps the state of CUDA parameters); save or copy them
         before training goes on (a speculating block's buffers change places with its shadows).
         Parameters without state (never stepped) have no entry, as in torch. Before the first step:
-        the settings, and the state loaded by load_state_dict if any."""
+        the settings, and the state loaded by load_state_dict if any, in this optimizer's format."""
         engine = self._engine
         if engine.bound:
             engine.synchronize()
         extra = dict(self._parked)
-        if not engine.bound and engine.pending:
-            extra.update(engine.pending)
+        if not engine.bound and engine.pending:  # as torch: in the format the state takes when loaded
+            extra.update(state_dicts.in_format(engine.pending, self.state_format))
         return state_dicts.with_entries(super().state_dict(), extra, self.param_groups)
 
     def sharded_state_dict(self, state_format=None) -> dict:

@@ -11,7 +11,11 @@ import torch
 from .. import _checks, quant8
 from .collectives import host_mesh
 from .common import STATE_KEYS, is_sharded, local
-from .settings import check_state_value
+from .settings import STATE_FORMATS, check_state_value
+
+MOMENTS = STATE_KEYS[:2]
+# The 8-bit scales beside m and v in sharded checkpoints (_sharded_moment).
+SCALE_KEYS = tuple(m + suffix for m in MOMENTS for suffix in ("_scales", "_rank_scales"))
 
 
 def checked_groups(state_dict, param_groups, what, source):
@@ -85,6 +89,29 @@ def with_entries(out, entries, param_groups) -> dict:
     return out
 
 
+def in_format(entries, state_format) -> dict:
+    """Loaded entries (parameter -> {key: tensor}) with m and v in ``state_format``, as the buffers will
+    hold them once the state exists (``StateStore``'s conversion: 8-bit quantised or dequantised,
+    floating cast), as torch's ``load_state_dict`` casts a loaded state at once."""
+    dtype = STATE_FORMATS[state_format]
+    out = {}
+    for p, entry in entries.items():
+        entry = dict(entry)
+        for key in MOMENTS:
+            val = entry.get(key)
+            if not isinstance(val, torch.Tensor) or val.dtype == dtype:
+                continue
+            if dtype == torch.uint8:
+                entry[key] = quant8.quantize(val, key).to(val.device)
+            elif val.dtype == torch.uint8:
+                w = local(p)
+                entry[key] = quant8.dequantize(val, w.numel(), key).view(w.shape).to(val.device, dtype)
+            else:
+                entry[key] = val.to(dtype)
+        out[p] = entry
+    return out
+
+
 def sharded(params, state, param_groups, state_format="fp32", as_format=None) -> dict:
     """``{"state": {index: {key: tensor}}, "param_groups": [...]}`` over the buffers (host, or GPU
     for resident blocks). ``as_format``: the state format of the checkpoint the dict will be loaded
@@ -105,11 +132,6 @@ def sharded(params, state, param_groups, state_format="fp32", as_format=None) ->
                 entry[key] = _as_global(p, st[key])
         out[i] = entry
     return {"state": out, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups]}
-
-
-MOMENTS = STATE_KEYS[:2]
-# The 8-bit scales beside m and v in sharded checkpoints (_sharded_moment).
-SCALE_KEYS = tuple(m + suffix for m in MOMENTS for suffix in ("_scales", "_rank_scales"))
 
 
 def _row_blocks(p):

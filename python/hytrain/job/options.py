@@ -43,8 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="GPU memory hytrain may plan with, e.g. 40GiB (default: the device's); resident states fit in it")
     a("--state-format", choices=("fp32", "bf16", "8bit"), default=None,
       help="Adam's m and v: fp32 (the default; on --resume, the checkpoint's format); bf16 (8 bytes of state "
-           "per parameter instead of 12; stochastically rounded); or 8bit (blockwise-quantised, about 6 bytes; "
-           "not with --nproc > 1 yet)")
+           "per parameter instead of 12; stochastically rounded); or 8bit (blockwise-quantised, about 6 bytes)")
     a("--precision", choices=list(DTYPES), default=None, help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
     a("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False,
       help="recompute each layer in backward")
