@@ -252,6 +252,27 @@ def test_a_state_dict_loaded_before_the_first_step_comes_back_in_the_optimizers_
             assert torch.equal(back.state_dict()["state"][i][key], want), (i, key)
 
 
+def test_an_8bit_state_dict_reaches_torch_adamw_through_an_fp32_hybrid_adamw():
+    # torch's AdamW cannot read 8-bit buffers; an fp32-state HybridAdamW converts them on load and its
+    # state_dict() (before any step) is one torch's AdamW loads and trains on.
+    data = batches(6)
+    model = _model()
+    q8 = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, state_format="8bit")
+    train(model, q8, data[:3])
+    sd = q8.state_dict()
+    bridge = hytrain.HybridAdamW(copy.deepcopy(model).parameters(), lr=1e-3)
+    bridge.load_state_dict(sd)
+    plain = copy.deepcopy(model)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    adamw.load_state_dict(bridge.state_dict())
+    for i, p in enumerate(plain.parameters()):
+        st = adamw.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = quant8.dequantize(sd["state"][i][key], p.numel(), key).view(p.shape)
+            assert st[key].dtype == torch.float32 and torch.equal(st[key], want), (i, key)
+    train(plain, adamw, data[3:4])
+
+
 def test_8bit_refusals_and_checkpoint_format(tmp_path):
     from hytrain import checkpoint
 
