@@ -255,6 +255,8 @@ def run_mode(args):
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9,
            "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
            "cap_gb": cap if mode.startswith("hytrain") else None, "k": None, "predicted_iter_s": None,
+           # times the caching allocator hit the memory limit, freed its cache and retried (a device sync each)
+           "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
            "warmup": warmup, "iter_times_s": [round(t, 4) for t in times]}
     if mode.startswith("hytrain"):
         stats = opt.schedule_stats()

@@ -22,7 +22,7 @@ from ._native import native
 
 class _Record:
     __slots__ = ("index", "hooks", "bwd", "gpu", "passes", "launch", "deferred", "next_start",
-                 "mem_peak", "resident", "last_forward", "fragmented")
+                 "mem_peak", "resident", "last_forward", "fragmented", "alloc_retries")
 
     def __init__(self, index: int, deferred: bool):
         self.index = index
@@ -37,6 +37,7 @@ class _Record:
         self.resident = None    # bytes of resident optimizer states during backward
         self.last_forward = None  # accumulation: the last hook of the step's last micro-batch forward
         self.fragmented = 0     # the caching allocator's reserve that cannot be released (split blocks)
+        self.alloc_retries = 0  # times the allocator freed its cache to retry a cudaMalloc, since the last step
 
 
 class Meter:
@@ -50,6 +51,7 @@ class Meter:
         self.started = first_index  # the index the next recorded iteration gets
         self.pending = None   # the finished iteration, read at the next step
         self.last = {}        # what the last harvest measured (seconds and shares)
+        self._retries = None  # the allocator's retry count at the last step's launch
 
     def _event(self):
         e = torch.cuda.Event(enable_timing=True)
@@ -95,6 +97,11 @@ class Meter:
             # cached segments it releases itself before failing an allocation.
             stats = torch.cuda.memory_stats(self.device)
             self.current.fragmented = int(stats.get("inactive_split_bytes.all.current", 0))
+            # And how often, since the last step, an allocation found the memory limit reached and the
+            # allocator freed its cache and retried: each time it synchronises the device.
+            retries = int(stats.get("num_alloc_retries", 0))
+            self.current.alloc_retries = retries - self._retries if self._retries is not None else 0
+            self._retries = retries
 
     def add_pass(self, block: int, info: dict) -> None:
         if self.current is not None:
@@ -146,4 +153,5 @@ class Meter:
         t.deferred = rec.deferred
         self.last = dict(n.attribute_iteration(t, scheduler))
         self.last["nonstate_peak_bytes"] = rec.mem_peak - (rec.resident or 0) + rec.fragmented
+        self.last["alloc_retries"] = rec.alloc_retries
         return self.last

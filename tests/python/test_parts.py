@@ -165,6 +165,7 @@ class _RecordedMeter:
 
     def __init__(self, costs, peak):
         self.costs, self.peak, self.pending, self.current = costs, peak, None, None
+        self.retries = 0  # the allocator's retries the next harvested iteration reports
 
     def end_iteration(self):
         return "recorded"
@@ -173,7 +174,7 @@ class _RecordedMeter:
         for j, per_phase in enumerate(self.costs):
             for phase, t in per_phase.items():
                 scheduler.observe(j, phase, t)
-        return {"iter_s": 0.1, "gpu_wait_frac": 0.2, "nonstate_peak_bytes": self.peak}
+        return {"iter_s": 0.1, "gpu_wait_frac": 0.2, "nonstate_peak_bytes": self.peak, "alloc_retries": self.retries}
 
 
 class _Store:
@@ -205,6 +206,40 @@ def test_the_planner_from_recorded_costs():
     stats = planner.stats()
     assert stats["iter_s"] == 0.1 and stats["predicted_iter_s"] == sched.last_prediction()["iter_s"]
     assert stats["state_budget_bytes"] == sched.memory_budget and planner.spec_from is None
+
+
+def test_the_planner_gives_way_where_the_allocator_retried():
+    """A slow CPU: every block the budget holds goes to the GPU (5 of 8). An iteration in which the
+    caching allocator reached the limit and retried costs one block's room for the rest of the run:
+    k goes to 4, and stays there when the retries stop."""
+    L = 8
+    plan = BlockPlan(groups_of([nn.Parameter(torch.zeros(10**6)) for _ in range(L)]), bucket_elements=1)
+    s = make_settings(speculate=False)
+
+    class Store(_Store):
+        def migrate(self, k):
+            super().migrate(k)
+            s.gpu_blocks = k
+
+    store, P = Store(), native().Phase
+    planner = Planner(plan, s, native().BlockRuntime([1] * L, 1), store)
+    costs = [{P.forward: 1e-3, P.backward: 2e-3, P.cpu: 20e-3, P.gpu: 0.5e-3, P.d2h: 0.4e-3, P.h2d: 0.4e-3}] * L
+    sched = native().KSplitScheduler(*plan.sizes(), every=1, deferred=True)
+    state = plan.sizes()[2]
+    peak, margin = 2 << 30, 1 << 30
+    limit = int((peak + margin + sum(state[:5]) + state[5] // 2) / 0.95) + 1  # 5 blocks and a half fit
+    meter = _RecordedMeter(costs, peak=peak)
+    planner.attach(meter, sched, limit)
+    planner.after_step(early_copies=False, speculation_allowed=False)
+    assert s.gpu_blocks == 5
+    meter.retries = 3
+    planner.after_step(early_copies=False, speculation_allowed=False)
+    assert s.gpu_blocks == 4 and sched.memory_budget == float(planner._budget(peak))
+    assert planner.stats()["alloc_retries"] == 3
+    meter.retries = 0
+    for _ in range(3):
+        planner.after_step(early_copies=False, speculation_allowed=False)
+    assert s.gpu_blocks == 4 and store.moves == [5, 4]
 
 
 def test_the_planner_keeps_k_at_or_above_the_host_floor():

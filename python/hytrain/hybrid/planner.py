@@ -30,6 +30,7 @@ class Planner:
         self.gpu_memory_limit = None
         self._agree_group = None  # sharded with k chosen each step: the ranks agree on k
         self._nonstate_peak = 0
+        self._pressure = 0  # bytes the state budget gives up: iterations where the allocator retried
         self._first_samples = []  # (block, GPU bytes in use) as each block completed in the first backward
 
     def initial_k(self, floor, shard_group, *, scaled=False) -> int:
@@ -209,6 +210,8 @@ class Planner:
             # gradients completed (backward is where activations and gradients meet), plus a margin
             # for what falls between samples (the loss, temporary buffers).
             self._nonstate_peak = max(self._nonstate_peak, summary["nonstate_peak_bytes"])
+            if summary.get("alloc_retries"):
+                self._give_way(k)
             sched.memory_budget = float(max(0, self._budget(self._nonstate_peak)))
             k = sched.decide(s.gpu_blocks)
         if self._agree_group is not None:
@@ -224,7 +227,16 @@ class Planner:
             self._speculate_as_predicted(allowed)
 
     def _budget(self, nonstate_peak) -> int:
-        return self.gpu_memory_limit - nonstate_peak - (1 << 30) - self.gpu_memory_limit // 20
+        return self.gpu_memory_limit - nonstate_peak - (1 << 30) - self.gpu_memory_limit // 20 - self._pressure
+
+    def _give_way(self, k) -> None:
+        """A measured iteration in which the caching allocator reached the memory limit, freed its
+        cache and retried (each time a device synchronisation, in forward or backward): the resident
+        states give way by the last resident block's bytes (k goes down one), for the rest of the
+        run. The budget counts what the allocator reserves, but not the slack it needs near the limit
+        to allocate without freeing; this measures that slack instead of guessing it."""
+        sizes = self.plan.sizes()[2]
+        self._pressure += sizes[k - 1] if k > 0 else max(sizes, default=0)
 
     def _speculate_as_predicted(self, allowed):
         if self.settings.speculate == "auto":
