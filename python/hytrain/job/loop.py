@@ -257,7 +257,7 @@ def _run(args, ranks, say, out) -> int:
                    "tokens_per_s": tokens_per_step / dt, **power.sample()}
             if opt.last_grad_norm is not None:
                 rec["grad_norm"] = opt.last_grad_norm
-            rec.update({key: sched_stats[key] for key in ("k", "gpu_wait_frac", "predicted_iter_s")
+            rec.update({key: sched_stats[key] for key in ("k", "gpu_wait_frac", "predicted_iter_s", "alloc_retries")
                         if key in sched_stats})
             if ranks.distributed:
                 rec["k_ranks"] = [int(r[1]) for r in every]
