@@ -287,6 +287,28 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == last
 
 
+def test_sigterm_outside_the_training_loop_ends_the_run_and_releases_its_lock(tmp_path, monkeypatch, capsys):
+    # While the model is built (before the loop's own handler, which finishes the step and saves):
+    # the run ends with 143 and one line, and its lock is released (no takeover notice next time).
+    from hytrain.job import loop
+
+    build, before = loop.build_model, signal.getsignal(signal.SIGTERM)
+
+    def signalled(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return build(*a, **k)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(loop, "build_model", signalled)
+    assert main(["--steps", "2", "--eval-every", "0", "--out", str(out), *FAST]) == 143
+    assert "stopped by signal 15 outside the training loop" in capsys.readouterr().out
+    assert not (out / "hytrain.lock").exists() and not (out / "checkpoints").exists()
+    assert signal.getsignal(signal.SIGTERM) == before
+    monkeypatch.setattr(loop, "build_model", build)
+    assert main(["--steps", "2", "--eval-every", "0", "--out", str(out), *FAST]) == 0
+    assert "taking over" not in capsys.readouterr().err
+
+
 def test_bad_options_fail_before_training(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text('steps = 2\nlearning_rate = 0.1\n')

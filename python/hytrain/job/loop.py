@@ -99,8 +99,17 @@ def run(args) -> int:
     lock = RunLock(out) if ranks.main else None
     if lock is not None:
         lock.acquire()  # before anything is written: one run per --out
+    # SIGTERM outside the training loop (which finishes its step and saves instead): building the
+    # model, or writing the trace and pictures after the last checkpoint. The run ends there, its
+    # lock released, with the status a signal gives.
+    held = signal.signal(signal.SIGTERM, _stop_now) if _main_thread() else None
     try:
         return _run(args, ranks, say, out)
+    except _Stopped as e:
+        say(f"hytrain train: stopped by signal {e.signum} outside the training loop (before the first step, or "
+            f"after the last checkpoint was saved); --resume latest continues from the last checkpoint; exit "
+            f"status {128 + e.signum}", flush=True)
+        return 128 + e.signum
     except Exception as e:  # gloo's and NCCL's own words for a lost peer, raised in FSDP's collectives
         peer = as_peer_failure(e, ranks.rank) if ranks.distributed else None
         if peer is None or peer is e:
@@ -109,6 +118,26 @@ def run(args) -> int:
     finally:
         if lock is not None:
             lock.release()
+        if held is not None:
+            signal.signal(signal.SIGTERM, held)
+
+
+class _Stopped(BaseException):
+    """A SIGTERM outside the training loop (a BaseException: no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_now(signum, _frame):
+    raise _Stopped(signum)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def _run(args, ranks, say, out) -> int:
