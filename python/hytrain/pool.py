@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import torch
 
@@ -58,9 +59,9 @@ def available_memory_bytes() -> int | None:
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
         try:
-            raw = open(limit_file).read().strip()
+            raw = Path(limit_file).read_text().strip()
             if raw != "max" and int(raw) < (1 << 60):
-                found.append(max(0, int(raw) - int(open(usage_file).read().strip())))
+                found.append(max(0, int(raw) - int(Path(usage_file).read_text().strip())))
             break
         except (OSError, ValueError):
             continue

@@ -13,6 +13,7 @@ a state converted here continues as if updated there.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -91,3 +92,15 @@ def dequantize(buf: torch.Tensor, n: int, key: str) -> torch.Tensor:
     scale = buf[codes_bytes(n):state_bytes(n)].clone().view(torch.float32)
     x = value[buf[:n].long()] * scale.repeat_interleave(BLOCK)[:n]
     return x if signed else x * x
+
+
+def convert(x: torch.Tensor, key: str, dtype: torch.dtype, shape) -> torch.Tensor:
+    """Moment ``key``'s tensor ``x`` (an 8-bit buffer, or floating values) in the format of ``dtype``
+    (``torch.uint8``: an 8-bit buffer; else values of ``shape``), on ``x``'s device: quantised as the
+    kernels quantise, dequantised to the values the buffer holds, or cast (to nearest)."""
+    if dtype == torch.uint8:
+        return x if x.dtype == torch.uint8 else quantize(x, key).to(x.device)
+    if x.dtype == torch.uint8:
+        x = dequantize(x, math.prod(shape), key).view(shape).to(x.device)
+    return x.to(dtype)
+

@@ -165,12 +165,17 @@ def test_hybrid_8bit_states_train_like_fp32_states():
     assert 2 * n < state < 2.05 * n + 256 * len(opt.state)
 
 
+def _trained(data, state_format="fp32"):
+    """A model trained on ``data`` and (a copy of) its HybridAdamW's state dict."""
+    model = _model()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, state_format=state_format)
+    train(model, opt, data)
+    return model, copy.deepcopy(opt.state_dict())
+
+
 def test_8bit_state_dicts_convert_between_formats_both_ways():
     data = batches(12)
-    model = _model()
-    fp32 = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model)
-    train(model, fp32, data[:6])
-    sd = copy.deepcopy(fp32.state_dict())
+    model, sd = _trained(data[:6])
 
     def bound(state_format):
         m = copy.deepcopy(model)
@@ -220,10 +225,7 @@ def test_a_state_dict_loaded_before_the_first_step_comes_back_in_the_optimizers_
     # gives the loaded entries converted as the buffers will hold them, and the first step starts
     # from exactly those.
     data = batches(8)
-    model = _model()
-    fp32 = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model)
-    train(model, fp32, data[:4])
-    sd = copy.deepcopy(fp32.state_dict())
+    model, sd = _trained(data[:4])
     for fmt, dtype in (("8bit", torch.uint8), ("bf16", torch.bfloat16)):
         m = copy.deepcopy(model)
         opt = hytrain.HybridAdamW(m.parameters(), lr=1e-3, model=m, state_format=fmt)
@@ -256,10 +258,7 @@ def test_an_8bit_state_dict_reaches_torch_adamw_through_an_fp32_hybrid_adamw():
     # torch's AdamW cannot read 8-bit buffers; an fp32-state HybridAdamW converts them on load and its
     # state_dict() (before any step) is one torch's AdamW loads and trains on.
     data = batches(6)
-    model = _model()
-    q8 = hytrain.HybridAdamW(model.parameters(), lr=1e-3, model=model, state_format="8bit")
-    train(model, q8, data[:3])
-    sd = q8.state_dict()
+    model, sd = _trained(data[:3], "8bit")
     bridge = hytrain.HybridAdamW(copy.deepcopy(model).parameters(), lr=1e-3)
     bridge.load_state_dict(sd)
     plain = copy.deepcopy(model)

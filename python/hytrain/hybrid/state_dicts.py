@@ -96,19 +96,8 @@ def in_format(entries, state_format) -> dict:
     dtype = STATE_FORMATS[state_format]
     out = {}
     for p, entry in entries.items():
-        entry = dict(entry)
-        for key in MOMENTS:
-            val = entry.get(key)
-            if not isinstance(val, torch.Tensor) or val.dtype == dtype:
-                continue
-            if dtype == torch.uint8:
-                entry[key] = quant8.quantize(val, key).to(val.device)
-            elif val.dtype == torch.uint8:
-                w = local(p)
-                entry[key] = quant8.dequantize(val, w.numel(), key).view(w.shape).to(val.device, dtype)
-            else:
-                entry[key] = val.to(dtype)
-        out[p] = entry
+        out[p] = {key: quant8.convert(val, key, dtype, local(p).shape)
+                  if key in MOMENTS and isinstance(val, torch.Tensor) else val for key, val in entry.items()}
     return out
 
 
@@ -221,16 +210,13 @@ def _moment_in(i, key, val, entry, dst, shape):
         buf[:n] = val.reshape(-1).cpu()
         buf[at:quant8.state_bytes(n)] = scales.detach().reshape(-1).float().cpu().view(torch.uint8)
         val = buf
-    if dst.dtype == torch.uint8 and val.dtype != torch.uint8:
-        check_state_value(i, key, val, shape)
-        scales = entry.get(key + "_rank_scales")
-        if scales is not None:
-            scales = local(scales).reshape(-1)[:quant8.blocks(n)]
-        return quant8.quantize(val, key, scales)
-    if dst.dtype != torch.uint8 and val.dtype == torch.uint8:
-        check_state_value(i, key, val, shape)
-        return quant8.dequantize(val, n, key).view(shape)
-    return val
+    if (dst.dtype == torch.uint8) == (val.dtype == torch.uint8):
+        return val  # the same format (a floating one casts in the copy)
+    check_state_value(i, key, val, shape)
+    scales = entry.get(key + "_rank_scales")
+    if dst.dtype == torch.uint8 and scales is not None:  # this rank's saved scales: the codes exactly
+        return quant8.quantize(val, key, local(scales).reshape(-1)[:quant8.blocks(n)])
+    return quant8.convert(val, key, dst.dtype, shape)
 
 
 def load_sharded(state_dict, params, state, param_groups) -> list:

@@ -53,17 +53,6 @@ def check_params(params) -> torch.device:
     return device
 
 
-def _converted(src, dst, key):
-    """A loaded m or v in the format of the buffer it goes into: 8-bit buffers are quantised from
-    (or dequantised into) floating values, exactly as the kernels quantise; floating formats are
-    cast by the copy (fp32 into bf16 rounds to nearest)."""
-    if key not in ("exp_avg", "exp_avg_sq") or (src.dtype == torch.uint8) == (dst.dtype == torch.uint8):
-        return src
-    if dst.dtype == torch.uint8:
-        return quant8.quantize(src, key)
-    return quant8.dequantize(src, dst.numel(), key).view(dst.shape)
-
-
 class StateStore:
     """``state``: the optimizer's state dict (parameter -> {key: tensor}), filled by :meth:`create`:
     pinned host tensors for the blocks the CPU updates, GPU tensors for GPU-resident blocks (the
@@ -393,8 +382,10 @@ class StateStore:
             for dst, src, key in plan:
                 if src is None:
                     dst.zero_()
+                elif key in STATE_KEYS[:2]:  # m and v in the buffer's format (8-bit or floating)
+                    dst.copy_(quant8.convert(local(src), key, dst.dtype, dst.shape))
                 else:
-                    dst.copy_(_converted(local(src), dst, key))
+                    dst.copy_(local(src))
         self.note_weight_versions(sharded=sharded)  # the loaded masters are what the next update starts from
 
     # -- placement: moves between host and GPU ----------------------------------------------------------

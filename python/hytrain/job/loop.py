@@ -18,6 +18,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def run(args) -> int:
     # SIGTERM outside the training loop (which finishes its step and saves instead): building the
     # model, or writing the trace and pictures after the last checkpoint. The run ends there, its
     # lock released, with the status a signal gives.
-    held = signal.signal(signal.SIGTERM, _stop_now) if _main_thread() else None
+    held = signal.signal(signal.SIGTERM, _stop_now) if threading.current_thread() is threading.main_thread() else None
     try:
         return _run(args, ranks, say, out)
     except _Stopped as e:
@@ -134,10 +135,6 @@ def _stop_now(signum, _frame):
     raise _Stopped(signum)
 
 
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def _run(args, ranks, say, out) -> int:
@@ -238,8 +235,7 @@ def _run(args, ranks, say, out) -> int:
                 flush=True)
     # A resume from one of --out's own checkpoints continues that history: the checkpoints after it
     # belong to the run this one replaces, and go at this run's first save (ckpt.publish).
-    own = resume_dir is not None and resume_dir.resolve().parent == (out / "checkpoints").resolve()
-    since = start if own else None
+    since = start if resume_dir is not None and _of_out(out, resume_dir) else None
     config = {"options": vars(args), "model": model_cfg, "world_size": ranks.world}
     if ranks.main:
         (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
@@ -380,11 +376,16 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
     return summary
 
 
+def _of_out(out, path) -> bool:
+    """Whether checkpoint ``path`` is one of ``out``'s own (a resume may name one elsewhere)."""
+    return path.resolve().parent == (out / "checkpoints").resolve()
+
+
 def _naming_older(e, out, resume_dir):
     """A damaged checkpoint's error, naming the newest complete checkpoint before it in --out (not
     verified: that is the resume's own first step)."""
     older = [p for p in ckpt.complete_checkpoints(out) if p.name < resume_dir.name]
-    if not older or resume_dir.resolve().parent != (out / "checkpoints").resolve():
+    if not older or not _of_out(out, resume_dir):
         return e
     return ckpt.CheckpointError(f"{e}; the newest checkpoint before it is {older[-1]}: resume from that one with "
                                 f"--resume {older[-1]} (its first save then replaces {resume_dir.name} and any "
