@@ -108,23 +108,32 @@ def bytes_under(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).is_dir() else 0
 
 
-def check_room(root: Path, needed: int, what: str) -> None:
-    """Refuses a save (or a run) the disk cannot hold, before anything is written."""
+def check_room(root: Path, needed: int, what: str, saving: bool = False) -> None:
+    """Refuses a save (``saving``: then naming the checkpoint kept) or a run the disk cannot hold,
+    before anything is written."""
     probe = Path(root)
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     free = shutil.disk_usage(probe).free
     if free < needed:
         raise CheckpointError(f"{what} needs about {needed / 1e9:.3f} GB but the disk holding {root} has "
-                              f"{free / 1e9:.3f} GB free")
+                              f"{free / 1e9:.3f} GB free" + (kept(root) if saving else ""))
+
+
+def kept(root: Path) -> str:
+    """What a failed save leaves: the newest complete checkpoint under ``root``, named."""
+    done = [p for p in _step_dirs(Path(root)) if _complete(p)]
+    if not done:
+        return "; no checkpoint of this run is saved yet, and the run stops"
+    return (f"; the last good checkpoint, {done[-1].name}, is kept and the run stops (make room, then "
+            "--resume latest continues from it)")
 
 
 def failed_save(tmp: Path, final: Path, needed: int, e: Exception, remove: bool = True):
     if remove:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial save never stays to fill the disk
     why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return CheckpointError(f"saving {final} failed: {why} (about {needed / 1e9:.3f} GB needed); the last good "
-                           "checkpoint is kept and the run stops")
+    return CheckpointError(f"saving {final} failed: {why} (about {needed / 1e9:.3f} GB needed)" + kept(final.parent))
 
 
 def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, keep: int = 2,
@@ -140,7 +149,7 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
     final, tmp = root / name, root / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     needed = state_bytes(model, opt)
-    check_room(root, needed, f"checkpoint {final}")
+    check_room(root, needed, f"checkpoint {final}", saving=True)
     try:
         tmp.mkdir()
         own = getattr(model, "saved_module", model)  # a wrapper saves what it wraps, under its names

@@ -78,7 +78,7 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2, s
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        check_room(root, needed, f"checkpoint {final}")  # (a refusal here fails the others at the barrier)
+        check_room(root, needed, f"checkpoint {final}", saving=True)  # (a refusal here fails the others at the barrier)
         tmp.mkdir()
     _barrier()
     opt.synchronize()  # the last step's updates may still be landing (they overlap the next forward)

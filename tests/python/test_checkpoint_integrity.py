@@ -168,6 +168,20 @@ def test_a_resumed_runs_first_save_removes_the_replaced_runs_later_checkpoints(t
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["step_00000040", "step_00000060"]
 
 
+@pytest.mark.parametrize("kind", ["single", "sharded"])
+def test_a_save_the_disk_cannot_hold_names_the_checkpoint_kept(tmp_path, monkeypatch, kind):
+    import collections
+    import shutil
+
+    out = tmp_path / "run"
+    save(kind, out, 10)
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 1000))
+    with pytest.raises(ckpt.CheckpointError, match="GB free; the last good checkpoint, step_00000010, is kept"):
+        save(kind, out, 20)
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["step_00000010"]
+
+
 def test_hytrain_verify(tmp_path):
     out = tmp_path / "run"
     path = save("sharded", out, 5)

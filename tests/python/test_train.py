@@ -536,6 +536,7 @@ def test_a_full_disk_stops_the_run_with_the_last_good_checkpoint(tmp_path, error
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert r.returncode == 2, r.stderr
     assert "step_00000004 failed: " in r.stderr and words in r.stderr and "GB needed" in r.stderr
+    assert "the last good checkpoint, step_00000002, is kept" in r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
     root = out / "checkpoints"
     assert not list(root.glob(".*.tmp"))
