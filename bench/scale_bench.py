@@ -6,7 +6,8 @@ batch at each N), activation checkpointing in every mode, one torchrun per mode 
 
     python bench/scale_bench.py --nprocs 1,2,4 --model l7b --batch 2 --seq 1024
 
-Per mode and N (one JSON line): iteration time (median of the timed iterations), tokens/s per GPU,
+Per mode and N (one JSON line): iteration time (median of the timed iterations), the first
+iteration's time (page-locking and the first plan included), tokens/s per GPU,
 peak GPU memory (allocated and reserved) and peak host memory per rank (the largest rank), hytrain's
 GPU wait share and k per rank. With ``--cap deepspeed`` (the default when DeepSpeed runs) hytrain
 plans with DeepSpeed's reserved peak at the same N as its GPU memory limit, and the caching
@@ -41,7 +42,7 @@ def worker(args):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from hytrain.models import LlamaConfig, LlamaModel
+    from hytrain.models import LlamaConfig
     from hytrain.models.presets import PRESETS
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -52,20 +53,20 @@ def worker(args):
     cfg = LlamaConfig(**shape, max_seq_len=args.seq)
     torch.manual_seed(0)
     offload = args.mode == "fsdp2_cpu_offload"
-    model = LlamaModel(cfg, checkpointing=True)  # built on the host, then sharded (fully_shard moves
-    if args.mode == "deepspeed_offload":        # each rank's shards to the GPU, or keeps them pinned
-        return deepspeed_worker(args, model.to(torch.bfloat16).cuda(), cfg, rank, world)  # on the host)
+    model = build(cfg, on_gpu=not offload)
+    if args.mode == "deepspeed_offload":
+        return deepspeed_worker(args, model, cfg, rank, world)
     if offload:  # fp32 parameters stay on the CPU, bf16 compute on the GPU (FSDP2's mixed precision)
         policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(),
                       mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     else:  # bf16 weights on the GPU; fp32 masters and Adam states in the host pool
-        model = model.to(torch.bfloat16)
         policy = dict(mesh=mesh)
     for layer in model.layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
     if offload:  # the rotary tables are buffers, not parameters: they go to the GPU either way
         model.rope_cos, model.rope_sin = model.rope_cos.cuda(), model.rope_sin.cuda()
+    torch.cuda.empty_cache()  # the whole model built on each GPU is gone: only this rank's shards stay
     if args.mode == "hytrain":
         import hytrain
 
@@ -95,6 +96,26 @@ def worker(args):
     report(args, model, times, rank, world, extra)
 
 
+def build(cfg, on_gpu):
+    """The model, with activation checkpointing: for FSDP2's CPU offload built on the host in fp32
+    (fully_shard keeps each rank's shards pinned there); else built where it trains, on the GPU in
+    bf16 (seconds where building L7B on the host in fp32 takes minutes, and the host peak is then the
+    optimizer's own), sharded by fully_shard in place or handed whole to DeepSpeed."""
+    import torch
+
+    from hytrain.models import LlamaModel
+
+    if not on_gpu:
+        return LlamaModel(cfg, checkpointing=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return LlamaModel(cfg, checkpointing=True)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def deepspeed_worker(args, model, cfg, rank, world):
     import deepspeed
 
@@ -121,26 +142,28 @@ def batch(args, cfg, rank):
     return torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g)
 
 
-def timed(iteration, args) -> list[float]:
-    """Wall times of the iterations after the warm-up, each between two device synchronisations."""
+def timed(iteration, args) -> tuple[float, list[float]]:
+    """The first iteration's wall time (page-locking, the first plan) and those of the iterations
+    after the warm-up, each between two device synchronisations."""
     import torch
 
+    torch.cuda.reset_peak_memory_stats()  # peaks of training, not of building the model
     times = []
-    for i in range(args.warmup + args.iters):
+    for _ in range(args.warmup + args.iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         iteration()
         torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return times
+        times.append(time.perf_counter() - t0)
+    return times[0], times[args.warmup:]
 
 
-def report(args, model, times, rank, world, extra):
+def report(args, model, timing, rank, world, extra):
     import torch
     import torch.distributed as dist
 
-    mine = {"peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9,
+    first, times = timing
+    mine = {"first_step_s": first, "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9,
             "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
             "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
             "iter_s": statistics.median(times), **extra}
@@ -150,6 +173,7 @@ def report(args, model, times, rank, world, extra):
         n_params = sum(p.numel() for p in model.parameters())  # DTensors: global
         out = {"mode": args.mode, "nproc": world, "model": args.model, "params": n_params,
                "iter_s": max(r["iter_s"] for r in everyone),
+               "first_step_s": round(max(r["first_step_s"] for r in everyone), 2),
                "tokens_per_s_per_gpu": args.batch * args.seq / max(r["iter_s"] for r in everyone),
                "peak_gpu_gb": max(r["peak_gpu_gb"] for r in everyone),
                "peak_gpu_reserved_gb": max(r["peak_gpu_reserved_gb"] for r in everyone),
@@ -178,6 +202,10 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=8, help="untimed iterations (k settles, speculation shadows are allocated)")
+    ap.add_argument("--baseline-warmup", type=int, default=None,
+                    help="untimed iterations of DeepSpeed and FSDP2 (no planner to settle; default --warmup)")
+    ap.add_argument("--baseline-iters", type=int, default=None, help="timed iterations of DeepSpeed and FSDP2 "
+                    "(default --iters)")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--cap", default="deepspeed",
                     help="hytrain's GPU memory limit: 'deepspeed' (DeepSpeed's reserved peak at the same N, "
@@ -195,10 +223,13 @@ def main():
         modes.remove("deepspeed_offload")
     for n in [int(v) for v in args.nprocs.split(",")]:
         for mode in modes:
+            baseline = mode != "hytrain"
+            warmup = args.baseline_warmup if baseline and args.baseline_warmup is not None else args.warmup
+            iters = args.baseline_iters if baseline and args.baseline_iters is not None else args.iters
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", __file__, "--worker",
                    "--mode", mode, "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--iters", str(args.iters), "--warmup", str(args.warmup)]
+                   "--iters", str(iters), "--warmup", str(warmup)]
             if mode == "hytrain" and args.cap != "none":
                 ds = results.get(("deepspeed_offload", n), {}).get("peak_gpu_reserved_gb")
                 cap = ds if args.cap == "deepspeed" else float(args.cap)

@@ -107,37 +107,27 @@ def _is_worker(pid):
             and b"--nproc" not in cmd)
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
-def test_a_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    steps = 400
-    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", str(steps), "--save-every", "25",
-                             "--eval-every", "0", "--out", str(out), "--nproc", "2", "--max-restarts", "1", *FAST],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    killed = None
-    try:
-        deadline = time.monotonic() + 240
-        while killed is None and time.monotonic() < deadline and proc.poll() is None:
-            latest = out / "checkpoints" / "latest"
-            if latest.is_file():
-                saved = int(latest.read_text().strip().split("_")[1])
-                done = len((out / "metrics.jsonl").read_text().splitlines())
-                workers = [p for p in _descendants(proc.pid) if _is_worker(p)]
-                if done >= saved + 3 and len(workers) == 2:  # a few steps past the checkpoint
-                    killed = max(workers)
-                    os.kill(killed, signal.SIGKILL)
-                    before = (out / "metrics.jsonl").read_text()  # the steps past the checkpoint, once
-            time.sleep(0.05)
-        stdout, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert killed is not None, "the run ended before a worker could be killed"
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-8000:]
-    assert "resumed from" in stdout
+def _kill_a_worker_past_a_checkpoint(launchers, out, deadline_s=240):
+    """SIGKILL to one worker of the last launcher once the run is a few steps past a checkpoint:
+    (the worker's pid, the step saved, metrics.jsonl as it was then)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline and all(p.poll() is None for p in launchers):
+        latest = out / "checkpoints" / "latest"
+        if latest.is_file():
+            saved = int(latest.read_text().strip().split("_")[1])
+            done = len((out / "metrics.jsonl").read_text().splitlines())
+            workers = [[p for p in _descendants(a.pid) if _is_worker(p)] for a in launchers]
+            if done >= saved + 3 and sum(map(len, workers)) == 2:  # a few steps past the checkpoint
+                os.kill(max(workers[-1]), signal.SIGKILL)
+                return max(workers[-1]), saved, (out / "metrics.jsonl").read_text()
+        time.sleep(0.05)
+    raise AssertionError("the run ended before a worker could be killed")
+
+
+def _assert_rewound(out, steps, saved, before):
+    """The restart went back to the checkpoint: metrics.jsonl was rewound to it, so every step is
+    there once, and the steps run again log the losses they had before the kill, bit for bit."""
     rows = metrics(out)
-    # The restart went back to the checkpoint: metrics.jsonl was rewound to it, so every step is
-    # there once, and the steps run again log the losses they had before the kill, bit for bit.
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     redone = 0
     for line in before.splitlines():
@@ -150,6 +140,58 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path):
             redone += 1
     assert redone >= 3
     assert json.loads((out / "summary.json").read_text())["steps"] == steps
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_a_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    steps = 400
+    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", str(steps), "--save-every", "25",
+                             "--eval-every", "0", "--out", str(out), "--nproc", "2", "--max-restarts", "1", *FAST],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        _, saved, before = _kill_a_worker_past_a_checkpoint([proc], out)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-8000:]
+    assert "resumed from" in stdout
+    _assert_rewound(out, steps, saved, before)
+
+
+def two_agents_one_worker_killed(tmp_path, device_args, steps=400, save_every=25, envs=(None, None)):
+    """Two torchrun agents on this host as two nodes of one process each (c10d rendezvous on a local
+    port, --max-restarts 1); one worker is killed a few steps past a checkpoint: both agents restart
+    their workers in a new rendezvous round, which resumes from the last checkpoint, and the run
+    ends with every step logged once and the steps run again bit for bit as before. ``envs``: each
+    agent's extra environment (on GPUs, its CUDA_VISIBLE_DEVICES)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "agents"
+    cmd = [sys.executable, "-m", "hytrain", "train", "--steps", str(steps), "--save-every", str(save_every),
+           "--eval-every", "0", "--out", str(out), "--nproc", "1", "--nnodes", "2", "--max-restarts", "1",
+           "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-agents", *device_args]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**_env(), **(extra or {})}) for extra in envs]
+    try:
+        _, saved, before = _kill_a_worker_past_a_checkpoint(agents, out)
+        outs = [a.communicate(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert all(a.returncode == 0 for a in agents), "\n".join(o[1][-3000:] for o in outs)
+    assert "resumed from" in "".join(o[0] for o in outs)
+    _assert_rewound(out, steps, saved, before)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_two_agents_restart_a_killed_worker_from_the_last_checkpoint(tmp_path):
+    two_agents_one_worker_killed(tmp_path, FAST)
 
 
 def test_launcher_options(tmp_path):

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Several GPUs of one host, in stages (one call or several, the machine kept warm between):
+#   build   installs this tree; DeepSpeed too when its sdist and wheels are in .whl/ (../shared/ANCHORS.md)
+#   tests   the GPU tests of the distributed code (test_distributed_cuda.py: 1, 2 and 4 ranks where
+#           there are GPUs for them; two agents with a worker killed)
+#   scale   bench/scale_bench.py on $MODEL (default l7b) at $NPROCS (default 1,2) for $MODES (default all),
+#           hytrain capped at DeepSpeed's reserved peak where DeepSpeed ran; $ITERS/$WARMUP for hytrain,
+#           $BASE_ITERS/$BASE_WARMUP for the baselines
+# NVLink multicast stays off (NCCL_NVLS_ENABLE=0). Logs go to $OUT (or ./device-out).
+set -uo pipefail
+source "$(dirname "$0")/stage_env.sh" 10
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+for stage in "$@"; do
+  case "$stage" in
+    build)
+      install_tree
+      install_deepspeed ;;
+    tests)
+      timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -v -m gpu -rs -p no:cacheprovider --durations 8 \
+        tests/python/test_distributed_cuda.py ${TESTS:+-k "$TESTS"} \
+        2>&1 | tee "$out/gpu_dist_tests.log" | tail -25 ;;
+    scale)
+      grep -E "MemTotal|MemAvailable" /proc/meminfo  # the default pool and host limits come from these
+      python3 bench/scale_bench.py --model "${MODEL:-l7b}" --nprocs "${NPROCS:-1,2}" --batch "${BATCH:-2}" \
+        --modes "${MODES:-deepspeed_offload,hytrain,fsdp2_cpu_offload}" --warmup "${WARMUP:-6}" --iters "${ITERS:-10}" \
+        --baseline-warmup "${BASE_WARMUP:-2}" --baseline-iters "${BASE_ITERS:-4}" --timeout "${TIMEOUT:-400}" \
+        2>&1 | tee -a "$out/scale_${MODEL:-l7b}.txt" ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
