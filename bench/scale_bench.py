@@ -13,7 +13,9 @@ GPU wait share and k per rank. With ``--cap deepspeed`` (the default when DeepSp
 plans with DeepSpeed's reserved peak at the same N as its GPU memory limit, and the caching
 allocator is held to it too (``set_per_process_memory_fraction``: reserved bytes count, as
 DeepSpeed's do): the comparison at equal GPU memory. Then a line of ratios: hytrain against each other mode at each N, and hytrain's scaling
-efficiency (per-GPU tokens/s at N over its own at N = 1).
+efficiency (per-GPU tokens/s at N over its own at N = 1). A worker that fails is one line naming
+its exception. ``--device cpu`` runs the harness on CPU ranks (gloo; no DeepSpeed, no cap) to check
+it before a GPU machine's time is spent on it; its times mean nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -39,6 +42,7 @@ LR, WD, CLIP = 1e-4, 0.01, 1.0
 
 def worker(args):
     import torch
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -46,31 +50,36 @@ def worker(args):
     from hytrain.models.presets import PRESETS
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    mesh = init_device_mesh("cuda", (world,))
+    cuda = args.device == "cuda"
+    offload = args.mode == "fsdp2_cpu_offload"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if offload and cuda:  # the offloaded gradients are CPU tensors: clipping's norm is reduced over gloo
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    mesh = init_device_mesh(args.device, (world,))  # NCCL on GPUs, gloo on the CPU
     shape = {**PRESETS, **SHAPES}[args.model]
     cfg = LlamaConfig(**shape, max_seq_len=args.seq)
     torch.manual_seed(0)
-    offload = args.mode == "fsdp2_cpu_offload"
-    model = build(cfg, on_gpu=not offload)
+    model = build(cfg, None if offload else args.device)
     if args.mode == "deepspeed_offload":
         return deepspeed_worker(args, model, cfg, rank, world)
     if offload:  # fp32 parameters stay on the CPU, bf16 compute on the GPU (FSDP2's mixed precision)
-        policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(),
-                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        policy = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=cuda),
+                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda
+                      else MixedPrecisionPolicy())
     else:  # bf16 weights on the GPU; fp32 masters and Adam states in the host pool
         policy = dict(mesh=mesh)
     for layer in model.layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
     if offload:  # the rotary tables are buffers, not parameters: they go to the GPU either way
-        model.rope_cos, model.rope_sin = model.rope_cos.cuda(), model.rope_sin.cuda()
-    torch.cuda.empty_cache()  # the whole model built on each GPU is gone: only this rank's shards stay
+        model.rope_cos, model.rope_sin = model.rope_cos.to(args.device), model.rope_sin.to(args.device)
+    if cuda:
+        torch.cuda.empty_cache()  # the whole model built on each GPU is gone: only this rank's shards stay
     if args.mode == "hytrain":
         import hytrain
 
-        cap = int(args.cap_gb * 1e9) if args.cap_gb else None
+        cap = int(args.cap_gb * 1e9) if args.cap_gb and cuda else None
         if cap is not None:  # the allocator holds hytrain's reserved bytes (not only its plan) at the cap
             total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
@@ -96,21 +105,22 @@ def worker(args):
     report(args, model, times, rank, world, extra)
 
 
-def build(cfg, on_gpu):
-    """The model, with activation checkpointing: for FSDP2's CPU offload built on the host in fp32
-    (fully_shard keeps each rank's shards pinned there); else built where it trains, on the GPU in
-    bf16 (seconds where building L7B on the host in fp32 takes minutes, and the host peak is then the
-    optimizer's own), sharded by fully_shard in place or handed whole to DeepSpeed."""
+def build(cfg, device):
+    """The model, with activation checkpointing: for FSDP2's CPU offload (``device`` None) built on
+    the host in fp32 (fully_shard keeps each rank's shards pinned there); else built where it trains,
+    on the ``device`` in bf16 (on a GPU seconds, where building L7B on the host in fp32 takes minutes,
+    and the host peak is then the optimizer's own), sharded by fully_shard in place or handed whole
+    to DeepSpeed."""
     import torch
 
     from hytrain.models import LlamaModel
 
-    if not on_gpu:
+    if device is None:
         return LlamaModel(cfg, checkpointing=True)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with torch.device("cuda"):
+        with torch.device(device):
             return LlamaModel(cfg, checkpointing=True)
     finally:
         torch.set_default_dtype(default)
@@ -138,8 +148,8 @@ def batch(args, cfg, rank):
     """The rank's fixed batch of random tokens (its slice of the global batch)."""
     import torch
 
-    g = torch.Generator(device="cuda").manual_seed(rank)
-    return torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device="cuda", generator=g)
+    g = torch.Generator(device=args.device).manual_seed(rank)
+    return torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=args.device, generator=g)
 
 
 def timed(iteration, args) -> tuple[float, list[float]]:
@@ -147,13 +157,16 @@ def timed(iteration, args) -> tuple[float, list[float]]:
     after the warm-up, each between two device synchronisations."""
     import torch
 
-    torch.cuda.reset_peak_memory_stats()  # peaks of training, not of building the model
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()  # peaks of training, not of building the model
     times = []
     for _ in range(args.warmup + args.iters):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         iteration()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return times[0], times[args.warmup:]
 
@@ -163,8 +176,9 @@ def report(args, model, timing, rank, world, extra):
     import torch.distributed as dist
 
     first, times = timing
-    mine = {"first_step_s": first, "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9,
-            "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
+    cuda = args.device == "cuda"
+    mine = {"first_step_s": first, "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
+            "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
             "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
             "iter_s": statistics.median(times), **extra}
     everyone = [None] * world
@@ -185,6 +199,13 @@ def report(args, model, timing, rank, world, extra):
     dist.destroy_process_group()
 
 
+def failure(proc) -> str:
+    """What stopped a worker: the last exception line a rank printed, else the end of its output."""
+    text = proc.stderr or proc.stdout
+    errors = [ln for ln in text.splitlines() if re.match(r"(\[rank\d+\]: )?[\w.]+(Error|Exception|Interrupt): ", ln)]
+    return errors[-1] if errors else text[-600:]
+
+
 def deepspeed_available() -> bool:
     try:
         import deepspeed  # noqa: F401
@@ -196,7 +217,7 @@ def deepspeed_available() -> bool:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nprocs", default="1")
-    ap.add_argument("--model", default="l3b")
+    ap.add_argument("--model", default="l3b", help="a preset of hytrain.models.presets, or 13b / 20b")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--batch", type=int, default=2, help="sequences per GPU")
     ap.add_argument("--seq", type=int, default=1024)
@@ -210,16 +231,23 @@ def main():
     ap.add_argument("--cap", default="deepspeed",
                     help="hytrain's GPU memory limit: 'deepspeed' (DeepSpeed's reserved peak at the same N, "
                          "when it ran), 'none', or GB")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: the harness on CPU ranks (gloo, no DeepSpeed), to check it, not to time it")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap-gb", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    from hytrain.models.presets import PRESETS
+
+    if args.model not in {**PRESETS, **SHAPES}:
+        ap.error(f"--model {args.model!r}: one of {', '.join({**PRESETS, **SHAPES})}")
     results = {}
     modes = [m for m in MODES if m in args.modes.split(",")]
-    if "deepspeed_offload" in modes and not deepspeed_available():
-        print(json.dumps({"mode": "deepspeed_offload", "skipped": "DeepSpeed is not importable"}), flush=True)
+    if "deepspeed_offload" in modes and (args.device == "cpu" or not deepspeed_available()):
+        why = "DeepSpeed is not importable" if args.device == "cuda" else "DeepSpeed's offload needs GPUs"
+        print(json.dumps({"mode": "deepspeed_offload", "skipped": why}), flush=True)
         modes.remove("deepspeed_offload")
     for n in [int(v) for v in args.nprocs.split(",")]:
         for mode in modes:
@@ -229,7 +257,7 @@ def main():
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", __file__, "--worker",
                    "--mode", mode, "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--iters", str(iters), "--warmup", str(warmup)]
+                   "--iters", str(iters), "--warmup", str(warmup), "--device", args.device]
             if mode == "hytrain" and args.cap != "none":
                 ds = results.get(("deepspeed_offload", n), {}).get("peak_gpu_reserved_gb")
                 cap = ds if args.cap == "deepspeed" else float(args.cap)
@@ -239,8 +267,7 @@ def main():
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                rec = json.loads(lines[-1][7:]) if lines else {
-                    "mode": mode, "nproc": n, "error": (proc.stderr or proc.stdout)[-600:]}
+                rec = json.loads(lines[-1][7:]) if lines else {"mode": mode, "nproc": n, "error": failure(proc)}
             except subprocess.TimeoutExpired:
                 rec = {"mode": mode, "nproc": n, "error": f"timed out after {args.timeout} s"}
             results[(mode, n)] = rec

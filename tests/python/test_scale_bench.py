@@ -1,0 +1,58 @@
+"""bench/scale_bench.py's harness on CPU ranks (gloo, no DeepSpeed): the tiny shape trains under hytrain
+and FSDP2 + CPUOffloadPolicy at 1 and 2 processes, one record each with every rank's k, the summary's
+ratios are those of the records, and a worker that fails is reported with its exception."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from test_capacity_bench import ROOT, _env
+
+SCRIPT = ROOT / "bench" / "scale_bench.py"
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+
+def bench(*args):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--seq", "32", "--batch", "2",
+                           "--warmup", "1", "--iters", "2", "--timeout", "200", *args],
+                          capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+
+
+def test_the_harness_on_cpu_ranks():
+    lines = bench("--model", "tiny", "--nprocs", "1,2")
+    assert lines[0] == {"mode": "deepspeed_offload", "skipped": "DeepSpeed's offload needs GPUs"}
+    runs = {(r["mode"], r["nproc"]): r for r in lines[1:-1]}
+    assert set(runs) == {(m, n) for m in ("hytrain", "fsdp2_cpu_offload") for n in (1, 2)}, lines
+    for (mode, n), r in runs.items():
+        assert "error" not in r, r
+        assert r["params"] == 791680 and r["iter_s"] > 0 and r["first_step_s"] > 0 and len(r["iter_times_s"]) == 2
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(2 * 32 / r["iter_s"])
+        assert len(r["k"]) == n and r["peak_host_gb_per_rank"] > 0
+    assert runs[("hytrain", 2)]["k"] == [0, 0]  # CPU parameters: every block updated by the CPU workers
+    summary = lines[-1]
+    assert summary["summary"] and summary["model"] == "tiny"
+    h1, h2, f2 = runs[("hytrain", 1)], runs[("hytrain", 2)], runs[("fsdp2_cpu_offload", 2)]
+    assert summary["n2_hytrain_speedup_vs_fsdp2_cpu_offload"] == round(f2["iter_s"] / h2["iter_s"], 3)
+    assert summary["n2_hytrain_scaling_efficiency"] == round(h2["tokens_per_s_per_gpu"] / h1["tokens_per_s_per_gpu"], 3)
+
+
+def test_a_failing_worker_is_reported_with_its_exception():
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("scale_bench", SCRIPT)
+    scale_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale_bench)
+    torchrun = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File ...\n"
+                "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+                "E1124 failed (exitcode: 1) local_rank: 0\nChildFailedError:\n  rank: 0 (local_rank: 0)\n")
+    got = scale_bench.failure(types.SimpleNamespace(stderr=torchrun, stdout=""))
+    assert got == "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert scale_bench.failure(types.SimpleNamespace(stderr="", stdout="killed")) == "killed"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "l7B"], capture_output=True, text=True, env=_env())
+    assert proc.returncode == 2 and "--model 'l7B': one of" in proc.stderr
