@@ -100,9 +100,14 @@ def cmd_verify(args) -> int:
         if not (path / "meta.json").exists():
             run_files = ("checkpoints", "metrics.jsonl", "config.json", "hytrain.lock")
             if (path / "checkpoints").is_dir():
-                path = ckpt.resolve(path, "latest")  # a run's directory: its newest complete checkpoint
+                try:  # a run's directory: its newest complete checkpoint
+                    path = ckpt.resolve(path, "latest")
+                except ckpt.CheckpointError as e:
+                    raise ckpt.CheckpointError(f"{path}: {str(e).removeprefix('--resume latest: ')}") from None
             elif any((path / f).exists() for f in run_files):
                 raise ckpt.CheckpointError(f"{path} is a run directory without checkpoints (no {path / 'checkpoints'})")
+            elif not any(path.iterdir()):
+                raise ckpt.CheckpointError(f"{path} is empty: neither a checkpoint nor a run directory")
         t0 = time.perf_counter()
         meta = ckpt.verify(path)
     except ckpt.CheckpointError as e:

@@ -170,6 +170,13 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
     return publish(root, tmp, final, keep, since)
 
 
+def notice(text: str) -> None:
+    """A line on stderr, once per job: every rank resolves and saves the same checkpoints, rank 0 says so."""
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if (torch.distributed.get_rank() if initialized else int(os.environ.get("RANK", "0"))) == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
 def publish(root: Path, tmp: Path, final: Path, keep: int, since: int | None = None) -> Path:
     """A complete checkpoint written in ``tmp`` (its manifest last) goes into place: flushed, renamed
     to ``final``, pointed to by ``latest`` (atomic replace), and all but the newest ``keep`` removed.
@@ -181,8 +188,8 @@ def publish(root: Path, tmp: Path, final: Path, keep: int, since: int | None = N
     fsync(tmp)
     stale = [d for d in _step_dirs(root) if since is not None and d != final and _step_of(d) > since]
     if stale:
-        print(f"hytrain: removing {', '.join(d.name for d in stale)}: saved after step {since}, which this run "
-              f"resumed from, by the run it replaces", file=sys.stderr, flush=True)
+        notice(f"hytrain: removing {', '.join(d.name for d in stale)}: saved after step {since}, which this run "
+               "resumed from, by the run it replaces")
     for old in stale:  # renamed first, as below; the sweep removes them
         try:
             os.rename(old, root / f".{old.name}.trash")
@@ -229,8 +236,7 @@ def _pointer(root: Path) -> Path | None:
         if not name.startswith("step_") or "/" in name or len(name) > 64:
             raise ValueError(f"names {name[:40]!r}")
     except (OSError, ValueError) as e:
-        print(f"hytrain: {pointer} is damaged ({e}); looking for the newest complete checkpoint instead",
-              file=sys.stderr)
+        notice(f"hytrain: {pointer} is damaged ({e}); looking for the newest complete checkpoint instead")
         return None
     return root / name
 
@@ -278,8 +284,8 @@ def resolve(out: str | os.PathLike, spec: str) -> Path:
         for cand in found:
             if _complete(cand):
                 if named is not None and cand.name < named.name:
-                    print(f"hytrain: {named.name}, which {root / 'latest'} names, is missing or incomplete; "
-                          f"resuming from {cand.name}, the newest complete checkpoint", file=sys.stderr)
+                    notice(f"hytrain: {named.name}, which {root / 'latest'} names, is missing or incomplete; "
+                           f"resuming from {cand.name}, the newest complete checkpoint")
                 return cand
         if not found:
             raise CheckpointError(f"--resume latest: no checkpoint under {root}")

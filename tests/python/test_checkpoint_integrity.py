@@ -192,3 +192,10 @@ def test_hytrain_verify(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hytrain", "verify", str(path)], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and ".metadata" in bad.stderr
+    # Directories that hold no checkpoint: said as such, in one line.
+    (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for where, says in (("fresh", "fresh: no checkpoint under"), ("empty", "empty is empty: neither a checkpoint")):
+        got = subprocess.run([sys.executable, "-m", "hytrain", "verify", str(tmp_path / where)], capture_output=True,
+                             text=True, timeout=120)
+        assert got.returncode == 2 and got.stderr.count("\n") == 1 and says in got.stderr, got.stderr

@@ -82,6 +82,17 @@ def test_sharded_checkpoints_resume_on_two_processes_and_on_one(tmp_path):
     # The LR schedule went on from the checkpoint too.
     lr = {r["step"]: r["lr"] for r in metrics(whole)}
     assert {r["step"]: r["lr"] for r in metrics(again)} == {s: lr[s] for s in range(5, 9)}
+    # `latest` names a damaged checkpoint (a flipped byte in its meta.json): the ranks fall back to the
+    # one before it, said once (not by every rank), and train on as the run did.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(whole, damaged)
+    meta = damaged / "checkpoints" / "step_00000008" / "meta.json"
+    raw = bytearray(meta.read_bytes())
+    raw[raw.index(b'"step"') + 2] ^= 1
+    meta.write_bytes(bytes(raw))
+    proc = ok("--steps", "10", "--eval-every", "0", "--out", str(damaged), "--resume", "latest", "--nproc", "2", *FAST)
+    assert proc.stderr.count("step_00000008, which") == 1 and "resuming from step_00000004" in proc.stderr
+    assert {s: losses(damaged)[s] for s in range(5, 9)} == {s: want[s] for s in range(5, 9)}
 
 
 def _descendants(pid):
