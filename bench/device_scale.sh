@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Several GPUs of one host, in stages (one call or several, the machine kept warm between):
 #   build   installs this tree; DeepSpeed too when its sdist and wheels are in .whl/ (../shared/ANCHORS.md)
-#   tests   the GPU tests of the distributed code (test_distributed_cuda.py: 1, 2 and 4 ranks where
-#           there are GPUs for them; two agents with a worker killed)
+#   tests   the GPU tests of the distributed code that need several GPUs (test_distributed_cuda.py at 2
+#           and 4 ranks where there are GPUs for them, resumes at another world size, two agents with a
+#           worker killed; the 1-rank cases run in the one-GPU suite); $TESTS: another pytest -k
 #   scale   bench/scale_bench.py on $MODEL (default l7b) at $NPROCS (default 1,2) for $MODES (default all),
 #           hytrain capped at DeepSpeed's reserved peak where DeepSpeed ran; $ITERS/$WARMUP for hytrain,
 #           $BASE_ITERS/$BASE_WARMUP for the baselines
@@ -17,7 +18,7 @@ for stage in "$@"; do
       install_deepspeed ;;
     tests)
       timeout "${TEST_TIMEOUT:-560}" python3 -m pytest -v -m gpu -rs -p no:cacheprovider --durations 8 \
-        tests/python/test_distributed_cuda.py ${TESTS:+-k "$TESTS"} \
+        tests/python/test_distributed_cuda.py -k "${TESTS:-not 1gpu}" \
         2>&1 | tee "$out/gpu_dist_tests.log" | tail -25 ;;
     scale)
       grep -E "MemTotal|MemAvailable" /proc/meminfo  # the default pool and host limits come from these
