@@ -118,6 +118,14 @@ def _is_worker(pid):
             and b"--nproc" not in cmd)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
 def _kill_a_worker_past_a_checkpoint(launchers, out, deadline_s=240):
     """SIGKILL to one worker of the last launcher once the run is a few steps past a checkpoint:
     (the worker's pid, the step saved, metrics.jsonl as it was then)."""
@@ -177,11 +185,7 @@ def two_agents_one_worker_killed(tmp_path, device_args, steps=400, save_every=25
     their workers in a new rendezvous round, which resumes from the last checkpoint, and the run
     ends with every step logged once and the steps run again bit for bit as before. ``envs``: each
     agent's extra environment (on GPUs, its CUDA_VISIBLE_DEVICES)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     out = tmp_path / "agents"
     cmd = [sys.executable, "-m", "hytrain", "train", "--steps", str(steps), "--save-every", str(save_every),
            "--eval-every", "0", "--out", str(out), "--nproc", "1", "--nnodes", "2", "--max-restarts", "1",
@@ -256,11 +260,7 @@ def test_numa_placement_of_ranks():
 def test_two_agents_rendezvous_as_two_nodes(tmp_path):
     # Two torchrun agents on this host, as two nodes of one process each (--nnodes 2, c10d rendezvous
     # on a local port): one job of world size 2, the same training as one process.
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     one, two = tmp_path / "one", tmp_path / "two"
     ok("--steps", "4", "--eval-every", "0", "--out", str(one), *FAST)
     cmd = [sys.executable, "-m", "hytrain", "train", "--steps", "4", "--eval-every", "0", "--out", str(two),
