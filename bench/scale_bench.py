@@ -177,8 +177,8 @@ def report(args, model, timing, rank, world, extra):
 
     first, times = timing
     cuda = args.device == "cuda"
-    mine = {"first_step_s": first, "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
-            "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if cuda else 0.0,
+    mine = {"first_step_s": first, "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+            "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if cuda else None,
             "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
             "iter_s": statistics.median(times), **extra}
     everyone = [None] * world
@@ -189,8 +189,8 @@ def report(args, model, timing, rank, world, extra):
                "iter_s": max(r["iter_s"] for r in everyone),
                "first_step_s": round(max(r["first_step_s"] for r in everyone), 2),
                "tokens_per_s_per_gpu": args.batch * args.seq / max(r["iter_s"] for r in everyone),
-               "peak_gpu_gb": max(r["peak_gpu_gb"] for r in everyone),
-               "peak_gpu_reserved_gb": max(r["peak_gpu_reserved_gb"] for r in everyone),
+               "peak_gpu_gb": everyone[0]["peak_gpu_gb"] and max(r["peak_gpu_gb"] for r in everyone),
+               "peak_gpu_reserved_gb": everyone[0]["peak_gpu_gb"] and max(r["peak_gpu_reserved_gb"] for r in everyone),
                "cap_gb": everyone[0].get("cap_gb"),
                "peak_host_gb_per_rank": max(r["peak_host_gb"] for r in everyone),
                "gpu_wait_frac": [r.get("gpu_wait_frac") for r in everyone],
@@ -216,18 +216,18 @@ def deepspeed_available() -> bool:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nprocs", default="1")
+    ap.add_argument("--nprocs", default="1", help="comma-separated process (GPU) counts, e.g. 1,2,4")
     ap.add_argument("--model", default="l3b", help="a preset of hytrain.models.presets, or 13b / 20b")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--batch", type=int, default=2, help="sequences per GPU")
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--seq", type=int, default=1024, help="tokens per sequence")
+    ap.add_argument("--iters", type=int, default=10, help="timed iterations (hytrain)")
     ap.add_argument("--warmup", type=int, default=8, help="untimed iterations (k settles, speculation shadows are allocated)")
     ap.add_argument("--baseline-warmup", type=int, default=None,
                     help="untimed iterations of DeepSpeed and FSDP2 (no planner to settle; default --warmup)")
     ap.add_argument("--baseline-iters", type=int, default=None, help="timed iterations of DeepSpeed and FSDP2 "
                     "(default --iters)")
-    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds each torchrun (one mode at one N) may take")
     ap.add_argument("--cap", default="deepspeed",
                     help="hytrain's GPU memory limit: 'deepspeed' (DeepSpeed's reserved peak at the same N, "
                          "when it ran), 'none', or GB")
@@ -243,6 +243,9 @@ def main():
 
     if args.model not in {**PRESETS, **SHAPES}:
         ap.error(f"--model {args.model!r}: one of {', '.join({**PRESETS, **SHAPES})}")
+    unknown = set(args.modes.split(",")) - set(MODES)
+    if unknown:
+        ap.error(f"--modes: {', '.join(sorted(unknown))} unknown; the modes are {', '.join(MODES)}")
     results = {}
     modes = [m for m in MODES if m in args.modes.split(",")]
     if "deepspeed_offload" in modes and (args.device == "cpu" or not deepspeed_available()):

@@ -93,17 +93,19 @@ def cmd_verify(args) -> int:
 
     from . import checkpoint as ckpt
 
-    path = Path(args.path)
+    path = run = Path(args.path)
     try:
+        if not path.exists():
+            raise ckpt.CheckpointError(f"{path} does not exist")
         if not path.is_dir():
             raise ckpt.CheckpointError(f"{path} is not a directory")
         if not (path / "meta.json").exists():
             run_files = ("checkpoints", "metrics.jsonl", "config.json", "hytrain.lock")
-            if (path / "checkpoints").is_dir():
-                try:  # a run's directory: its newest complete checkpoint
-                    path = ckpt.resolve(path, "latest")
-                except ckpt.CheckpointError as e:
-                    raise ckpt.CheckpointError(f"{path}: {str(e).removeprefix('--resume latest: ')}") from None
+            if (path / "checkpoints").is_dir():  # a run's directory: its newest checkpoint
+                found = ckpt.checkpoint_dirs(path)
+                if not found:
+                    raise ckpt.CheckpointError(f"{path}: no checkpoint under {path / 'checkpoints'}")
+                path = found[-1]
             elif any((path / f).exists() for f in run_files):
                 raise ckpt.CheckpointError(f"{path} is a run directory without checkpoints (no {path / 'checkpoints'})")
             elif not any(path.iterdir()):
@@ -111,6 +113,9 @@ def cmd_verify(args) -> int:
         t0 = time.perf_counter()
         meta = ckpt.verify(path)
     except ckpt.CheckpointError as e:
+        older = [p for p in ckpt.complete_checkpoints(run) if p.name < path.name] if path != run else []
+        if older:  # the run's newest checkpoint is damaged
+            e = f"{e}; the newest checkpoint before it is {older[-1]}: resume from that one with --resume {older[-1]}"
         print(f"hytrain verify: {e}", file=sys.stderr)
         return 2
     secs = time.perf_counter() - t0

@@ -241,17 +241,26 @@ def _pointer(root: Path) -> Path | None:
     return root / name
 
 
-def _complete(path: Path) -> bool:
-    """A cheap completeness check (manifest sealed, every file there at its size); the checksums are
-    verified when the checkpoint is loaded."""
+def _damage(path: Path) -> str | None:
+    """A cheap completeness check (manifest sealed, every file there at its size): what is wrong, or
+    None; the checksums are verified when the checkpoint is loaded."""
     try:
         meta = read_meta(path)
         for f, want in meta["files"].items():
-            if (path / f).stat().st_size != want["bytes"]:
-                return False
-        return True
-    except (CheckpointError, OSError, KeyError, TypeError):
-        return False
+            size = (path / f).stat().st_size
+            if size != want["bytes"]:
+                return f"{f} is {size} bytes, its manifest says {want['bytes']}"
+        return None
+    except CheckpointError as e:
+        return str(e).removeprefix(f"{path} is incomplete: ").removeprefix(f"{path}/").removeprefix(f"{path} ")
+    except FileNotFoundError as e:
+        return f"{Path(e.filename).name} is missing"
+    except (OSError, KeyError, TypeError) as e:
+        return f"its manifest cannot be read ({type(e).__name__}: {e})"
+
+
+def _complete(path: Path) -> bool:
+    return _damage(path) is None
 
 
 def _step_dirs(root: Path) -> list[Path]:
@@ -265,6 +274,11 @@ def _step_of(path: Path) -> int:
         return int(path.name[len("step_"):])
     except ValueError:
         return -1
+
+
+def checkpoint_dirs(out: str | os.PathLike) -> list[Path]:
+    """Every checkpoint directory under ``out`` (complete or not), oldest first."""
+    return _step_dirs(Path(out) / "checkpoints")
 
 
 def complete_checkpoints(out: str | os.PathLike) -> list[Path]:
@@ -284,8 +298,9 @@ def resolve(out: str | os.PathLike, spec: str) -> Path:
         for cand in found:
             if _complete(cand):
                 if named is not None and cand.name < named.name:
-                    notice(f"hytrain: {named.name}, which {root / 'latest'} names, is missing or incomplete; "
-                           f"resuming from {cand.name}, the newest complete checkpoint")
+                    what = f"is damaged ({_damage(named)})" if named.is_dir() else "is missing"
+                    notice(f"hytrain: {named.name}, which {root / 'latest'} names, {what}; resuming from "
+                           f"{cand.name}, the newest complete checkpoint")
                 return cand
         if not found:
             raise CheckpointError(f"--resume latest: no checkpoint under {root}")

@@ -133,7 +133,9 @@ def test_latest_falls_back_past_a_damaged_newest_checkpoint(tmp_path, capsys):
     data = (second / "optimizer.pt").read_bytes()
     (second / "optimizer.pt").write_bytes(data[: len(data) // 2])
     assert ckpt.resolve(out, "latest") == first
-    assert "step_00000020" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"step_00000020, which {out / 'checkpoints' / 'latest'} names, is damaged " \
+        f"(optimizer.pt is {len(data) // 2} bytes, its manifest says {len(data)}); resuming from step_00000010" in err
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
@@ -192,10 +194,21 @@ def test_hytrain_verify(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hytrain", "verify", str(path)], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and ".metadata" in bad.stderr
+    # A run whose newest checkpoint is damaged fails, naming the one before it (not the older one's OK).
+    older = save("sharded", out, 3)
+    meta = path / "meta.json"
+    raw = bytearray(meta.read_bytes())
+    raw[raw.index(b'"step"') + 2] ^= 1
+    meta.write_bytes(bytes(raw))
+    bad = subprocess.run([sys.executable, "-m", "hytrain", "verify", str(out)], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert "step_00000005/meta.json was altered" in bad.stderr and f"--resume {older}" in bad.stderr
     # Directories that hold no checkpoint: said as such, in one line.
     (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
     (tmp_path / "empty").mkdir()
-    for where, says in (("fresh", "fresh: no checkpoint under"), ("empty", "empty is empty: neither a checkpoint")):
+    for where, says in (("fresh", "fresh: no checkpoint under"), ("empty", "empty is empty: neither a checkpoint"),
+                        ("gone", "gone does not exist")):
         got = subprocess.run([sys.executable, "-m", "hytrain", "verify", str(tmp_path / where)], capture_output=True,
                              text=True, timeout=120)
         assert got.returncode == 2 and got.stderr.count("\n") == 1 and says in got.stderr, got.stderr

@@ -92,6 +92,7 @@ def test_sharded_checkpoints_resume_on_two_processes_and_on_one(tmp_path):
     meta.write_bytes(bytes(raw))
     proc = ok("--steps", "10", "--eval-every", "0", "--out", str(damaged), "--resume", "latest", "--nproc", "2", *FAST)
     assert proc.stderr.count("step_00000008, which") == 1 and "resuming from step_00000004" in proc.stderr
+    assert "is damaged (meta.json was altered: its content does not match its checksum)" in proc.stderr
     assert {s: losses(damaged)[s] for s in range(5, 9)} == {s: want[s] for s in range(5, 9)}
 
 
@@ -177,6 +178,45 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path):
     assert proc.returncode == 0, stdout[-3000:] + stderr[-8000:]
     assert "resumed from" in stdout
     _assert_rewound(out, steps, saved, before)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_a_sigkill_to_the_jobs_process_group_stops_the_ranks_too(tmp_path):
+    """kill -9 of the launcher's process group (the launcher and torchrun's agent; torchrun starts the
+    ranks in sessions of their own): the ranks see their agent gone, finish the step, save a
+    checkpoint, release the lock and exit, instead of training on unseen."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
+                             "--save-every", "1000", "--eval-every", "0", "--out", str(out), *FAST],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)
+    try:
+        deadline, workers = time.monotonic() + 240, []
+        while time.monotonic() < deadline and proc.poll() is None:
+            m = out / "metrics.jsonl"
+            workers = sorted(p for p in _descendants(proc.pid) if _is_worker(p))
+            if m.exists() and len(m.read_text().splitlines()) >= 3 and len(workers) == 2:
+                break
+            time.sleep(0.1)
+        assert len(workers) == 2, "the run ended before it could be killed"
+        holder = json.loads((out / "hytrain.lock").read_text())  # names the launcher, which an operator stops
+        assert holder["launcher"] == proc.pid and holder["pid"] in workers
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=120)  # the pipes close when the last rank has exited
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for w in workers:
+            if os.path.exists(f"/proc/{w}") and _is_worker(w):
+                os.kill(w, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while any(os.path.exists(f"/proc/{w}") and _is_worker(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _is_worker(w)], stderr[-3000:]
+    assert stderr.count("the torchrun agent (pid") == 2, stderr[-3000:]
+    assert not (out / "hytrain.lock").exists()
+    saved = ckpt.resolve(out, "latest")
+    assert ckpt.verify(saved)["step"] == len(metrics(out))  # the checkpoint of the step the ranks stopped after
 
 
 def two_agents_one_worker_killed(tmp_path, device_args, steps=400, save_every=25, envs=(None, None)):

@@ -32,7 +32,7 @@ def test_the_harness_on_cpu_ranks():
         assert "error" not in r, r
         assert r["params"] == 791680 and r["iter_s"] > 0 and r["first_step_s"] > 0 and len(r["iter_times_s"]) == 2
         assert r["tokens_per_s_per_gpu"] == pytest.approx(2 * 32 / r["iter_s"])
-        assert len(r["k"]) == n and r["peak_host_gb_per_rank"] > 0
+        assert len(r["k"]) == n and r["peak_host_gb_per_rank"] > 0 and r["peak_gpu_gb"] is None
     assert runs[("hytrain", 2)]["k"] == [0, 0]  # CPU parameters: every block updated by the CPU workers
     summary = lines[-1]
     assert summary["summary"] and summary["model"] == "tiny"
@@ -56,3 +56,6 @@ def test_a_failing_worker_is_reported_with_its_exception():
     assert scale_bench.failure(types.SimpleNamespace(stderr="", stdout="killed")) == "killed"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "l7B"], capture_output=True, text=True, env=_env())
     assert proc.returncode == 2 and "--model 'l7B': one of" in proc.stderr
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--modes", "hytrain,fsdp"], capture_output=True, text=True,
+                          env=_env())
+    assert proc.returncode == 2 and "--modes: fsdp unknown; the modes are deepspeed_offload," in proc.stderr

@@ -35,8 +35,10 @@ def _alive(pid: int) -> bool:
 class RunLock:
     def __init__(self, out: Path):
         self.path = Path(out) / NAME
+        launcher = os.environ.get("HYTRAIN_LAUNCHER", "")  # the `hytrain train --nproc` process, if any
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-                   "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+                   "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                   "launcher": int(launcher) if launcher.isdigit() else None}
         self.held = False
 
     def _holder(self) -> dict | None:
@@ -81,7 +83,9 @@ class RunLock:
                     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
                     hint = ("" if holder.get("host") == self.me["host"] else
                             f"; if that run is over, delete {self.path}")
-                    raise ConfigError(f"{self.path.parent} is in use by another run (pid {holder['pid']} on "
+                    who = (f"launched as pid {holder['launcher']} (its rank 0 is pid {holder['pid']})"
+                           if holder.get("launcher") else f"pid {holder['pid']}")
+                    raise ConfigError(f"{self.path.parent} is in use by another run ({who} on "
                                       f"{holder.get('host')}, started {when}): wait for it or use another "
                                       f"--out{hint}")
                 if self._take_over(mine, holder, why):

@@ -29,6 +29,26 @@ class PeerFailure(RuntimeError):
 # launcher prints the first one once (``hytrain.job.torchrun``).
 LAUNCHED = "HYTRAIN_LAUNCHER"
 
+
+def stop_when_orphaned(what: str, interval_s: float = 1.0) -> None:
+    """SIGTERM to this process once its parent has gone (it was reparented): the ranks when their
+    torchrun agent is killed by SIGKILL (torchrun starts each rank in a session of its own, so a kill
+    of the job's process group misses them: they went on training, unseen, holding the lock and the
+    GPUs), and the agent when the ``--nproc`` launcher is. The SIGTERM takes the way a scheduler's stop
+    takes: the ranks finish the step together, save a checkpoint, release the lock and exit."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        print(f"hytrain train: {what} (pid {parent}) is gone; stopping (pid {os.getpid()})", file=sys.stderr,
+              flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="hytrain-orphan-watch", daemon=True).start()
+
 # What gloo and NCCL say when a peer process is gone or a collective timed out.
 _PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
                "Timed out", "timed out", "NCCL communicator was aborted", "ProcessGroupGloo", "ProcessGroupNCCL",
@@ -160,7 +180,7 @@ def launch(args, argv: list[str]) -> int:
     print("hytrain train: " + " ".join(cmd[1:]), flush=True)
     # OMP_NUM_THREADS=1 is what torchrun gives each rank anyway (the job sets its own thread counts);
     # setting it here spares its four-line banner saying so.
-    env = {"OMP_NUM_THREADS": "1", **os.environ, LAUNCHED: "1"}
+    env = {"OMP_NUM_THREADS": "1", **os.environ, LAUNCHED: str(os.getpid())}  # named by the run lock
     child = subprocess.Popen(_torchrun_wrapper(cmd), env=env)
     forwarded = []
 
@@ -213,6 +233,7 @@ class Ranks:
         if device_spec.startswith("cuda") and not cuda:
             raise ConfigError("--device cuda: no usable GPU")
         local_rank = int(os.environ["LOCAL_RANK"])
+        stop_when_orphaned("the torchrun agent")
         if cuda:
             if local_rank >= torch.cuda.device_count():
                 raise ConfigError(f"local rank {local_rank} has no GPU (this node has "

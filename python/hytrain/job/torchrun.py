@@ -58,6 +58,9 @@ def main(argv: list[str]) -> int:
 
     # The agent's own report of each failed rank: replaced by the one line below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    from .ranks import stop_when_orphaned
+
+    stop_when_orphaned("the hytrain train --nproc launcher")  # torchrun passes SIGTERM on to the ranks
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
