@@ -219,27 +219,34 @@ def test_a_sigkill_to_the_jobs_process_group_stops_the_ranks_too(tmp_path):
     assert ckpt.verify(saved)["step"] == len(metrics(out))  # the checkpoint of the step the ranks stopped after
 
 
-def two_agents_one_worker_killed(tmp_path, device_args, steps=400, save_every=25, envs=(None, None)):
-    """Two torchrun agents on this host as two nodes of one process each (c10d rendezvous on a local
-    port, --max-restarts 1); one worker is killed a few steps past a checkpoint: both agents restart
-    their workers in a new rendezvous round, which resumes from the last checkpoint, and the run
-    ends with every step logged once and the steps run again bit for bit as before. ``envs``: each
-    agent's extra environment (on GPUs, its CUDA_VISIBLE_DEVICES)."""
-    port = _free_port()
-    out = tmp_path / "agents"
-    cmd = [sys.executable, "-m", "hytrain", "train", "--steps", str(steps), "--save-every", str(save_every),
-           "--eval-every", "0", "--out", str(out), "--nproc", "1", "--nnodes", "2", "--max-restarts", "1",
-           "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-agents", *device_args]
+def _two_agents(args, envs=(None, None), during=None, timeout=300):
+    """Two torchrun agents on this host as two nodes of one process each (c10d rendezvous on a free
+    local port) running ``hytrain train ARGS``; ``during(agents)`` while they run; both must exit 0.
+    ``envs``: each agent's extra environment. (Their stdout and stderr, what ``during`` returned.)"""
+    cmd = [sys.executable, "-m", "hytrain", "train", *args, "--nproc", "1", "--nnodes", "2",
+           "--rdzv-endpoint", f"localhost:{_free_port()}", "--rdzv-id", "two-agents"]
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**_env(), **(extra or {})}) for extra in envs]
     try:
-        _, saved, before = _kill_a_worker_past_a_checkpoint(agents, out)
-        outs = [a.communicate(timeout=300) for a in agents]
+        got = during(agents) if during else None
+        outs = [a.communicate(timeout=timeout) for a in agents]
     finally:
         for a in agents:
             if a.poll() is None:
                 a.kill()
     assert all(a.returncode == 0 for a in agents), "\n".join(o[1][-3000:] for o in outs)
+    return outs, got
+
+
+def two_agents_one_worker_killed(tmp_path, device_args, steps=400, save_every=25, envs=(None, None)):
+    """Two agents (``_two_agents``, --max-restarts 1); one worker is killed a few steps past a
+    checkpoint: both agents restart their workers in a new rendezvous round, which resumes from the
+    last checkpoint, and the run ends with every step logged once and the steps run again bit for
+    bit as before (on GPUs ``envs`` gives each agent its CUDA_VISIBLE_DEVICES)."""
+    out = tmp_path / "agents"
+    args = ["--steps", str(steps), "--save-every", str(save_every), "--eval-every", "0", "--out", str(out),
+            "--max-restarts", "1", *device_args]
+    outs, (_, saved, before) = _two_agents(args, envs, lambda agents: _kill_a_worker_past_a_checkpoint(agents, out))
     assert "resumed from" in "".join(o[0] for o in outs)
     _assert_rewound(out, steps, saved, before)
 
@@ -300,20 +307,9 @@ def test_numa_placement_of_ranks():
 def test_two_agents_rendezvous_as_two_nodes(tmp_path):
     # Two torchrun agents on this host, as two nodes of one process each (--nnodes 2, c10d rendezvous
     # on a local port): one job of world size 2, the same training as one process.
-    port = _free_port()
     one, two = tmp_path / "one", tmp_path / "two"
     ok("--steps", "4", "--eval-every", "0", "--out", str(one), *FAST)
-    cmd = [sys.executable, "-m", "hytrain", "train", "--steps", "4", "--eval-every", "0", "--out", str(two),
-           "--nproc", "1", "--nnodes", "2", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "two-agents", *FAST]
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-              for _ in range(2)]
-    try:
-        outs = [a.communicate(timeout=240) for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-    assert all(a.returncode == 0 for a in agents), "\n".join(o[1][-3000:] for o in outs)
+    _two_agents(["--steps", "4", "--eval-every", "0", "--out", str(two), *FAST], timeout=240)
     b = metrics(two)
     assert all(len(r["k_ranks"]) == 2 for r in b)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in metrics(one)]),
