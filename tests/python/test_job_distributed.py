@@ -181,10 +181,12 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
-def test_a_sigkill_to_the_jobs_process_group_stops_the_ranks_too(tmp_path):
+@pytest.mark.parametrize("target", ["group", "launcher"])
+def test_a_sigkill_to_the_job_stops_the_ranks_too(tmp_path, target):
     """kill -9 of the launcher's process group (the launcher and torchrun's agent; torchrun starts the
-    ranks in sessions of their own): the ranks see their agent gone, finish the step, save a
-    checkpoint, release the lock and exit, instead of training on unseen."""
+    ranks in sessions of their own): the ranks see their agent gone; of the launcher alone: the agent
+    sees it gone and passes SIGTERM on. Either way the ranks finish the step, save a checkpoint,
+    release the lock and exit, instead of training on unseen."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
                              "--save-every", "1000", "--eval-every", "0", "--out", str(out), *FAST],
@@ -201,7 +203,7 @@ def test_a_sigkill_to_the_jobs_process_group_stops_the_ranks_too(tmp_path):
         assert len(workers) == 2, "the run ended before it could be killed"
         holder = json.loads((out / "hytrain.lock").read_text())  # names the launcher, which an operator stops
         assert holder["launcher"] == proc.pid and holder["pid"] in workers
-        os.killpg(proc.pid, signal.SIGKILL)
+        (os.killpg if target == "group" else os.kill)(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)  # the pipes close when the last rank has exited
     finally:
         if proc.poll() is None:
@@ -213,7 +215,8 @@ def test_a_sigkill_to_the_jobs_process_group_stops_the_ranks_too(tmp_path):
     while any(os.path.exists(f"/proc/{w}") and _is_worker(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _is_worker(w)], stderr[-3000:]
-    assert stderr.count("the torchrun agent (pid") == 2, stderr[-3000:]
+    gone = "the torchrun agent (pid" if target == "group" else "the hytrain train --nproc launcher (pid"
+    assert stderr.count(gone) == (2 if target == "group" else 1), stderr[-3000:]
     assert not (out / "hytrain.lock").exists()
     saved = ckpt.resolve(out, "latest")
     assert ckpt.verify(saved)["step"] == len(metrics(out))  # the checkpoint of the step the ranks stopped after
