@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from .options import ConfigError
+from .ranks import LAUNCHED
 
 NAME = "hytrain.lock"
 
@@ -35,7 +36,7 @@ def _alive(pid: int) -> bool:
 class RunLock:
     def __init__(self, out: Path):
         self.path = Path(out) / NAME
-        launcher = os.environ.get("HYTRAIN_LAUNCHER", "")  # the `hytrain train --nproc` process, if any
+        launcher = os.environ.get(LAUNCHED, "")  # the `hytrain train --nproc` process, if any
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                    "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
                    "launcher": int(launcher) if launcher.isdigit() else None}

@@ -49,6 +49,7 @@ def stop_when_orphaned(what: str, interval_s: float = 1.0) -> None:
 
     threading.Thread(target=watch, name="hytrain-orphan-watch", daemon=True).start()
 
+
 # What gloo and NCCL say when a peer process is gone or a collective timed out.
 _PEER_SIGNS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout",
                "Timed out", "timed out", "NCCL communicator was aborted", "ProcessGroupGloo", "ProcessGroupNCCL",
