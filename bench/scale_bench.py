@@ -189,8 +189,8 @@ def report(args, model, timing, rank, world, extra):
                "iter_s": max(r["iter_s"] for r in everyone),
                "first_step_s": round(max(r["first_step_s"] for r in everyone), 2),
                "tokens_per_s_per_gpu": args.batch * args.seq / max(r["iter_s"] for r in everyone),
-               "peak_gpu_gb": everyone[0]["peak_gpu_gb"] and max(r["peak_gpu_gb"] for r in everyone),
-               "peak_gpu_reserved_gb": everyone[0]["peak_gpu_gb"] and max(r["peak_gpu_reserved_gb"] for r in everyone),
+               **{key: None if args.device == "cpu" else max(r[key] for r in everyone)
+                  for key in ("peak_gpu_gb", "peak_gpu_reserved_gb")},
                "cap_gb": everyone[0].get("cap_gb"),
                "peak_host_gb_per_rank": max(r["peak_host_gb"] for r in everyone),
                "gpu_wait_frac": [r.get("gpu_wait_frac") for r in everyone],

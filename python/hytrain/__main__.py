@@ -93,7 +93,7 @@ def cmd_verify(args) -> int:
 
     from . import checkpoint as ckpt
 
-    path = run = Path(args.path)
+    path = Path(args.path)
     try:
         if not path.exists():
             raise ckpt.CheckpointError(f"{path} does not exist")
@@ -113,10 +113,8 @@ def cmd_verify(args) -> int:
         t0 = time.perf_counter()
         meta = ckpt.verify(path)
     except ckpt.CheckpointError as e:
-        older = [p for p in ckpt.complete_checkpoints(run) if p.name < path.name] if path != run else []
-        if older:  # the run's newest checkpoint is damaged
-            e = f"{e}; the newest checkpoint before it is {older[-1]}: resume from that one with --resume {older[-1]}"
-        print(f"hytrain verify: {e}", file=sys.stderr)
+        hint = ckpt.after_damage(path) if path.name.startswith("step_") else ""  # a damaged checkpoint
+        print(f"hytrain verify: {e}{hint}", file=sys.stderr)
         return 2
     secs = time.perf_counter() - t0
     total = sum(f["bytes"] for f in meta["files"].values())
@@ -138,7 +136,7 @@ def main(argv=None) -> int:
     p_info.set_defaults(fn=cmd_info)
     p_verify = sub.add_parser("verify", help="check a checkpoint (single-process or sharded) offline: its "
                               "manifest and every file's size and SHA-256; exit 2 if anything is wrong")
-    p_verify.add_argument("path", help="a checkpoint directory, or a run's --out (its newest complete checkpoint)")
+    p_verify.add_argument("path", help="a checkpoint directory, or a run's --out (its newest checkpoint)")
     p_verify.set_defaults(fn=cmd_verify)
     sub.add_parser("train", help="train a model (embedded default: a tiny Llama on the Python stdlib "
                    "sources); see hytrain train --help", add_help=False)

@@ -286,6 +286,16 @@ def complete_checkpoints(out: str | os.PathLike) -> list[Path]:
     return [p for p in _step_dirs(Path(out) / "checkpoints") if _complete(p)]
 
 
+def after_damage(path: Path) -> str:
+    """For the error about damaged checkpoint ``path``: where to resume instead -- the newest complete
+    checkpoint before it in the same directory -- or "" where there is none."""
+    path = Path(path)
+    older = [p for p in _step_dirs(path.parent) if p.name < path.name and _complete(p)]
+    if not older:
+        return ""
+    return f"; the newest checkpoint before it is {older[-1]}: resume from that one with --resume {older[-1]}"
+
+
 def resolve(out: str | os.PathLike, spec: str) -> Path:
     """``spec``: a checkpoint directory, or ``latest``: the newest complete checkpoint under ``out`` --
     the one the pointer names, or a newer complete one (the pointer is written after the rename, so a

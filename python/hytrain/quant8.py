@@ -66,10 +66,11 @@ def quantize(x: torch.Tensor, key: str, scales: torch.Tensor | None = None) -> t
         return out
     padded = torch.zeros(blocks(n) * BLOCK, dtype=torch.float32)
     padded[:n] = x
-    scale = padded.view(-1, BLOCK).abs().amax(dim=1)
-    if scales is not None:
-        if scales.numel() != scale.numel():
-            raise ValueError(f"{key}: {scales.numel()} scales for {scale.numel()} blocks of {n} elements")
+    if scales is None:
+        scale = padded.view(-1, BLOCK).abs().amax(dim=1)
+    elif scales.numel() != blocks(n):
+        raise ValueError(f"{key}: {scales.numel()} scales for {blocks(n)} blocks of {n} elements")
+    else:
         scale = scales.detach().to("cpu", torch.float32).reshape(-1).clone()
     inv = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, 1.0), 0.0)
     y = (padded.view(-1, BLOCK) * inv[:, None]).reshape(-1)[:n]

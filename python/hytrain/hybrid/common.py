@@ -4,6 +4,7 @@ import torch
 
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+MOMENTS = STATE_KEYS[:2]  # m and v: kept in the state format (fp32, bf16 or 8-bit); the rest in fp32
 
 
 def is_sharded(p) -> bool:

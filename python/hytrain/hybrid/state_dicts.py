@@ -10,10 +10,9 @@ import torch
 
 from .. import _checks, quant8
 from .collectives import host_mesh
-from .common import STATE_KEYS, is_sharded, local
+from .common import MOMENTS, STATE_KEYS, is_sharded, local
 from .settings import STATE_FORMATS, check_state_value
 
-MOMENTS = STATE_KEYS[:2]
 # The 8-bit scales beside m and v in sharded checkpoints (_sharded_moment).
 SCALE_KEYS = tuple(m + suffix for m in MOMENTS for suffix in ("_scales", "_rank_scales"))
 

@@ -16,7 +16,7 @@ from .. import _checks, quant8
 from .._native import native
 from ..cuda_adam import CudaAdamW
 from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
-from .common import PARAM_DTYPES, STATE_KEYS, local
+from .common import MOMENTS, PARAM_DTYPES, STATE_KEYS, local
 
 _STATE_AND_MASTER = ("master", *STATE_KEYS)
 
@@ -220,15 +220,15 @@ class StateStore:
 
     def _dtype(self, key) -> torch.dtype:
         """m and v in the state format's dtype; the master (and amsgrad's max v) in fp32."""
-        return self.settings.state_dtype if key in STATE_KEYS[:2] else torch.float32
+        return self.settings.state_dtype if key in MOMENTS else torch.float32
 
     def _shape(self, w, key) -> tuple:
         """m and v shaped for the state format (8-bit: flat buffers); the rest like the weights."""
-        return self.settings.moment_shape(w.shape) if key in STATE_KEYS[:2] else w.shape
+        return self.settings.moment_shape(w.shape) if key in MOMENTS else w.shape
 
     def _keys(self, p):
         """The state's tensors (with the fp32 master for every CUDA or low-precision parameter)."""
-        keys = list(STATE_KEYS[:2]) + (["max_exp_avg_sq"] if self.plan.amsgrad(p) else [])
+        keys = list(MOMENTS) + (["max_exp_avg_sq"] if self.plan.amsgrad(p) else [])
         if p.dtype != torch.float32 or self.cuda:
             keys.append("master")
         return keys
@@ -382,7 +382,7 @@ class StateStore:
             for dst, src, key in plan:
                 if src is None:
                     dst.zero_()
-                elif key in STATE_KEYS[:2]:  # m and v in the buffer's format (8-bit or floating)
+                elif key in MOMENTS:  # m and v in the buffer's format (8-bit or floating)
                     dst.copy_(quant8.convert(local(src), key, dst.dtype, dst.shape))
                 else:
                     dst.copy_(local(src))

@@ -135,8 +135,6 @@ def _stop_now(signum, _frame):
     raise _Stopped(signum)
 
 
-
-
 def _run(args, ranks, say, out) -> int:
     device = ranks.device(args.device) or pick_device(args.device)
     if args.batch_size % ranks.world:
@@ -384,12 +382,10 @@ def _of_out(out, path) -> bool:
 def _naming_older(e, out, resume_dir):
     """A damaged checkpoint's error, naming the newest complete checkpoint before it in --out (not
     verified: that is the resume's own first step)."""
-    older = [p for p in ckpt.complete_checkpoints(out) if p.name < resume_dir.name]
-    if not older or not _of_out(out, resume_dir):
+    hint = ckpt.after_damage(resume_dir) if _of_out(out, resume_dir) else ""
+    if not hint:
         return e
-    return ckpt.CheckpointError(f"{e}; the newest checkpoint before it is {older[-1]}: resume from that one with "
-                                f"--resume {older[-1]} (its first save then replaces {resume_dir.name} and any "
-                                f"after it)")
+    return ckpt.CheckpointError(f"{e}{hint} (its first save then replaces {resume_dir.name} and any after it)")
 
 
 def main(argv=None) -> int:
