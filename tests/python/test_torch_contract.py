@@ -663,3 +663,65 @@ def test_pickling_or_copying_the_optimizer_is_refused_clearly():
         with pytest.raises(TypeError, match="state_dict"):
             copier(opt)
     opt.step()  # the original goes on
+
+
+# ---- FSDP2 parameters (DTensors): their local shards read right after step() ---------------------
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of one process, in this process (FSDP2 shards over a mesh of one)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_pair(fence=True):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = []
+    for overlap in (True, False):
+        torch.manual_seed(0)
+        model = big_net()
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        out += [model, hytrain.HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, workers=1,
+                                           model=model, overlap=overlap, fence=fence)]
+    return out
+
+
+READS = {"to_local": lambda p: p.to_local().clone(), "full_tensor": lambda p: p.full_tensor().clone(),
+         "to_local_no_grad": lambda p: _no_grad(lambda: p.to_local().clone())}
+
+
+def _no_grad(f):
+    with torch.no_grad():
+        return f()
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_fsdp2_shards_read_right_after_step_see_the_updates(one_rank, read):
+    # p.to_local() hands out the shard (a view of it with grad enabled), and full_tensor() gathers it:
+    # neither touches the parameter itself, so the fence must know the shards, and views by their base.
+    model, opt, ref, ref_opt = _sharded_pair()
+    xs = batches(3)
+    got = train(model, opt, xs, after_step=lambda i: [READS[read](p) for p in model.parameters()])
+    want = train(ref, ref_opt, xs, after_step=lambda i: [READS[read](p) for p in ref.parameters()])
+    assert_same_tensors([t for step in got for t in step], [t for step in want for t in step], True)
+
+
+def test_without_the_fence_fsdp2_shards_read_updates_in_flight(one_rank):
+    model, opt, ref, ref_opt = _sharded_pair(fence=False)
+    xs = batches(3)
+    got = train(model, opt, xs, after_step=lambda i: [p.to_local().clone() for p in model.parameters()])
+    want = train(ref, ref_opt, xs, after_step=lambda i: [p.to_local().clone() for p in ref.parameters()])
+    assert any(not torch.equal(a, b) for a, b in zip(got[-1], want[-1]))

@@ -18,9 +18,11 @@ nothing is in flight the mode leaves the stack at the next forward hook, ``step(
 ``synchronize()``, so a forward whose hooks waited for every block runs its last layers and the loss
 without it.
 
-What it does not see: work on another thread (the mode stack is per thread), code under
-``torch._C.DisableTorchFunction``, views of a parameter made before ``step()`` (another tensor object
-over the same memory), and raw memory access (``data_ptr()`` handed to other libraries).
+An FSDP2 parameter (a DTensor) is seen through its local shard too (``p.to_local()``, and the
+collectives of ``p.full_tensor()``, which touch the shard and not the parameter), and a view of a
+parameter or of its shard through the view's base. What it does not see: work on another thread
+(the mode stack is per thread), code under ``torch._C.DisableTorchFunction``, a view of a view made
+before ``step()``, and raw memory access (``data_ptr()`` handed to other libraries).
 ``HybridAdamW(fence=False)`` drops it where the loop is known to touch parameters only through the
 model's forward (see ``docs/architecture.md`` for what it costs).
 """
@@ -75,6 +77,7 @@ class Fence(TorchFunctionMode):
         # fence never keeps a gradient's memory alive (the pipeline releases it once its copy landed).
         self._grads = {}
         self._by_block = {}  # block -> ids watched for it
+        self._ids = {}  # id(parameter or its local shard) -> block, set when armed
 
     @property
     def armed(self) -> bool:
@@ -96,6 +99,8 @@ class Fence(TorchFunctionMode):
         """Puts the fence on this thread's stack (once)."""
         if self._on_stack:
             return
+        engine = self._ref()
+        self._ids = {} if engine is None else engine.plan.fenced_ids()
         torch._C._push_on_torch_function_stack(self)
         self._on_stack = True
         self._thread = threading.get_ident()
@@ -129,7 +134,7 @@ class Fence(TorchFunctionMode):
         if func not in _METADATA:
             engine = self._ref()
             if engine is not None:
-                block_of = engine.plan.block_of
+                block_of = self._ids
                 hit = _blocks_in(args, block_of, self._grads, None)
                 if kwargs:
                     hit = _blocks_in(kwargs.values(), block_of, self._grads, hit)
@@ -142,6 +147,8 @@ def _blocks_in(values, block_of, grads, hit):
     for a in values:
         if isinstance(a, torch.Tensor):
             b = block_of.get(id(a))
+            if b is None and a._base is not None:  # a view of a parameter, or of a shard
+                b = block_of.get(id(a._base))
             if b is None:
                 e = grads.get(id(a))
                 b = e[0] if e is not None and e[1]() is a else None

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..blocks import detect_blocks
-from .common import local
+from .common import is_sharded, local
 
 
 def check_param_list(params) -> None:
@@ -66,6 +66,13 @@ class BlockPlan:
                 if id(p) in self.block_of:
                     raise ValueError("a parameter appears in two blocks")
                 self.block_of[id(p)] = i
+
+    def fenced_ids(self) -> dict:
+        """``block_of`` with the local shards of FSDP2 parameters added: the tensor a DTensor holds
+        (``to_local()`` hands out views of it), read now -- FSDP2 keeps it from step to step, but may
+        replace it when the model is reloaded."""
+        shards = {id(p._local_tensor): b for b, blk in enumerate(self.blocks) for p in blk if is_sharded(p)}
+        return {**self.block_of, **shards} if shards else self.block_of
 
     def __len__(self) -> int:
         return len(self.blocks)
