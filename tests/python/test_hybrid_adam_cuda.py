@@ -648,3 +648,115 @@ def test_cuda_a_state_neither_side_can_hold_is_refused_naming_both(monkeypatch):
     opt.step()
     opt.synchronize()
     assert opt.bound
+
+
+def _deferring_run(monkeypatch, first, fail_blocks=(), steps=12):
+    """Training against the reference where the first step makes the states of blocks
+    ``first[0]..first[1]-1`` once the other blocks' gradients are released (``first`` forces the
+    split; None lets the planner choose). ``fail_blocks``: where making a state on the GPU runs out
+    of memory. Returns the optimizer and the blocks that got host state in the first step."""
+    from hytrain.hybrid import planner as planner_module
+    from hytrain.hybrid.store import StateStore
+
+    if first is not None:
+        monkeypatch.setattr(planner_module, "first_split", lambda *a, **kw: first)
+    hosted, made = set(), []
+    host_state, gpu_state = StateStore._host_state, StateStore._gpu_state
+
+    def record_host(store, p, *, fill):
+        if not made:
+            hosted.add(store.plan.block_of[id(p)])
+        return host_state(store, p, fill=fill)
+
+    def fail_some(store, p):
+        if store.plan.block_of[id(p)] in fail_blocks:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (a test)")
+        return gpu_state(store, p)
+
+    monkeypatch.setattr(StateStore, "_host_state", record_host)
+    monkeypatch.setattr(StateStore, "_gpu_state", fail_some)
+    model, ref_model = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=1.0, model=model,
+                              workers=2)
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=1.0)
+    data = cuda_batches(steps)
+
+    def step_fn(i):
+        opt.step()
+        if i == 0:
+            made.append(True)
+            assert all(p.grad is None for p in model.parameters())  # released as each block launched
+            assert not opt._engine.store.deferred
+        assert_placement(opt)
+
+    losses = train(model, opt, data, step_fn=step_fn)
+    ref_losses = train(ref_model, ref, data)
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    return opt, hosted
+
+
+def test_cuda_the_first_step_makes_deferred_states_on_the_gpu_only(monkeypatch):
+    opt, hosted = _deferring_run(monkeypatch, (1, 3))
+    assert opt.schedule_stats()["first_k"] == (1, 3)
+    assert hosted == set(range(3, len(opt.blocks)))  # blocks 1 and 2: never on the host
+
+
+def test_cuda_a_deferred_state_the_gpu_cannot_hold_goes_to_the_host(monkeypatch):
+    # Block 2 runs out of GPU memory in the first step: it and block 3 are made on the host instead.
+    opt, hosted = _deferring_run(monkeypatch, (1, 4), fail_blocks=(2,))
+    assert hosted == set(range(2, len(opt.blocks)))
+
+
+def test_cuda_the_planner_defers_what_the_released_gradients_make_room_for():
+    """fp32 weights, a tiny batch: the gradients (4 bytes a parameter) take more memory than the
+    activations. A memory limit that leaves room for one layer's states beside every gradient
+    leaves room for more once the first step has released them."""
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_layers=10, num_heads=4,
+                      num_kv_heads=4, max_seq_len=16)
+    torch.manual_seed(0)
+    model = LlamaModel(cfg).to(DEV)
+    ref_model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    data = [[torch.randint(0, 256, (1, 16), generator=g).to(DEV)] for _ in range(8)]
+    x = data[0][0]
+    model(x, x).backward()
+    allocated = torch.cuda.memory_allocated()
+    model.zero_grad(set_to_none=True)
+    probe = hytrain.HybridAdamW(model.parameters(), model=model)
+    layer = max(probe._engine.plan.sizes()[2])
+    del probe
+    # free - margin = 1.5 layers, the margin being 1 GiB and 5 % of the limit
+    limit = int((allocated + (1 << 30) + 1.5 * layer) / 0.95)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, model=model,
+                              workers=2, gpu_memory_limit=limit)
+    ref = Reference(ref_model, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
+    losses = train(model, opt, data, step_fn=lambda i: (opt.step(), assert_placement(opt)))
+    k, later = opt.schedule_stats()["first_k"]
+    assert 0 < k < later, (k, later)
+    ref_losses = train(ref_model, ref, data)
+    assert_close_models(model, ref_model, losses, ref_losses, torch.float32)
+
+
+def test_cuda_a_refused_first_step_puts_deferred_states_on_the_host(monkeypatch):
+    """A non-finite norm refuses the first step before its deferred states are made: they are made
+    on the host instead, nothing was applied, and training goes on from there like the reference."""
+    from hytrain.hybrid import planner as planner_module
+
+    monkeypatch.setattr(planner_module, "first_split", lambda *a, **kw: (1, 3))
+    model, ref_model = pair()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=1.0, model=model,
+                              workers=2)
+    data = cuda_batches(8)
+    x = data[0][0]
+    (model(x, x) * float("inf")).backward()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        opt.step()
+    assert opt.bound and not opt._engine.store.deferred
+    assert opt.residency()["gpu"] == [0]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    opt.zero_grad()
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=1.0)
+    losses = train(model, opt, data, step_fn=lambda i: (opt.step(), assert_placement(opt)))
+    ref_losses = train(ref_model, ref, data)
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)

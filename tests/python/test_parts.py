@@ -13,7 +13,7 @@ from hytrain._native import native
 from hytrain.blocks import detect_blocks
 from hytrain.hybrid.intake import GradientIntake
 from hytrain.hybrid.plan import BlockPlan
-from hytrain.hybrid.planner import Planner
+from hytrain.hybrid.planner import Planner, first_split
 from hytrain.hybrid.settings import settings
 from hytrain.hybrid.store import StateStore
 from hytrain.models import LlamaConfig, LlamaModel
@@ -261,3 +261,23 @@ def test_the_planner_keeps_k_at_or_above_the_host_floor():
     assert chosen[0, 8 << 30] < 5
     assert chosen[5, 8 << 30] == 5
     assert chosen[5, 3 << 30] == 5  # the budget (3 GiB less 2 GiB and the margin) holds none of them
+
+
+def test_the_first_split_defers_what_fits_once_the_gradients_are_released():
+    """The first step: k blocks' states fit now, beside every gradient; more fit once the step has
+    released the other blocks' gradients, within what later iterations leave (``steady``). A
+    deferred block's own gradients still count when its state is made."""
+    G = 1 << 30
+    states, grads = [3 * G] * 8, [G] * 8
+    # 10 GiB free now, 2 GiB margin: two blocks now (6 GiB). Releasing the gradients of the blocks
+    # not deferred gives more: a third needs 9 <= 8 + 8 - 1, a fourth 12 <= 8 + 8 - 2, a fifth
+    # 15 > 8 + 8 - 3.
+    assert first_split(states, grads, free=10 * G, steady=40 * G, margin=2 * G) == (2, 4)
+    assert first_split(states, None, free=10 * G, steady=40 * G, margin=2 * G) == (2, 2)
+    # Later iterations leave 10 GiB for states: three blocks, whatever the step releases.
+    assert first_split(states, grads, free=10 * G, steady=10 * G, margin=2 * G) == (2, 3)
+    # Nothing released, nothing deferred; a GPU with no room now defers from block 0.
+    assert first_split(states, [0] * 8, free=10 * G, steady=40 * G, margin=2 * G) == (2, 2)
+    assert first_split(states, [2 * G] * 8, free=2 * G, steady=40 * G, margin=2 * G) == (0, 3)
+    # Exact fits count: 3 x 3 GiB in 9 GiB.
+    assert first_split(states, grads, free=11 * G, steady=11 * G, margin=2 * G) == (3, 3)

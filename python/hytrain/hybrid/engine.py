@@ -97,8 +97,9 @@ class Engine:
             # Where each block's state lives from the start: the host holds what it can (the
             # blocks from its floor on), the GPU the first k; checked on both sides first.
             scaled = scaled or any(p.dtype == torch.float16 for p in self.plan.params)
-            k = self.planner.initial_k(store.host_floor(), self.shard_group, scaled=scaled)
-            store.create(self.groups, k)
+            k, later = self.planner.initial_k(store.host_floor(), self.shard_group, scaled=scaled,
+                                              defer=not self.pending)
+            store.create(self.groups, k, later)
             self.loss_scaling = any(p.dtype == torch.float16 for p in self.plan.params)
             self.timeline = Timeline(store.device if store.cuda else None) if s.trace else None
             self.launcher.start(self.timeline)
@@ -106,12 +107,7 @@ class Engine:
             self.planner.start(measured=measured, pipeline=self.launcher.pipeline)
             self.launcher.meter = self.planner.meter
         except BaseException:  # nothing half made: the parts as before the first step
-            self._remove_model_hooks()
-            store.clear()
-            self.launcher.stop()
-            self.intake.close()
-            self._make_parts()
-            self.timeline = None
+            self._unbind()
             raise
         store.note_weight_versions(sharded=self.shard_group is not None)
         if self.pending:
@@ -121,6 +117,15 @@ class Engine:
             except BaseException:
                 self.pending = pending
                 raise
+
+    def _unbind(self):
+        """The parts as before the first step (the state dropped)."""
+        self._remove_model_hooks()
+        self.store.clear()
+        self.launcher.stop()
+        self.intake.close()
+        self._make_parts()
+        self.timeline = None
 
     def carry(self) -> dict:
         """Parameter -> state entry (copies) of every parameter with state, or loaded for later."""
@@ -291,15 +296,21 @@ class Engine:
                 self._adopt(keep=changed | rewritten)
             # Forward order (the next forward needs block 0 first), offloaded blocks first so that
             # their copies start before the GPU updates queue up on the compute stream.
+            # Blocks whose states wait for room on the GPU (the first step; see StateStore.create):
+            # every block's gradients are released as it launches, and their states made in turn.
+            deferring = bool(store.deferred)
             for b in rt.launch_order():
+                if b in store.deferred:
+                    launcher.drop_landing()
+                    store.make_deferred(b)
                 phase = rt.phase(b)
                 if phase == phases.held:
                     if b in changed:
-                        launcher.restage(b, mult, fresh[b])
+                        launcher.restage(b, mult, fresh.pop(b))
                     else:
                         launcher.release(b, mult)
                 elif not rt.submitted(b):
-                    launcher.launch(b, mult, release=False, pairs=fresh[b])
+                    launcher.launch(b, mult, release=deferring, pairs=fresh.pop(b))
             for b in rt.in_phase(phases.speculated):  # after the GPU updates: these may wait on the host
                 if b in changed:
                     launcher.restage(b, mult, fresh[b])
@@ -319,6 +330,10 @@ class Engine:
                     self.synchronize()  # nothing is left in flight
                 except Exception:  # noqa: BLE001 -- the error being raised is the one to report
                     pass
+                try:
+                    store.defer_to_host()  # states not made yet (a first step): on the host instead
+                except Exception:  # noqa: BLE001 -- neither side holds them: made again at the next step
+                    self._unbind()
             if self.planner.meter is not None:
                 self.planner.meter.current = None  # a step not taken is not measured
             raise

@@ -215,6 +215,15 @@ class Launcher:
         rt.set_in_flight(b)
         rt.launch(b)  # (until here a failure leaves it to drop_held)
 
+    def drop_landing(self) -> None:
+        """Lets go of released gradients whose copies out may still be under way: the compute stream
+        first waits for those copies, so that its next allocations may take their memory."""
+        if self._landing:
+            device = self.store.device
+            d2h = torch.cuda.ExternalStream(self.pipeline.d2h_handle, device=device)
+            torch.cuda.current_stream(device).wait_stream(d2h)
+            self._landing.clear()
+
     def release_landed(self):
         if not self._landing:
             return

@@ -18,6 +18,30 @@ from . import collectives
 from .common import local
 
 
+def fit(sizes, room) -> int:
+    """How many leading blocks of these sizes fit in ``room`` bytes."""
+    k, used = 0, 0
+    while k < len(sizes) and used + sizes[k] <= room:
+        used += sizes[k]
+        k += 1
+    return k
+
+
+def first_split(state_bytes, grads, *, free, steady, margin) -> tuple[int, int]:
+    """(k, later) at the first step: k, the leading blocks whose states fit on the GPU now (``free``
+    bytes, with every gradient still allocated) and beside what later iterations use apart from the
+    states (``steady``: that room, the margin taken); later >= k, as many again as fit once the step
+    has released the other blocks' gradients (``grads``: per block, the bytes it releases; None:
+    nothing is made later). A deferred block's own gradients are counted as held when its state is
+    made."""
+    k = fit(state_bytes, min(steady, free - margin))
+    later = k
+    while (grads is not None and later < len(state_bytes) and sum(state_bytes[:later + 1]) <= steady
+           and sum(state_bytes[:later + 1]) <= free - margin + sum(grads) - sum(grads[k:later + 1])):
+        later += 1
+    return k, later
+
+
 class Planner:
 
     def __init__(self, plan, settings, rt, store):
@@ -32,17 +56,21 @@ class Planner:
         self._nonstate_peak = 0
         self._pressure = 0  # bytes the state budget gives up: iterations where the allocator retried
         self._first_samples = []  # (block, GPU bytes in use) as each block completed in the first backward
+        self.first_k = None  # (k, later) of the first step (initial_k)
 
-    def initial_k(self, floor, shard_group, *, scaled=False) -> int:
-        """k for the state about to be created, at the first step, before any block has been
-        measured: fixed, the k asked for; auto, as many leading blocks as the GPU holds beside what
-        the next iterations use apart from the states (from the first backward's samples) and in
-        what is free now (the scheduler moves k from there once it has measured). Never below the
-        host's ``floor``; a floor the GPU cannot hold is refused here, before anything is allocated,
-        naming the bytes on each side. ``scaled``: loss scaling (the gradients are kept to step())."""
+    def initial_k(self, floor, shard_group, *, scaled=False, defer=False) -> tuple[int, int]:
+        """(k, later) for the state about to be created, at the first step, before any block has
+        been measured. Fixed k: the k asked for, twice. Auto: k, the leading blocks the GPU holds
+        now, while this step's gradients are all still allocated; and ``later`` >= k, as many as it
+        holds beside what the next iterations use apart from the states (from the first backward's
+        samples). Without ``defer`` both are k (the scheduler moves k from there once it has
+        measured); with it, blocks k..later-1 get their states on the GPU in the first step, once
+        the gradients of the others are released, and none on the host. Never below the host's
+        ``floor``; a floor the GPU cannot hold is refused here, before anything is allocated, naming
+        the bytes on each side. ``scaled``: loss scaling (the gradients are kept to step())."""
         store, s = self.store, self.settings
         if not store.cuda:
-            return 0
+            return 0, 0
         state_bytes = self.plan.sizes()[2]
         device = store.device
         allocated = torch.cuda.memory_allocated(device)
@@ -63,23 +91,28 @@ class Planner:
                     f"gpu_blocks={k} keeps {format_bytes(sum(state_bytes[:k]))} of optimizer states on the GPU, "
                     f"but {format_bytes(max(free, 0))} of its memory is free: lower gpu_blocks, or use "
                     "gpu_blocks='auto' (it keeps on the GPU what fits beside the activations)")
-            return k
-        peak = self._steady_peak(peak, released=s.release_grads and s.overlap and not scaled)
-        # Beside the memory the next iterations use apart from the states, with the scheduler's
-        # margin; and now, while this step's gradients are all still allocated (the loop releases
-        # them after step(); the scheduler moves more blocks up once it has measured an iteration).
-        room = min(allocated + free - peak, free) - (1 << 30) - limit // 20
-        k, used = 0, 0
-        while k < len(state_bytes) and used + state_bytes[k] <= room:
-            used += state_bytes[k]
-            k += 1
+            return k, k
+        released = s.release_grads and s.overlap and not scaled
+        peak = self._steady_peak(peak, released=released)
+        margin = (1 << 30) + limit // 20  # the scheduler's margin (_budget)
+        # Beside the memory the next iterations use apart from the states, with the margin; and now,
+        # while this step's gradients are all still allocated.
+        steady = allocated + free - peak - margin
+        grads = None
+        if defer and released and shard_group is None:
+            grads = [sum(p.grad.numel() * p.grad.element_size() for p in blk if p.grad is not None)
+                     for blk in self.plan.blocks]
+        k, later = first_split(state_bytes, grads, free=free, steady=steady, margin=margin)
         if shard_group is not None:  # the ranks agree (the smallest fit, the largest floor)
             self._agree_group = collectives.host_group(shard_group)
-            k = collectives.agree_min(k, self._agree_group)
+            k = later = collectives.agree_min(k, self._agree_group)
             store.floor = floor = -collectives.agree_min(-floor, self._agree_group)
-        if floor and sum(state_bytes[:floor]) > free:
-            raise store.gpu_refusal(floor, free)
-        return max(k, floor)
+        if floor > k and sum(state_bytes[:floor]) <= free:
+            k = floor  # made now: it fits, if not with the margin
+        if floor > max(k, later):
+            raise store.gpu_refusal(floor, free + (sum(grads) - sum(grads[k:floor]) if grads else 0))
+        self.first_k = (k, max(k, later))
+        return self.first_k
 
     def sample_first(self, b) -> None:
         """The first backward, block b's gradients complete: the GPU memory in use (a host-side
@@ -273,6 +306,8 @@ class Planner:
 
     def stats(self) -> dict:
         out = {"k": self.settings.gpu_blocks, "speculative_from": self.spec_from, **self.summary}
+        if self.first_k is not None:
+            out["first_k"] = self.first_k  # (made at once, made in the first step as room came)
         p = self.prediction
         if p is not None:
             out["predicted_iter_s"] = p["iter_s"]

@@ -71,6 +71,7 @@ class StateStore:
         self.shadow = {}  # id(p) -> spare host master/exp_avg/exp_avg_sq[/max_exp_avg_sq]/copy
         self.moves = {}  # block -> CUDA event: its states' asynchronous move has completed
         self.floor = 0  # the host holds the states of blocks >= floor only: k never goes below it
+        self.deferred = []  # GPU-resident blocks whose states the first step makes (create)
         self._leaving = {}  # block -> (event, host tensors) freed once its move to the GPU has read them
         self._fused = {}  # ((id, address) of each parameter) -> CudaAdamW
         self._groups_set = None  # the hyperparameters the table has
@@ -87,10 +88,13 @@ class StateStore:
         if self.settings.gpu_blocks and not self.cuda:
             raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
 
-    def create(self, param_groups, k) -> None:
+    def create(self, param_groups, k, later=None) -> None:
         """Creates the state for the device and dtype the parameters have now: blocks < ``k`` on the
-        GPU (nothing of theirs on the host), the others in the pinned pool."""
+        GPU (nothing of theirs on the host), the others in the pinned pool -- except blocks
+        k..``later``-1, GPU-resident too, whose states are made in the first step (:meth:`make_deferred`):
+        there is room for them once the step has released the other blocks' gradients."""
         plan = self.plan
+        later = k if later is None else later
         pool = self.settings.pool
         self.pool = pool if pool is not None else PinnedPool(self._pool_bytes(), slab_bytes="256MiB")
         if self.cuda and not self.pool.page_locked:
@@ -98,19 +102,71 @@ class StateStore:
                              "on a machine where pinning works)")
         self.table = native().ParamTable()  # each parameter's host buffers; handle = its index
         if self.pool.page_locked:  # page-locking is the slow part: every slab at once, in parallel
-            self.pool.reserve_for([n for b in range(k, len(plan)) for n in self._tensor_bytes(b)])
+            self.pool.reserve_for([n for b in range(later, len(plan)) for n in self._tensor_bytes(b)])
         for p in plan.params:
-            self._init_state(p, on_gpu=plan.block_of[id(p)] < k)
+            b = plan.block_of[id(p)]
+            if k <= b < later and local(p).numel():
+                self._register_on_gpu(p)
+            else:
+                self._init_state(p, on_gpu=b < later)
+        self.deferred = list(range(k, later))
         if pool is None:
             self.pool.trim()  # slabs the reservation made and the state did not need
-        up, _ = self.rt.migrate(k)  # nothing is in flight: the first k blocks are resident now
+        up, _ = self.rt.migrate(later)  # nothing is in flight: the first blocks are resident now
         for b in up:
             self.rt.moved_up(b)
-        self.settings.gpu_blocks = k
+        self.settings.gpu_blocks = later
         if self.cuda:
             self._stream = torch.cuda.Stream(self.device, priority=0)
         self.bound = {id(p): (w.device, w.dtype, w.shape) for p in plan.params for w in (local(p),)}
         self.amsgrad_bound = [bool(g["amsgrad"]) for g in param_groups]
+
+    def make_deferred(self, b) -> None:
+        """Block b's deferred state (see :meth:`create`), made on the GPU now. Where the GPU cannot
+        hold it, it goes to the host instead, with every deferred block after it."""
+        if b not in self.deferred:
+            return
+        params = [p for p in self.plan.blocks[b] if local(p).numel()]
+        try:
+            for p in params:
+                self._gpu_state(p)
+        except torch.cuda.OutOfMemoryError:
+            for p in params:
+                self.dev.pop(id(p), None)
+                for key in self._keys(p):
+                    self.state[p].pop(key, None)
+            self.defer_to_host(b)
+            return
+        self.deferred.remove(b)
+        self.note_weight_versions(self.plan.blocks[b])
+
+    def defer_to_host(self, b=None) -> None:
+        """The deferred blocks from b on (all of them by default) get their states on the host
+        instead (k becomes b); those below the host's floor cannot, and are refused."""
+        if not self.deferred:
+            return
+        b = self.deferred[0] if b is None else b
+        blocks = [x for x in self.deferred if x >= b]
+        if blocks[0] < self.floor:
+            raise CapacityError(
+                f"the GPU could not hold the optimizer state of block {blocks[0]} in the first step, once "
+                f"the other blocks' gradients were released, and the host can hold those of blocks "
+                f"{self.floor} and after only: leave the GPU more room (a smaller batch, activation "
+                "checkpointing, a larger gpu_memory_limit), or use a host with more memory")
+        _, down = self.rt.migrate(b)
+        for x in down:
+            for p in self.plan.blocks[x]:
+                if not local(p).numel():
+                    continue  # (its empty state is on the host already)
+                st, host = self.state[p], self._host_state(p, fill=True)
+                st.update({key: t for key, t in host.items() if key not in ("grad", "copy")})
+                self.table.to_host(self.plan.index(p), st.get("master", local(p)).data_ptr(), st["exp_avg"].data_ptr(),
+                                   st["exp_avg_sq"].data_ptr(), _checks.address(st.get("max_exp_avg_sq")),
+                                   _checks.address(host.get("grad")), _checks.address(host.get("copy")))
+            self.rt.moved_down(x)
+        self.deferred = [x for x in self.deferred if x < b]
+        self.note_weight_versions([p for x in down for p in self.plan.blocks[x]])
+        self.settings.gpu_blocks = b
 
     def block_host_bytes(self) -> list[int]:
         """Per block, the pinned host bytes its state and staging take while the CPU updates it."""
@@ -187,6 +243,7 @@ class StateStore:
         self.state.clear()
         self.pool = self.table = self.bound = self.amsgrad_bound = None
         self.staging, self.dev, self.shadow, self.moves, self._fused, self._leaving = {}, {}, {}, {}, {}, {}
+        self.deferred = []
         self._groups_set = None
         self._versions = {}
 
@@ -238,33 +295,46 @@ class StateStore:
         holds the master, m and v of its own shard only. A shard that is empty on this rank gets
         empty host state (nothing to update). On the GPU (``on_gpu``) the state is made there, from
         the weights, with nothing on the host."""
+        if on_gpu and local(p).numel():
+            self._register_on_gpu(p)
+            self._gpu_state(p)
+            return
         st = self.state[p]
         w = local(p)
         st["step"] = torch.zeros((), dtype=torch.float32)
-        if on_gpu and w.numel():
-            d = {key: torch.zeros(self._shape(w, key), dtype=self._dtype(key), device=self.device)
-                 for key in self._keys(p) if key != "master"}
-            # (an fp32 weight is its own master)
-            d["master"] = w.detach().float() if p.dtype != torch.float32 else w.detach()
-            d["grad"] = torch.empty_like(w)
-            self.dev[id(p)] = d
-            for key in self._keys(p):
-                st[key] = d[key]
-            handle = self.table.add(master=0, exp_avg=0, exp_avg_sq=0, max_exp_avg_sq=0, step=st["step"].data_ptr(),
-                                    grad=0, dtype=_checks.DTYPE_CODES[p.dtype], copy=0, numel=w.numel(),
-                                    group=self.plan.group_index[id(p)], amsgrad=self.plan.amsgrad(p), on_host=False,
-                                    state_dtype=self._state_code())
-        else:
-            host = self._host_state(p, fill=True)
-            st.update({key: t for key, t in host.items() if key not in ("grad", "copy")})
-            handle = self.table.add(
-                master=st.get("master", w).data_ptr(), exp_avg=st["exp_avg"].data_ptr(),
-                exp_avg_sq=st["exp_avg_sq"].data_ptr(), max_exp_avg_sq=_checks.address(st.get("max_exp_avg_sq")),
-                step=st["step"].data_ptr(), grad=_checks.address(host.get("grad")),
-                dtype=_checks.DTYPE_CODES[p.dtype], copy=_checks.address(host.get("copy")),
-                numel=w.numel(), group=self.plan.group_index[id(p)], amsgrad="max_exp_avg_sq" in st,
-                state_dtype=self._state_code())
+        host = self._host_state(p, fill=True)
+        st.update({key: t for key, t in host.items() if key not in ("grad", "copy")})
+        handle = self.table.add(
+            master=st.get("master", w).data_ptr(), exp_avg=st["exp_avg"].data_ptr(),
+            exp_avg_sq=st["exp_avg_sq"].data_ptr(), max_exp_avg_sq=_checks.address(st.get("max_exp_avg_sq")),
+            step=st["step"].data_ptr(), grad=_checks.address(host.get("grad")),
+            dtype=_checks.DTYPE_CODES[p.dtype], copy=_checks.address(host.get("copy")),
+            numel=w.numel(), group=self.plan.group_index[id(p)], amsgrad="max_exp_avg_sq" in st,
+            state_dtype=self._state_code())
         assert handle == self.plan.index(p)
+
+    def _register_on_gpu(self, p):
+        """The parameter's step counter and its table entry as a GPU-resident one (no host buffers)."""
+        st = self.state[p]
+        st["step"] = torch.zeros((), dtype=torch.float32)
+        handle = self.table.add(master=0, exp_avg=0, exp_avg_sq=0, max_exp_avg_sq=0, step=st["step"].data_ptr(),
+                                grad=0, dtype=_checks.DTYPE_CODES[p.dtype], copy=0, numel=local(p).numel(),
+                                group=self.plan.group_index[id(p)], amsgrad=self.plan.amsgrad(p), on_host=False,
+                                state_dtype=self._state_code())
+        assert handle == self.plan.index(p)
+
+    def _gpu_state(self, p):
+        """The parameter's state on the GPU: zero moments, the master from the weights, and the
+        gradient buffer its updates read."""
+        st, w = self.state[p], local(p)
+        d = {key: torch.zeros(self._shape(w, key), dtype=self._dtype(key), device=self.device)
+             for key in self._keys(p) if key != "master"}
+        # (an fp32 weight is its own master)
+        d["master"] = w.detach().float() if p.dtype != torch.float32 else w.detach()
+        d["grad"] = torch.empty_like(w)
+        self.dev[id(p)] = d
+        for key in self._keys(p):
+            st[key] = d[key]
 
     def _host_state(self, p, *, fill):
         """The parameter's host tensors from the pool: its state (zero moments and the master from
