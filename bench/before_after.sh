@@ -7,6 +7,7 @@
 #   l3b     train_bench L3B ($REPS times, default 1) at 27.1 GB (DeepSpeed ZeRO-Offload's reserved peak on an H200): the earlier
 #           version's hytrain_auto, then this one's hytrain_auto and hytrain_nofence
 #   l7b     train_bench L7B at 75 GB: the earlier version's hytrain_auto, then this one's
+#           ($HOST_LIMIT_GB: and this one's within that host memory limit, host_memory_limit)
 #   host    bench/host_overhead.py (the optimizer's per-step Python cost), the earlier version's, then this one's
 # Logs go to $OUT (or ./device-out).
 set -uo pipefail
@@ -33,6 +34,11 @@ for stage in "$@"; do
         python3 bench/train_bench.py --workloads "$stage" --modes "$modes" --l7b-modes "$modes" "${caps[@]}" \
           --iters "$iters" --no-profile --skip-nocap 2>&1 | grep -E '^\{|Error' \
           | tee -a "$out/${stage}_after.txt" | cut -c1-300
+        if [ -n "${HOST_LIMIT_GB:-}" ]; then  # this one's hytrain_auto within a host memory limit
+          python3 bench/train_bench.py --workloads "$stage" --modes hytrain_auto --l7b-modes hytrain_auto \
+            "${caps[@]}" --host-limit-gb "$HOST_LIMIT_GB" --iters "$iters" --no-profile --skip-nocap 2>&1 \
+            | grep -E '^\{|Error' | tee -a "$out/${stage}_after_host${HOST_LIMIT_GB}.txt" | cut -c1-300
+        fi
       done ;;
     host)
       for rep in $(seq "${REPS:-1}"); do

@@ -343,6 +343,7 @@ def run_one(args):
         if system.startswith("hytrain"):
             stats = opt.schedule_stats()
             rec["k"] = stats.get("k", opt.gpu_blocks)
+            rec["first_k"] = stats.get("first_k")  # (made at once, made in the first step)
             rec["k_per_iteration"] = ks
             try:
                 rec["blocks"] = len(opt.blocks)

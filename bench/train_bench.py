@@ -260,7 +260,8 @@ def run_mode(args):
            "warmup": warmup, "iter_times_s": [round(t, 4) for t in times]}
     if mode.startswith("hytrain"):
         stats = opt.schedule_stats()
-        rec.update(speculative_from=stats.get("speculative_from"), speculation=dict(opt.speculation_counts))
+        rec.update(speculative_from=stats.get("speculative_from"), speculation=dict(opt.speculation_counts),
+                   first_k=stats.get("first_k"))
         rec.update(k=stats["k"], k_per_iteration=ks, grad_norms=[round(v, 4) for v in norms if v is not None], predicted_iter_s=stats.get("predicted_iter_s"),
                    predicted_gpu_idle_s=stats.get("predicted_gpu_idle_s"), gpu_wait_frac=stats.get("gpu_wait_frac"),
                    state_budget_gb=stats.get("state_budget_bytes", 0) / 1e9)
