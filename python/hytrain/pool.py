@@ -42,6 +42,21 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def memory_total_bytes() -> int:
+    """The host memory this process may use in all: the machine's, or a cgroup's (v2 or v1) limit
+    below it."""
+    total = physical_memory_bytes()
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            raw = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < total:
+            total = int(raw)
+        break
+    return total
+
+
 def available_memory_bytes() -> int | None:
     """Host memory this process can still take without swapping or being killed: the system's
     ``MemAvailable``, less under a cgroup (v2 or v1) limit; None where neither can be read.

@@ -353,9 +353,13 @@ def test_a_state_the_host_cannot_hold_is_refused_before_anything_is_allocated(mo
         opt.step()
     assert not opt.bound and len(opt.state) == 0
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
-    # The host keeps a margin (1 GiB and 5 %) beside the state: exactly enough is need plus that.
-    enough = (need + (1 << 30)) * 20 // 19 - 2
-    while enough - (1 << 30) - enough // 20 < need:
+    # The host keeps a margin beside the state (1 GiB, and 5 % of what is available or a tenth of
+    # the memory in all): exactly enough is need plus that.
+    monkeypatch.setattr(store, "memory_total_bytes", lambda: 40 << 30)
+    assert store.host_margin(80 << 30) == (1 << 30) + (4 << 30) == store.host_margin(20 << 30)
+    assert store.host_margin(200 << 30) == (1 << 30) + (10 << 30)
+    enough = need + (5 << 30) - 2
+    while enough - store.host_margin(enough) < need:
         enough += 1
     monkeypatch.setattr(store, "available_memory_bytes", lambda: enough - 1)
     with pytest.raises(hytrain.CapacityError):

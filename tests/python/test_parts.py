@@ -281,3 +281,32 @@ def test_the_first_split_defers_what_fits_once_the_gradients_are_released():
     assert first_split(states, [2 * G] * 8, free=2 * G, steady=40 * G, margin=2 * G) == (0, 3)
     # Exact fits count: 3 x 3 GiB in 9 GiB.
     assert first_split(states, grads, free=11 * G, steady=11 * G, margin=2 * G) == (3, 3)
+
+
+def test_states_come_back_to_the_host_only_where_it_has_room(monkeypatch):
+    """A lower k brings states back to the host: those that do not fit beside the host's margin
+    (the pool's free blocks counted) stay on the GPU, the lowest first, so k rises past them."""
+    from hytrain.hybrid import store as store_module
+
+    params = [nn.Parameter(torch.randn(1000)) for _ in range(4)]
+    groups = groups_of(params, foreach=None, capturable=False, differentiable=False, fused=None)
+    plan = BlockPlan(groups, bucket_elements=1)
+    import collections
+    rt = native().BlockRuntime([1] * 4, 1)
+    store = StateStore(plan, make_settings(pool=hytrain.PinnedPool(1 << 22, pinned=False)), rt,
+                       collections.defaultdict(dict), wait=lambda ids: None)
+    store.prepare()
+    store.create(groups, 0)
+    up, _ = rt.migrate(4)  # as if every block's state had gone up to the GPU
+    for b in up:
+        rt.moved_up(b)
+    per_block = store.block_host_bytes()[0]
+    stats = store.pool.stats()
+    free = stats["reserved"] - stats["in_use"]
+    monkeypatch.setattr(store_module, "host_margin", lambda available: 1000)
+    monkeypatch.setattr(store_module, "available_memory_bytes", lambda: 2 * per_block - free + 1000)
+    assert store.host_fit(0) == 2 and store.host_fit(2) == 2 and store.host_fit(3) == 3
+    monkeypatch.setattr(store_module, "available_memory_bytes", lambda: 2 * per_block - free + 999)
+    assert store.host_fit(0) == 3
+    monkeypatch.setattr(store_module, "available_memory_bytes", lambda: None)  # the system does not tell
+    assert store.host_fit(0) == 0

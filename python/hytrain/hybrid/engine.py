@@ -408,6 +408,10 @@ class Engine:
         if k < self.store.floor:
             raise CapacityError(f"gpu_blocks={k}: the host can hold the states of blocks {self.store.floor} "
                                 f"to {len(self.plan) - 1} only (use gpu_blocks >= {self.store.floor})")
+        fit = self.store.host_fit(k) if self.store.cuda else k
+        if fit > k:
+            raise CapacityError(f"gpu_blocks={k}: the host has no room now for the states of blocks {k} to "
+                                f"{fit - 1}, beside its margin (use gpu_blocks >= {fit})")
         if wait:
             self.synchronize()
         if self.store.cuda:

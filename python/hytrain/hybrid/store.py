@@ -15,7 +15,7 @@ import torch
 from .. import _checks, quant8
 from .._native import native
 from ..cuda_adam import CudaAdamW
-from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
+from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes, memory_total_bytes
 from .common import MOMENTS, PARAM_DTYPES, STATE_KEYS, local
 
 _STATE_AND_MASTER = ("master", *STATE_KEYS)
@@ -28,6 +28,16 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def host_margin(available) -> int:
+    """The host memory kept free beside the pinned state, where ``available`` bytes are: 1 GiB, and
+    5 % of that or a tenth of the memory the process may use in all, whichever is more. Pinned
+    pages cannot be swapped: the kernel, the page cache of the libraries the process runs, its own
+    growth and the pool's slack live in this margin, and a state that leaves less gets the process
+    killed by the kernel's OOM killer rather than refused (a 20 B state planned to within 1 GiB and
+    5 % of a 135 GB host was)."""
+    return (1 << 30) + max(available // 20, memory_total_bytes() // 10)
 
 
 def check_params(params) -> torch.device:
@@ -196,8 +206,8 @@ class StateStore:
 
     def host_room(self) -> int | None:
         """The bytes the state may take on the host: what this process can still take, less a
-        margin (1 GiB and 5 %: the page cache, the data, the allocator's slack), or the room left in
-        a pool given by the caller; None where the system does not tell."""
+        margin (:func:`host_margin`), or the room left in a pool given by the caller; None where the
+        system does not tell."""
         pool = self.settings.pool
         if pool is not None:
             stats = pool.stats()
@@ -205,13 +215,15 @@ class StateStore:
         room = available_memory_bytes()
         if room is None:
             return None
-        return max(0, room - (1 << 30) - room // 20)
+        return max(0, room - host_margin(room))
 
     def _room_text(self, room) -> str:
         if self.settings.pool is not None:
             return f"the pool given has room for {format_bytes(room)}"
-        return (f"the host memory available to this process is {format_bytes(available_memory_bytes() or 0)}, "
-                f"{format_bytes(room)} of it for the state (1 GiB and 5 % are kept for the rest)")
+        available = available_memory_bytes() or 0
+        return (f"the host memory available to this process is {format_bytes(available)}, "
+                f"{format_bytes(room)} of it for the state ({format_bytes(host_margin(available))} is kept "
+                "for the rest)")
 
     def gpu_refusal(self, k, free) -> CapacityError:
         """The error for a state whose first k blocks must live on the GPU, where ``free`` bytes are
@@ -467,10 +479,7 @@ class StateStore:
         forward wait), and the compute stream waits for them before its next work. A state that
         leaves the host gives its pinned memory back (to the pool, and the pool's free slabs to the
         system); one that comes back takes it again."""
-        k = max(k, self.floor)
-        per_block = self.block_host_bytes()
-        self._make_room(sum(per_block[b] for b in range(k, len(per_block))
-                            if self.rt.on_gpu(b) or self.rt.moving_up_later(b)))
+        k = self.host_fit(max(k, self.floor))
         up, down = self.rt.migrate(k)  # blocks with a pass in flight go up once it is waited for
         for b in up:
             self.to_gpu(b)
@@ -562,23 +571,41 @@ class StateStore:
         if freed:
             self.trimmed()
 
-    def _make_room(self, need) -> None:
-        """States coming back to the host take ``need`` bytes: where the host (and the pool's free
-        blocks) cannot give them beside the speculation shadows, the shadows go (they are optional;
-        speculation allocates them again within what is left)."""
-        if not need or not self.shadow:
-            return
+    def host_fit(self, k) -> int:
+        """k, or more where the states that k would bring back to the host do not fit there beside
+        the margin (:func:`host_margin`), within the pool's capacity: those blocks stay on the GPU.
+        The speculation shadows give way first (they are optional; speculation allocates them again
+        within what is left)."""
+        per_block = self.block_host_bytes()
+        coming = [b for b in range(k, len(per_block)) if self.rt.on_gpu(b) or self.rt.moving_up_later(b)]
+        need = sum(per_block[b] for b in coming)
+        if not need:
+            return k
+        room = self._host_headroom()
+        if room is not None and need > room and self.shadow:
+            holding = [b for b in range(len(self.plan)) if any(id(p) in self.shadow for p in self.plan.blocks[b])]
+            self.wait([b for b in holding if self.rt.in_flight(b)])  # their passes may read or write the shadows
+            for b in holding:
+                for p in self.plan.blocks[b]:
+                    self._drop_shadow(p)
+            self.trimmed()
+            room = self._host_headroom()
+        for b in coming:  # the lowest blocks stay up first: k rises past them
+            if room is None or need <= room:
+                break
+            need -= per_block[b]
+            k = b + 1
+        return k
+
+    def _host_headroom(self):
+        """Bytes the host can still give the pool for states (the pool's free blocks included),
+        beside the margin and within the pool's capacity; None where the system does not tell."""
         stats = self.pool.stats()
         room = available_memory_bytes()
-        if room is not None:
-            room += stats["reserved"] - stats["in_use"]
-        if room is not None and need + (1 << 30) <= room and need <= stats["capacity"] - stats["in_use"]:
-            return
-        holding = [b for b in range(len(self.plan)) if any(id(p) in self.shadow for p in self.plan.blocks[b])]
-        self.wait([b for b in holding if self.rt.in_flight(b)])  # their passes may read or write the shadows
-        for b in holding:
-            for p in self.plan.blocks[b]:
-                self._drop_shadow(p)
+        if room is None:
+            return None
+        room = room - host_margin(room) + stats["reserved"] - stats["in_use"]
+        return max(0, min(room, stats["capacity"] - stats["in_use"]))
 
     def moving(self) -> list:
         return sorted(set(self.moves) | set(self._leaving))
