@@ -184,7 +184,9 @@ class PinnedPool:
         room = stats["capacity"] - stats["reserved"] - sum(slabs)
         if room < 0:
             return 0
-        small += self._slab if small else 0  # the tails: a small request does not fit a slab's rest
+        # The tails (a small request does not fit a slab's rest): 256 MiB more at most; what is still
+        # short takes a slab when it is allocated.
+        small += min(self._slab, 256 << 20) if small else 0
         while small > 0 and room >= page:
             take = min(self._slab, -(-small // page) * page, room // page * page)
             slabs.append(take)

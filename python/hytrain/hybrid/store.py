@@ -106,7 +106,7 @@ class StateStore:
         plan = self.plan
         later = k if later is None else later
         pool = self.settings.pool
-        self.pool = pool if pool is not None else PinnedPool(self._pool_bytes(), slab_bytes="256MiB")
+        self.pool = pool if pool is not None else PinnedPool(self._pool_bytes(), slab_bytes=self._slab_bytes())
         if self.cuda and not self.pool.page_locked:
             raise ValueError("CUDA parameters need a page-locked pool (PinnedPool(pinned=True or 'auto') "
                              "on a machine where pinning works)")
@@ -163,6 +163,15 @@ class StateStore:
                 f"the other blocks' gradients were released, and the host can hold those of blocks "
                 f"{self.floor} and after only: leave the GPU more room (a smaller batch, activation "
                 "checkpointing, a larger gpu_memory_limit), or use a host with more memory")
+        per_block, room = self.block_host_bytes(), self._host_headroom()
+        need = sum(per_block[x] for x in blocks)
+        if room is not None and need > room:
+            raise CapacityError(
+                f"the GPU could not hold the optimizer state of block {b} in the first step, once the other "
+                f"blocks' gradients were released, and the host has {format_bytes(room)} left for the "
+                f"{format_bytes(need)} of blocks {b} to {blocks[-1]} beside its margin: leave the GPU more room "
+                "(a smaller batch, activation checkpointing, a larger gpu_memory_limit), or use a host with more "
+                "memory")
         _, down = self.rt.migrate(b)
         for x in down:
             for p in self.plan.blocks[x]:
@@ -268,6 +277,14 @@ class StateStore:
         if self.cuda and self.settings.speculate is not False:
             host *= 2
         return host * 3 // 2 + (256 << 20)
+
+    def _slab_bytes(self) -> int:
+        """The default pool's slab: the largest block's host bytes (2 MiB multiples), at least 256 MiB.
+        A block's tensors then pack into one or two slabs, and a hole one leaves is taken by the
+        next's smaller tensors; in 256 MiB slabs, 20 B's 200 MB moments and staging left a quarter
+        of each slab unused (20 GB of 131 GB reserved)."""
+        largest = max(self.block_host_bytes(), default=0)
+        return max(256 << 20, -(-largest // (2 << 20)) * (2 << 20))
 
     def _tensor_bytes(self, b) -> list[int]:
         """The pool bytes of every tensor :meth:`_host_state` makes for block b's parameters (each
