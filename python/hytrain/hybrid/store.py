@@ -19,6 +19,8 @@ from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_byt
 from .common import MOMENTS, PARAM_DTYPES, STATE_KEYS, local
 
 _STATE_AND_MASTER = ("master", *STATE_KEYS)
+_MORE_ROOM = ("leave the GPU more room (a smaller batch, activation checkpointing, a larger gpu_memory_limit), "
+              "or use a host with more memory")
 
 
 def _rss_bytes() -> int:
@@ -161,17 +163,14 @@ class StateStore:
             raise CapacityError(
                 f"the GPU could not hold the optimizer state of block {blocks[0]} in the first step, once "
                 f"the other blocks' gradients were released, and the host can hold those of blocks "
-                f"{self.floor} and after only: leave the GPU more room (a smaller batch, activation "
-                "checkpointing, a larger gpu_memory_limit), or use a host with more memory")
+                f"{self.floor} and after only: {_MORE_ROOM}")
         per_block, room = self.block_host_bytes(), self._host_headroom()
         need = sum(per_block[x] for x in blocks)
         if room is not None and need > room:
             raise CapacityError(
                 f"the GPU could not hold the optimizer state of block {b} in the first step, once the other "
                 f"blocks' gradients were released, and the host has {format_bytes(room)} left for the "
-                f"{format_bytes(need)} of blocks {b} to {blocks[-1]} beside its margin: leave the GPU more room "
-                "(a smaller batch, activation checkpointing, a larger gpu_memory_limit), or use a host with more "
-                "memory")
+                f"{format_bytes(need)} of blocks {b} to {blocks[-1]} beside its margin: {_MORE_ROOM}")
         _, down = self.rt.migrate(b)
         for x in down:
             for p in self.plan.blocks[x]:
@@ -179,13 +178,18 @@ class StateStore:
                     continue  # (its empty state is on the host already)
                 st, host = self.state[p], self._host_state(p, fill=True)
                 st.update({key: t for key, t in host.items() if key not in ("grad", "copy")})
-                self.table.to_host(self.plan.index(p), st.get("master", local(p)).data_ptr(), st["exp_avg"].data_ptr(),
-                                   st["exp_avg_sq"].data_ptr(), _checks.address(st.get("max_exp_avg_sq")),
-                                   _checks.address(host.get("grad")), _checks.address(host.get("copy")))
+                self._table_to_host(p, host)
             self.rt.moved_down(x)
         self.deferred = [x for x in self.deferred if x < b]
         self.note_weight_versions([p for x in down for p in self.plan.blocks[x]])
         self.settings.gpu_blocks = b
+
+    def _table_to_host(self, p, host):
+        """The parameter's table entry points at its host state (``state[p]``) and staging (``host``)."""
+        st = self.state[p]
+        self.table.to_host(self.plan.index(p), st.get("master", local(p)).data_ptr(), st["exp_avg"].data_ptr(),
+                           st["exp_avg_sq"].data_ptr(), _checks.address(st.get("max_exp_avg_sq")),
+                           _checks.address(host.get("grad")), _checks.address(host.get("copy")))
 
     def block_host_bytes(self) -> list[int]:
         """Per block, the pinned host bytes its state and staging take while the CPU updates it."""
@@ -550,9 +554,7 @@ class StateStore:
                         d[key].record_stream(self._stream)  # freed only after the copy
                     st[key] = host[key]
                 d["grad"].record_stream(self._stream)
-                self.table.to_host(self.plan.index(p), st.get("master", local(p)).data_ptr(), st["exp_avg"].data_ptr(),
-                                   st["exp_avg_sq"].data_ptr(), _checks.address(st.get("max_exp_avg_sq")),
-                                   _checks.address(host.get("grad")), _checks.address(host.get("copy")))
+                self._table_to_host(p, host)
         self.drop_fused({id(p) for p in self.plan.blocks[b]})
         done = torch.cuda.Event()
         done.record(self._stream)
