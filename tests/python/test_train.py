@@ -572,3 +572,22 @@ def test_a_model_the_host_cannot_hold_is_one_line(tmp_path, capsys, monkeypatch)
     assert main(["--steps", "2", "--out", str(tmp_path / "x"), *FAST]) == 2
     err = capsys.readouterr().err
     assert "of pinned host memory" in err and "1.00 MiB" in err and err.count("\n") == 1, err
+
+
+def test_a_full_disk_leaves_no_write_probe(tmp_path, capsys, monkeypatch):
+    import errno
+    import pathlib
+
+    write_text = pathlib.Path.write_text
+
+    def full(self, *a, **kw):  # as on a full disk: the file is created, nothing fits in it
+        if self.name.startswith(".write-test"):
+            self.touch()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(self, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    out = tmp_path / "full"
+    assert main(["--out", str(out), *FAST]) == 2
+    assert "cannot write to the output directory" in capsys.readouterr().err
+    assert list(out.iterdir()) == []

@@ -93,8 +93,10 @@ def run(args) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test.{ranks.rank}"
-        probe.write_text("ok")
-        probe.unlink()
+        try:
+            probe.write_text("ok")
+        finally:
+            probe.unlink(missing_ok=True)  # (a full disk creates it empty)
     except OSError as e:
         raise ConfigError(f"cannot write to the output directory {out}: {e}") from None
     lock = RunLock(out) if ranks.main else None
@@ -212,8 +214,10 @@ def _run(args, ranks, say, out) -> int:
         each = ckpt.state_bytes(model, opt)
         root = out / "checkpoints"
         ckpt.sweep(root)  # what a killed save or prune left
-        ckpt.check_room(root, (args.keep + 1) * each - ckpt.bytes_under(root),
-                        f"--keep {args.keep} ({args.keep + 1} checkpoints of about {each / 1e9:.3f} GB at once)")
+        have = ckpt.bytes_under(root)
+        ckpt.check_room(root, (args.keep + 1) * each - have,
+                        f"--keep {args.keep} ({args.keep + 1} checkpoints of about {each / 1e9:.3f} GB at once, "
+                        f"{have / 1e9:.3f} GB of them on disk already)")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     start = 0
     if resume_dir is not None:
