@@ -23,19 +23,21 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb":
           "tb": 1000**4, "tib": 1024**4}
 
 
-def parse_bytes(name: str, value) -> int:
-    """Accepts an integer byte count or a string such as ``"24GiB"`` or ``"512 MB"``."""
+def parse_bytes(name: str, value, lo: int = 0) -> int:
+    """Accepts an integer byte count (at least ``lo``) or a string such as ``"24GiB"`` or ``"512 MB"``."""
     if isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"{name} must be a byte count like '24GiB' or '512MB', got {value!r}")
-        return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    return _checks.integer(name, value, lo=0)
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return _checks.integer(name, value, lo=lo)
 
 
 def format_bytes(n: int) -> str:
-    """``n`` bytes as GiB (MiB below one GiB), two decimals."""
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+    """``n`` bytes as GiB (MiB below one GiB, KiB below one MiB but above 0), two decimals."""
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 or n <= 0 else f"{n / 2**10:.2f} KiB"
 
 
 def physical_memory_bytes() -> int:
@@ -102,12 +104,8 @@ class PinnedPool:
 
     def __init__(self, capacity=None, *, slab_bytes="256MiB", pinned="auto", alignment: int = 256):
         capacity = int(0.8 * physical_memory_bytes()) if capacity is None else capacity
-        capacity = parse_bytes("capacity", capacity)
-        slab = parse_bytes("slab_bytes", slab_bytes)
-        if capacity <= 0:
-            raise ValueError(f"capacity must be > 0 bytes, got {capacity}")
-        if slab <= 0:
-            raise ValueError(f"slab_bytes must be > 0, got {slab}")
+        capacity = parse_bytes("capacity", capacity, lo=1)
+        slab = parse_bytes("slab_bytes", slab_bytes, lo=1)
         alignment = _checks.integer("alignment", alignment, lo=1)
         if alignment & (alignment - 1) or alignment > 4096:
             raise ValueError(f"alignment must be a power of two <= 4096, got {alignment}")

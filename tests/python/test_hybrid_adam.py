@@ -349,7 +349,7 @@ def test_a_state_the_host_cannot_hold_is_refused_before_anything_is_allocated(mo
     assert exact <= need <= exact + 256 * 3 * len(list(model.parameters()))  # each tensor rounded to 256 bytes
     monkeypatch.setattr(store, "available_memory_bytes", lambda: need - 1)
     weights = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(hytrain.CapacityError, match=r"M parameters needs \d+\.\d\d MiB of pinned host memory .* is \d+\.\d\d MiB"):
+    with pytest.raises(hytrain.CapacityError, match=r"of \d+ parameters needs \d+\.\d\d MiB of pinned host memory .* is \d+\.\d\d MiB"):
         opt.step()
     assert not opt.bound and len(opt.state) == 0
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))

@@ -81,10 +81,10 @@ def test_empty_tensors_take_no_pool_memory():
 
 
 @pytest.mark.parametrize("kw,exc,match", [
-    (dict(capacity=0), ValueError, "capacity must be > 0"),
+    (dict(capacity=0), ValueError, "capacity must be >= 1, got 0"),
     (dict(capacity="lots"), ValueError, "capacity must be a byte count"),
-    (dict(capacity=-5), ValueError, "capacity must be >= 0"),
-    (dict(capacity=MiB, slab_bytes=0), ValueError, "slab_bytes must be > 0"),
+    (dict(capacity=-5), ValueError, "capacity must be >= 1, got -5"),
+    (dict(capacity=MiB, slab_bytes=0), ValueError, "slab_bytes must be >= 1, got 0"),
     (dict(capacity=MiB, alignment=48), ValueError, "alignment must be a power of two"),
     (dict(capacity=MiB, pinned="yes"), TypeError, "pinned must be"),
 ])

@@ -50,10 +50,10 @@ def check_params(params) -> torch.device:
     for i, p in enumerate(params):
         p = local(p)
         if p.dtype not in PARAM_DTYPES:
-            raise TypeError(f"parameter {i} has dtype {p.dtype}; HybridAdamW supports float32, "
-                            "bfloat16 and float16")
+            raise TypeError(f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; HybridAdamW supports "
+                            "float32, bfloat16 and float16")
         if p.layout != torch.strided or not p.is_contiguous():
-            raise ValueError(f"parameter {i} must be a dense contiguous tensor")
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) must be a dense contiguous tensor")
         if p.device.type not in ("cpu", "cuda"):
             raise ValueError(f"parameter {i} is on {p.device}; HybridAdamW supports CPU and CUDA")
         devices.add(p.device)
@@ -212,8 +212,10 @@ class StateStore:
         if k and not self.cuda:
             raise CapacityError(
                 f"the optimizer state of {self._count()} parameters needs {format_bytes(sum(per_block))} of pinned "
-                f"host memory ({self._what()}), but {self._room_text(room)}: use a host with more "
-                "memory, shard the model over more processes (--nproc / FSDP2), or train a smaller model")
+                f"host memory ({self._what()}), but {self._room_text(room)}: "
+                + ("pass a pool with a larger capacity, or none (" if self.settings.pool is not None else "")
+                + "use a host with more memory, shard the model over more processes (--nproc / FSDP2), or "
+                "train a smaller model" + (")" if self.settings.pool is not None else ""))
         self.floor = k
         return k
 
@@ -261,7 +263,7 @@ class StateStore:
 
     def _count(self) -> str:
         n = sum(local(p).numel() for p in self.plan.params)
-        return f"{n / 1e9:.2f} B" if n >= 10**9 else f"{n / 1e6:.2f} M"
+        return f"{n / 1e9:.2f} B" if n >= 10**9 else f"{n / 1e6:.2f} M" if n >= 10**6 else str(n)
 
     def clear(self) -> None:
         """Drops the state (a failed creation, or a rebuild)."""
