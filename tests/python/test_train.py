@@ -110,6 +110,18 @@ def test_resume_after_steps_past_the_last_save_records_each_step_once(tmp_path):
     assert summary["from_step"] == 5 and summary["first_loss"] == metrics(a)[4]["loss"]
 
 
+def test_the_loss_plot_after_a_resume_has_the_whole_run(tmp_path, monkeypatch):
+    from hytrain import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "write_all", lambda out, history, trace: drawn.append(history) or {})
+    out = str(tmp_path / "run")
+    assert main(["--steps", "4", "--eval-every", "0", "--save-every", "2", "--out", out, *FAST]) == 0
+    assert main(["--steps", "6", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    assert [r["step"] for r in drawn[-1]] == list(range(1, 7))  # not only the resumed steps 5 and 6
+    assert [r["loss"] for r in drawn[-1]] == [r["loss"] for r in metrics(out)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpu_blocks", ["2", "auto"])
 def test_resume_on_the_gpu_continues_the_run(tmp_path, gpu_blocks):

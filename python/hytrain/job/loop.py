@@ -34,7 +34,7 @@ from ..blocks import detect_blocks
 from ..hybrid import HybridAdamW
 from ..pool import CapacityError, PinnedPool, parse_bytes
 from .data import batch_at, load_corpus
-from .metrics import Metrics, Power, evaluate
+from .metrics import Metrics, Power, evaluate, recorded
 from .models import build_model
 from .lock import RunLock
 from .options import DTYPES, ConfigError, add_arguments, resolve_options
@@ -345,7 +345,8 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
         return None
     try:
         trace = opt.export_trace(out / "trace.json")
-        pictures = plots.write_all(out, history, trace)
+        # The loss curve of the whole run, steps before a resume included (metrics.jsonl keeps them).
+        pictures = plots.write_all(out, recorded(out / "metrics.jsonl") or history, trace)
     except OSError as e:  # the checkpoints are written: only the pictures are lost
         raise ConfigError(f"training finished and its checkpoint is saved, but writing the trace and "
                           f"pictures into {out} failed: {e}") from None

@@ -152,6 +152,26 @@ class Metrics:
                     self._drop(which, e)
 
 
+def recorded(path: Path) -> list[dict]:
+    """The step records of metrics.jsonl that carry a step and a loss (a line cut short, or none
+    there, is left out); none where it is not a regular file (a device a failing sink was pointed at)."""
+    rows = []
+    try:
+        if not path.is_file():
+            return []
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and "step" in rec and "loss" in rec:
+                    rows.append(rec)
+    except OSError:
+        return []
+    return rows
+
+
 @torch.no_grad()
 def evaluate(model, val, args, device, ranks) -> float:
     """The validation loss over ``--eval-batches`` fixed batches (each rank its rows of each)."""
