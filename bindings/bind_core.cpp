@@ -98,6 +98,7 @@ void bind_core(py::module_& m) {
       },
       py::arg("signed"), "The 8-bit state map (quant8.h): (value of each code, midpoints; +inf past the last).");
   m.def("steady_now_ns", &steady_now_ns, "The clock of UpdateEngine timings (ns).");
+  m.def("undo_capacity", &undo_capacity, py::arg("numel"), "Escape entries an undo record of numel elements gets.");
 }
 
 }  // namespace bindings

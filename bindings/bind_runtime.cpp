@@ -91,6 +91,28 @@ void bind_runtime(py::module_& m) {
       .def("clear_shadow", &ParamTable::clear_shadow, py::arg("handle"))
       .def("has_shadow", &ParamTable::has_shadow, py::arg("handle"))
       .def("adopt", &ParamTable::adopt, py::arg("handle"))
+      .def("set_record",
+           [](ParamTable& t, int64_t h, std::uintptr_t dp, std::uintptr_t dm, std::uintptr_t dv,
+              std::uintptr_t escapes, int64_t capacity, std::uintptr_t counters, std::uintptr_t copy) {
+             UndoRecord r;
+             r.dp = as_ptr<int8_t>(dp);
+             r.dm = as_ptr<int8_t>(dm);
+             r.dv = as_ptr<int8_t>(dv);
+             r.escapes = as_ptr<UndoEntry>(escapes);
+             r.capacity = capacity;
+             r.counters = as_ptr<int64_t>(counters);
+             t.set_record(h, r, as_ptr<void>(copy));
+           },
+           py::arg("handle"), py::arg("dp"), py::arg("dm"), py::arg("dv"), py::arg("escapes"), py::arg("capacity"),
+           py::arg("counters"), py::arg("copy"),
+           "An undo record for the parameter's speculative updates (adamw.h): three int8 buffers of "
+           "numel, `capacity` escape entries of 16 bytes, two int64 counters, and the weight staging.")
+      .def("has_record", &ParamTable::has_record, py::arg("handle"))
+      .def("recorded", &ParamTable::recorded, py::arg("handle"))
+      .def("record_complete", &ParamTable::record_complete, py::arg("handle"))
+      .def("undo", &ParamTable::undo, py::arg("handles"), py::arg("threads") = 0,
+           py::call_guard<py::gil_scoped_release>(),
+           "Takes back the speculative updates in place of `handles` (their passes have finished).")
       .def("set_groups", &ParamTable::set_groups, py::arg("groups"))
       .def("advance", &ParamTable::advance, py::arg("handles"))
       .def("retreat", &ParamTable::retreat, py::arg("handles"))

@@ -128,6 +128,19 @@ void validate_adamw_job(const AdamWTensor& t, const AdamWConfig& cfg) {
                     (t.param_out && t.exp_avg_out && t.exp_avg_sq_out && (!cfg.amsgrad || t.max_exp_avg_sq_out)),
                 "param_out, exp_avg_out and exp_avg_sq_out (and max_exp_avg_sq_out with amsgrad) are "
                 "given together or not at all");
+  if (t.record_mode != RecordMode::none) {
+    const UndoRecord& r = t.record;
+    HYTRAIN_CHECK(t.state_dtype == DType::f32 && !cfg.amsgrad && !t.record_config.amsgrad,
+                  "an undo record needs float32 states without amsgrad");
+    HYTRAIN_CHECK(t.param_out == nullptr, "an update with an undo record is in place");
+    HYTRAIN_CHECK(r.dp && r.dm && r.dv && r.counters && (r.escapes || r.capacity == 0) && r.capacity >= 0,
+                  "an undo record needs its distances, escape list and counters");
+    HYTRAIN_CHECK(t.index_base >= 0 && t.index_base + t.numel <= (int64_t{1} << 32),
+                  "an undo record indexes at most 2^32 elements");
+    HYTRAIN_CHECK(t.param_copy == nullptr || t.param_copy != t.grad,
+                  "an update with an undo record cannot write its weights over its gradient");
+    if (t.record_mode != RecordMode::write) validate_adamw_config(t.record_config);
+  }
 }
 
 bool adamw_step(const AdamWTensor& t, const AdamWConfig& cfg, int num_threads, SimdPath path) {

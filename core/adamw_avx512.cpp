@@ -55,6 +55,20 @@ struct VecAvx512 {
   static I ixor(I a, I b) { return _mm512_xor_si512(a, b); }
   static I iand(I a, I b) { return _mm512_and_si512(a, b); }
   static I imul(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  // Undo records: float bits as integers, distances as signed bytes.
+  static I bits(F x) { return _mm512_castps_si512(x); }
+  static F from_bits(I x) { return _mm512_castsi512_ps(x); }
+  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static void istore(int32_t* p, I x) { _mm512_storeu_si512(p, x); }
+  static I load_i8(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store_i8(int8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  static bool fits(I d) {
+    return (_mm512_cmplt_epi32_mask(d, iset1(static_cast<uint32_t>(kMinDistance))) |
+            _mm512_cmpgt_epi32_mask(d, iset1(127))) == 0;
+  }
+  using M = __mmask16;
+  static M special(I c) { return _mm512_cmplt_epi32_mask(c, iset1(static_cast<uint32_t>(kMinDistance))); }
+  static F blend(M k, F a, F b) { return _mm512_mask_blend_ps(k, a, b); }  // b where k
   template <int n>
   static I isrl(I a) { return _mm512_srli_epi32(a, n); }
   static __m256i pack_bf16_sr(F x, I rnd) {

@@ -18,6 +18,7 @@
 // bytes as one in place. In-place outputs were just loaded and are in cache: they use plain stores.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -128,21 +129,23 @@ struct AdamWBody {
         low16(V::iset1(0xFFFFu)) {}
 
   // The moments' update and the decay of p, from the raw gradient (every state format's first half).
-  inline void moments(F& p, F& m, F& v, F graw, F& bad) const {
+  // Returns the gradient the moments took in.
+  inline F moments(F& p, F& m, F& v, F graw, F& bad) const {
     F g = V::mul(graw, gscale);
     bad = V::fmadd(g, zero, bad);
     g = V::fmadd(wd, p, g);  // Adam's L2 term; wd is 0 for AdamW
     p = V::mul(p, pdecay);   // AdamW's decoupled decay; pdecay is 1 for Adam
     m = V::fmadd(omb1, V::sub(g, m), m);
     v = V::fmadd(V::mul(omb2, g), g, V::mul(v, b2));
+    return g;
   }
+  // The gradient moments() takes in, from the raw one and the old p.
+  inline F grad_of(F graw, F p) const { return V::fmadd(wd, p, V::mul(graw, gscale)); }
 
   // The new weight from the decayed p, the new m and the denominator's v (or its square root).
   inline F apply(F p, F m, F vd) const { return apply_root(p, m, V::sqrt(vd)); }
-  inline F apply_root(F p, F m, F root) const {
-    const F denom = V::add(V::div(root, bc2s), eps);
-    return V::fmadd(nstep, V::div(m, denom), p);
-  }
+  inline F apply_root(F p, F m, F root) const { return V::fmadd(nstep, quotient_root(m, root), p); }
+  inline F quotient_root(F m, F root) const { return V::div(m, V::add(V::div(root, bc2s), eps)); }
 
   // Updates W elements at offset i of the slice, whose first element is element `at` of the
   // parameter (bf16 states hash it); `bad` accumulates g*0, which is NaN exactly when some g was
@@ -351,8 +354,205 @@ bool adamw_range_nt(const AdamWTensor& t, const AdamWScalars& s, int64_t b, int6
   return adamw_range_ams<V, G, kCopy, C, false, false>(t, s, b, e);
 }
 
+// ---- undo records (adamw.h) --------------------------------------------------------------------
+
+// The reconstruction of the old p, m and v from the new ones, the gradient g the update took in and
+// the quotient q it applied. Each subtracts the rounded term the update added (not a fused residual),
+// so an old value of zero comes back as zero.
+template <class V>
+struct Reconstruct {
+  using F = typename V::F;
+  F nstep, ipdecay, omb1, ib1, omb2, ib2;
+  explicit Reconstruct(const AdamWScalars& s)
+      : nstep(V::set1(s.neg_step_size)), ipdecay(V::set1(1.0f / s.param_decay)), omb1(V::set1(s.one_minus_beta1)),
+        ib1(V::set1(1.0f / (1.0f - s.one_minus_beta1))), omb2(V::set1(s.one_minus_beta2)),
+        ib2(V::set1(1.0f / s.beta2)) {}
+  inline F p(F p_new, F q) const { return V::mul(V::sub(p_new, V::mul(nstep, q)), ipdecay); }
+  inline F m(F m_new, F g) const { return V::mul(V::sub(m_new, V::mul(omb1, g)), ib1); }
+  inline F v(F v_new, F g) const { return V::mul(V::sub(v_new, V::mul(V::mul(omb2, g), g)), ib2); }
+};
+
+// One range's pointers: the state (updated in place), the gradient, the weight copy and the codes.
+struct RecSlice {
+  float* p;
+  float* m;
+  float* v;
+  const void* g;
+  void* copy;
+  int8_t* dp;
+  int8_t* dm;
+  int8_t* dv;
+};
+
+template <class V, DType G, bool kCopy, DType C>
+struct RecordKernel {
+  using F = typename V::F;
+  using I = typename V::I;
+  static constexpr int W = V::W;
+  using Body = AdamWBody<V, G, kCopy, C, false, DType::f32>;
+  const Body body;   // this job's config: the update a write or redo makes
+  const Body spec;   // record_config: the update that wrote the record (undo, redo)
+  const Reconstruct<V> rb, rs;
+  const UndoRecord rec;
+  const int64_t base;  // the index (an escape entry's) of element 0 of the slices given
+
+  RecordKernel(const AdamWTensor& t, const AdamWScalars& s, const AdamWScalars& sr, int64_t base_index)
+      : body(s), spec(sr), rb(s), rs(sr), rec(t.record), base(base_index) {}
+
+  static I distance(F old, F rec) { return V::isub(V::bits(old), V::bits(rec)); }
+  static F restore(F rec, I d) { return V::from_bits(V::iadd(V::bits(rec), d)); }
+
+  // The speculative update of W elements at offset i, `valid` of them real (a tail pads the rest).
+  void write(const RecSlice& x, int64_t i, int valid, F& bad) const {
+    const F p0 = V::load(x.p + i), m0 = V::load(x.m + i), v0 = V::load(x.v + i);
+    F p = p0, m = m0, v = v0;
+    const F g = body.moments(p, m, v, load_grad<V, G>(x.g, i), bad);
+    const F q = body.quotient_root(m, V::sqrt(v));
+    p = V::fmadd(body.nstep, q, p);
+    const I dp = distance(p0, rb.p(p, q)), dm = distance(m0, rb.m(m, g)), dv = distance(v0, rb.v(v, g));
+    if (valid == W && V::fits(dp) && V::fits(dm) && V::fits(dv)) {
+      V::store(x.p + i, p);
+      V::store(x.m + i, m);
+      V::store(x.v + i, v);
+      V::store_i8(x.dp + i, dp);
+      V::store_i8(x.dm + i, dm);
+      V::store_i8(x.dv + i, dv);
+      if constexpr (kCopy) store_copy<V, C, false>(x.copy, i, p);
+      return;
+    }
+    // Some element does not fit (or a tail): element by element, with escapes.
+    alignas(64) float a[6][W];
+    alignas(64) int32_t d[3][W];
+    V::store(a[0], p0), V::store(a[1], m0), V::store(a[2], v0), V::store(a[3], p), V::store(a[4], m),
+        V::store(a[5], v);
+    V::istore(d[0], dp), V::istore(d[1], dm), V::istore(d[2], dv);
+    alignas(64) float weight[W];
+    for (int l = 0; l < W; ++l) {
+      weight[l] = a[3][l];
+      if (l >= valid) continue;
+      const auto fit = [](int32_t e) { return e >= kMinDistance && e <= 127; };
+      int8_t cp = static_cast<int8_t>(d[0][l]), cm = static_cast<int8_t>(d[1][l]), cv = static_cast<int8_t>(d[2][l]);
+      if (!(fit(d[0][l]) && fit(d[1][l]) && fit(d[2][l]))) {
+        const int64_t e = __atomic_fetch_add(&rec.counters[0], 1, __ATOMIC_RELAXED);
+        cp = kEscaped, cm = cv = 0;
+        if (e < rec.capacity) {
+          rec.escapes[e] = UndoEntry{static_cast<uint32_t>(base + i + l), a[0][l], a[1][l], a[2][l]};
+        } else {  // no room to keep it: not updated
+          __atomic_fetch_add(&rec.counters[1], 1, __ATOMIC_RELAXED);
+          x.dp[i + l] = kUntouched, x.dm[i + l] = 0, x.dv[i + l] = 0;
+          weight[l] = a[0][l];
+          continue;
+        }
+      }
+      x.p[i + l] = a[3][l], x.m[i + l] = a[4][l], x.v[i + l] = a[5][l];
+      x.dp[i + l] = cp, x.dm[i + l] = cm, x.dv[i + l] = cv;
+    }
+    if constexpr (kCopy) store_copy<V, C, false>(x.copy, i, V::load(weight));
+  }
+
+  // Undo (redo: then the update) of W elements at offset i. Escaped elements are left for
+  // escapes(); untouched ones hold their old state already.
+  template <bool kRedo>
+  void undo(const RecSlice& x, int64_t i, F& bad) const {
+    const F p1 = V::load(x.p + i), m1 = V::load(x.m + i), v1 = V::load(x.v + i);
+    const I cp = V::load_i8(x.dp + i);
+    const F graw = load_grad<V, G>(x.g, i);
+    F p = restore(rs.p(p1, spec.quotient_root(m1, V::sqrt(v1))), cp);
+    const F g = spec.grad_of(graw, p);
+    F m = restore(rs.m(m1, g), V::load_i8(x.dm + i));
+    F v = restore(rs.v(v1, g), V::load_i8(x.dv + i));
+    if (!V::fits(cp)) {  // escaped or untouched elements: their stored values for now
+      const auto keep = V::special(cp);
+      p = V::blend(keep, p, p1), m = V::blend(keep, m, m1), v = V::blend(keep, v, v1);
+    }
+    if constexpr (kRedo) {
+      body.moments(p, m, v, graw, bad);
+      p = body.apply(p, m, v);
+      if constexpr (kCopy) store_copy<V, C, false>(x.copy, i, p);
+    }
+    V::store(x.p + i, p);
+    V::store(x.m + i, m);
+    V::store(x.v + i, v);
+  }
+
+  // The escaped elements of [begin, end): their old state back (redo: then updated, one at a time
+  // through the same W-wide body).
+  template <bool kRedo>
+  void escapes(const RecSlice& x, int64_t begin, int64_t end, F& bad) const {
+    const int64_t n = std::min(*rec.counters, rec.capacity);
+    for (int64_t e = 0; e < n; ++e) {
+      const UndoEntry& u = rec.escapes[e];
+      const int64_t i = static_cast<int64_t>(u.index) - base;
+      if (i < begin || i >= end) continue;
+      if constexpr (!kRedo) {
+        x.p[i] = u.p, x.m[i] = u.m, x.v[i] = u.v;
+      } else {
+        alignas(64) float p[W] = {u.p}, m[W] = {u.m}, v[W] = {u.v};
+        alignas(64) unsigned char g[W * 4] = {};
+        alignas(64) uint16_t copy[W] = {};
+        std::memcpy(g, static_cast<const unsigned char*>(x.g) + i * dtype_bytes(G), dtype_bytes(G));
+        body(Slice{p, m, v, nullptr, g, copy, p, m, v, nullptr}, 0, 0, bad);
+        x.p[i] = p[0], x.m[i] = m[0], x.v[i] = v[0];
+        if constexpr (kCopy) static_cast<uint16_t*>(x.copy)[i] = copy[0];
+      }
+    }
+  }
+};
+
+template <class V, DType G, bool kCopy, DType C>
+bool adamw_range_record(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end) {
+  constexpr int W = V::W;
+  using F = typename V::F;
+  const AdamWScalars sr = make_adamw_scalars(t.record_config, t.seed);
+  const RecordKernel<V, G, kCopy, C> k(t, s, sr, t.index_base);
+  const RecordMode mode = t.record_mode;
+  F bad = V::set1(0.0f);
+  const RecSlice whole{t.param, static_cast<float*>(t.exp_avg), static_cast<float*>(t.exp_avg_sq), t.grad,
+                       t.param_copy, t.record.dp, t.record.dm, t.record.dv};
+  const auto run = [&](const RecSlice& x, int64_t i, int valid) {
+    if (mode == RecordMode::write) k.write(x, i, valid, bad);
+    else if (mode == RecordMode::undo) k.template undo<false>(x, i, bad);
+    else k.template undo<true>(x, i, bad);
+  };
+  int64_t i = begin;
+  for (; i + W <= end; i += W) run(whole, i, W);
+  const int64_t n = end - i;
+  if (n > 0) {  // the tail through W-element buffers (zero padding; a write keeps no padding escapes)
+    alignas(64) float p[W] = {}, m[W] = {}, v[W] = {};
+    alignas(64) unsigned char g[W * 4] = {};
+    alignas(64) uint16_t copy[W] = {};
+    alignas(64) int8_t dp[W] = {}, dm[W] = {}, dv[W] = {};
+    std::memcpy(p, t.param + i, n * 4);
+    std::memcpy(m, static_cast<float*>(t.exp_avg) + i, n * 4);
+    std::memcpy(v, static_cast<float*>(t.exp_avg_sq) + i, n * 4);
+    std::memcpy(g, static_cast<const unsigned char*>(t.grad) + i * dtype_bytes(G), n * dtype_bytes(G));
+    std::memcpy(dp, t.record.dp + i, n), std::memcpy(dm, t.record.dm + i, n), std::memcpy(dv, t.record.dv + i, n);
+    // Escape entries name the tensor's element: the buffer stands at offset i.
+    const RecordKernel<V, G, kCopy, C> tail(t, s, sr, t.index_base + i);
+    const RecSlice buf{p, m, v, g, copy, dp, dm, dv};
+    if (mode == RecordMode::write) tail.write(buf, 0, static_cast<int>(n), bad);
+    else if (mode == RecordMode::undo) tail.template undo<false>(buf, 0, bad);
+    else tail.template undo<true>(buf, 0, bad);
+    std::memcpy(t.param + i, p, n * 4);
+    std::memcpy(static_cast<float*>(t.exp_avg) + i, m, n * 4);
+    std::memcpy(static_cast<float*>(t.exp_avg_sq) + i, v, n * 4);
+    if (mode == RecordMode::write) {
+      std::memcpy(t.record.dp + i, dp, n), std::memcpy(t.record.dm + i, dm, n), std::memcpy(t.record.dv + i, dv, n);
+    }
+    if (kCopy && mode != RecordMode::undo) std::memcpy(static_cast<uint16_t*>(t.param_copy) + i, copy, n * 2);
+  }
+  if (mode == RecordMode::undo) k.template escapes<false>(whole, begin, end, bad);
+  if (mode == RecordMode::redo) k.template escapes<true>(whole, begin, end, bad);
+  return mode != RecordMode::undo && V::any_nan(bad);
+}
+
 template <class V, DType G>
 bool adamw_range_copy(const AdamWTensor& t, const AdamWScalars& s, int64_t b, int64_t e) {
+  if (t.record_mode != RecordMode::none) {
+    if (t.param_copy == nullptr) return adamw_range_record<V, G, false, DType::bf16>(t, s, b, e);
+    if (t.param_copy_dtype == DType::bf16) return adamw_range_record<V, G, true, DType::bf16>(t, s, b, e);
+    return adamw_range_record<V, G, true, DType::f16>(t, s, b, e);
+  }
   if (t.param_copy == nullptr) return adamw_range_nt<V, G, false, DType::bf16>(t, s, b, e);
   if (t.param_copy_dtype == DType::bf16) return adamw_range_nt<V, G, true, DType::bf16>(t, s, b, e);
   return adamw_range_nt<V, G, true, DType::f16>(t, s, b, e);

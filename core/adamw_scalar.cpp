@@ -1,6 +1,7 @@
 // Scalar AdamW: the portable fallback and the reference the vector paths are compared with.
 // Built with -ffp-contract=off so it does what it says (no fused multiply-adds).
 #include <cmath>
+#include <cstring>
 
 #include "adamw_kernel.h"
 
@@ -35,6 +36,28 @@ struct VecScalar {
   static I ixor(I a, I b) { return a ^ b; }
   static I iand(I a, I b) { return a & b; }
   static I imul(I a, I b) { return a * b; }
+  // Undo records: float bits as integers, distances as signed bytes.
+  static I bits(F x) {
+    I u;
+    std::memcpy(&u, &x, 4);
+    return u;
+  }
+  static F from_bits(I x) {
+    F f;
+    std::memcpy(&f, &x, 4);
+    return f;
+  }
+  static I isub(I a, I b) { return a - b; }
+  static void istore(int32_t* p, I x) { *p = static_cast<int32_t>(x); }
+  static I load_i8(const int8_t* p) { return static_cast<I>(static_cast<int32_t>(*p)); }
+  static void store_i8(int8_t* p, I x) { *p = static_cast<int8_t>(static_cast<int32_t>(x)); }
+  static bool fits(I d) {
+    const int32_t e = static_cast<int32_t>(d);
+    return e >= kMinDistance && e <= 127;
+  }
+  using M = bool;
+  static M special(I c) { return static_cast<int32_t>(c) < kMinDistance; }
+  static F blend(M k, F a, F b) { return k ? b : a; }
   template <int n>
   static I isrl(I a) { return a >> n; }
   static uint16_t pack_bf16_sr(F x, I rnd) { return f32_to_bf16_sr(x, rnd); }

@@ -58,8 +58,19 @@ ParamTable::Row& ParamTable::row(int64_t handle) {
 
 const ParamEntry& ParamTable::entry(int64_t handle) const { return row(handle).e; }
 
+void ParamTable::check_resolved(const Row& r, int64_t handle, const char* what) const {
+  if (r.recorded) {
+    HYTRAIN_THROW("ParamTable: " + std::string(what) + " of handle " + std::to_string(handle) +
+                  ", whose speculative update in place is neither adopted nor taken back");
+  }
+}
+
 void ParamTable::to_device(int64_t handle) {
   Row& r = row(handle);
+  check_resolved(r, handle, "a move to the GPU");
+  r.record = UndoRecord{};
+  r.record_copy = nullptr;
+  r.has_record = false;
   r.e.state = StateSlots{};
   r.e.grad = nullptr;
   r.e.copy = nullptr;
@@ -71,6 +82,7 @@ void ParamTable::to_device(int64_t handle) {
 
 void ParamTable::to_host(int64_t handle, const StateSlots& s, const void* grad, void* copy) {
   Row& r = row(handle);
+  check_resolved(r, handle, "new host state");
   if (r.e.numel > 0) check_slots(s, r.e.amsgrad, "a state");
   if (r.e.numel > 0 && r.e.grad_dtype != DType::f32 && grad && !copy) {
     HYTRAIN_THROW("ParamTable: a bf16/fp16 parameter with staging needs a weight staging buffer");
@@ -90,6 +102,10 @@ void ParamTable::set_shadow(int64_t handle, const StateSlots& s, void* copy) {
   if (r.e.grad_dtype != DType::f32 && !copy) {
     HYTRAIN_THROW("ParamTable: a bf16/fp16 parameter's shadow needs its own weight staging");
   }
+  check_resolved(r, handle, "a shadow");
+  r.record = UndoRecord{};
+  r.record_copy = nullptr;
+  r.has_record = false;
   r.shadow = s;
   r.shadow_copy = copy;
   r.has_shadow = true;
@@ -97,12 +113,79 @@ void ParamTable::set_shadow(int64_t handle, const StateSlots& s, void* copy) {
 
 void ParamTable::clear_shadow(int64_t handle) {
   Row& r = row(handle);
+  check_resolved(r, handle, "dropping the undo record");
   r.shadow = StateSlots{};
   r.shadow_copy = nullptr;
   r.has_shadow = false;
+  r.record = UndoRecord{};
+  r.record_copy = nullptr;
+  r.has_record = false;
 }
 
-bool ParamTable::has_shadow(int64_t handle) const { return row(handle).has_shadow; }
+bool ParamTable::has_shadow(int64_t handle) const {
+  const Row& r = row(handle);
+  return r.has_shadow || r.has_record;
+}
+
+void ParamTable::set_record(int64_t handle, const UndoRecord& rec, void* copy) {
+  Row& r = row(handle);
+  const std::string who = "ParamTable: an undo record for handle " + std::to_string(handle);
+  if (!r.e.on_host) HYTRAIN_THROW(who + ", whose state is on the GPU");
+  if (r.e.state_dtype != DType::f32 || r.e.amsgrad) HYTRAIN_THROW(who + ": it needs float32 states without amsgrad");
+  if (!rec.dp || !rec.dm || !rec.dv || !rec.counters || rec.capacity < 0 || (rec.capacity > 0 && !rec.escapes)) {
+    HYTRAIN_THROW(who + " needs its distances, escape list and counters");
+  }
+  if (r.e.numel > (int64_t{1} << 32)) HYTRAIN_THROW(who + ": more than 2^32 elements");
+  if (r.e.grad_dtype != DType::f32 && !copy) HYTRAIN_THROW(who + ": a bf16/fp16 parameter needs its weight staging");
+  if (copy && copy == r.e.grad) HYTRAIN_THROW(who + ": its weight staging is the gradient staging");
+  check_resolved(r, handle, "a new undo record");
+  r.shadow = StateSlots{};
+  r.shadow_copy = nullptr;
+  r.has_shadow = false;
+  r.record = rec;
+  r.record_copy = copy;
+  r.has_record = true;
+}
+
+bool ParamTable::has_record(int64_t handle) const { return row(handle).has_record; }
+
+void ParamTable::note_recorded(int64_t handle, const AdamWConfig& config) {
+  Row& r = row(handle);
+  if (!r.has_record) HYTRAIN_THROW("ParamTable: handle " + std::to_string(handle) + " has no undo record");
+  r.recorded = true;
+  r.record_config = config;
+}
+
+bool ParamTable::recorded(int64_t handle) const { return row(handle).recorded; }
+
+void ParamTable::mark_resolved(const std::vector<int64_t>& handles) {
+  for (int64_t h : handles) row(h).recorded = false;
+}
+
+bool ParamTable::record_complete(int64_t handle) const {
+  const Row& r = row(handle);
+  return r.recorded && r.record.counters[1] == 0;
+}
+
+void ParamTable::undo(const std::vector<int64_t>& handles, int threads) {
+  for (int64_t h : handles) {
+    Row& r = row(h);
+    if (!r.recorded) continue;
+    AdamWTensor t;
+    t.param = r.e.state.master;
+    t.exp_avg = r.e.state.exp_avg;
+    t.exp_avg_sq = r.e.state.exp_avg_sq;
+    t.grad = r.e.grad;
+    t.grad_dtype = r.e.grad_dtype;
+    t.numel = r.e.numel;
+    t.seed = static_cast<uint32_t>(h);
+    t.record_mode = RecordMode::undo;
+    t.record = r.record;
+    t.record_config = r.record_config;
+    adamw_step(t, r.record_config, threads);
+    r.recorded = false;
+  }
+}
 
 const StateSlots& ParamTable::shadow(int64_t handle) const {
   const Row& r = row(handle);
@@ -112,6 +195,14 @@ const StateSlots& ParamTable::shadow(int64_t handle) const {
 
 void ParamTable::adopt(int64_t handle) {
   Row& r = row(handle);
+  if (r.has_record) {
+    if (!record_complete(handle)) {
+      HYTRAIN_THROW("ParamTable: adopt() of handle " + std::to_string(handle) +
+                    " whose speculative update is not complete (or not staged)");
+    }
+    r.recorded = false;
+    return;
+  }
   if (!r.has_shadow) HYTRAIN_THROW("ParamTable: adopt() of handle " + std::to_string(handle) + " without a shadow");
   // The staging buffers stay where they are: gradients land in the parameter's own, and the next
   // speculative update writes its weights to the shadow's again.
@@ -239,15 +330,27 @@ PassPlan ParamTable::offload_pass(const std::vector<int64_t>& handles, const std
   for (std::size_t i = 0; i < handles.size(); ++i) {
     const Row& r = row(handles[i]);
     if (!r.e.grad) HYTRAIN_THROW("ParamTable: handle " + std::to_string(handles[i]) + " has no staging");
-    if (into_shadow && !r.has_shadow) {
+    if (into_shadow && !r.has_shadow && !r.has_record) {
       HYTRAIN_THROW("ParamTable: handle " + std::to_string(handles[i]) + " speculates without a shadow");
     }
+    if (new_step) check_resolved(r, handles[i], "a new pass");
     const std::size_t bytes = static_cast<std::size_t>(r.e.numel * dtype_bytes(r.e.grad_dtype));
     if (stage_gradients) plan.d2h.push_back({const_cast<void*>(r.e.grad), live[i].grad, bytes});
     UpdateJob j = job(handles[i], group_of(r), grad_scale, pass_step(r.e.step, new_step));
     const float* new_master = r.e.state.master;
     void* new_copy = j.tensor.param_copy;
-    if (into_shadow) {  // the gradient is read from staging; everything new goes beside the state
+    if (r.has_record && (into_shadow || r.recorded)) {
+      // In place, keeping the record (a speculative pass) or reading it back first (a redo).
+      j.tensor.record_mode = into_shadow ? RecordMode::write : RecordMode::redo;
+      j.tensor.record = r.record;
+      j.tensor.record_config = r.record_config;
+      if (r.e.grad_dtype != DType::f32) j.tensor.param_copy = r.record_copy;
+      new_copy = j.tensor.param_copy;
+      if (into_shadow) {  // counted afresh (the caller has waited for the block's last pass)
+        r.record.counters[0] = 0;
+        r.record.counters[1] = 0;
+      }
+    } else if (into_shadow) {  // the gradient is read from staging; everything new goes beside the state
       j.tensor.param_out = r.shadow.master;
       j.tensor.exp_avg_out = r.shadow.exp_avg;
       j.tensor.exp_avg_sq_out = r.shadow.exp_avg_sq;

@@ -34,6 +34,11 @@ AdamWTensor slice_of(const AdamWTensor& t, int64_t begin, int64_t end) {
     s.exp_avg_sq_out = offset_by(t.exp_avg_sq_out, sd, begin);
     s.max_exp_avg_sq_out = offset_by(t.max_exp_avg_sq_out, DType::f32, begin);
   }
+  if (t.record.dp) {
+    s.record.dp = t.record.dp + begin;
+    s.record.dm = t.record.dm + begin;
+    s.record.dv = t.record.dv + begin;
+  }
   s.state_numel = t.state_numel ? t.state_numel : t.index_base + t.numel;  // 8-bit scales stay where they are
   s.index_base = t.index_base + begin;
   s.numel = end - begin;

@@ -4,6 +4,9 @@
 // compared bit for bit with a single-threaded adamw_step on copies of the same data. Bad
 // registrations and steps are refused with hytrain::Error.
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <vector>
@@ -299,6 +302,108 @@ TEST(maximize_ascends_and_held_passes_take_the_hyperparameters_of_release) {
   CHECK(configs[0].lr == kGroups[1].lr && configs[0].beta1 == kGroups[1].beta1);
   CHECK(configs[0].step == 1);  // the counter already holds the held pass's step
   CHECK(configs[0].grad_scale == -0.25);
+}
+
+// Undo records: speculation in place. Step 1 speculates and is adopted (the state in place is the
+// reference step); step 2 speculates and is redone with a multiplier (as if never speculated);
+// step 3 speculates and is taken back (the state of step 2, bit for bit); then the refusals.
+TEST(undo_records_speculate_in_place) {
+  std::mt19937 rng(12);
+  UpdateEngine engine(2, 1024, SimdPath::scalar);
+  OffloadPipeline pipe(engine, std::make_unique<HostCopyQueue>(), std::make_unique<HostCopyQueue>());
+  ParamTable table;
+  table.set_groups({kGroups[0], kGroups[1]});
+  std::vector<std::unique_ptr<Bf16Param>> ps;
+  std::vector<int64_t> handles;
+  struct Rec {
+    std::vector<int8_t> d;
+    std::vector<UndoEntry> esc;
+    int64_t counters[2] = {0, 0};
+    std::vector<uint16_t> copy;
+  };
+  std::vector<std::unique_ptr<Rec>> recs;
+  for (int i = 0; i < 2; ++i) {
+    ps.push_back(std::make_unique<Bf16Param>(3001 + 17 * i, i, false, rng));
+    handles.push_back(table.add(ps.back()->entry()));
+    const int64_t n = ps.back()->n;
+    recs.push_back(std::make_unique<Rec>());
+    Rec& r = *recs.back();
+    r.d.assign(3 * n, 0), r.esc.resize(undo_capacity(n)), r.copy.assign(n, 0);
+    UndoRecord u{r.d.data(), r.d.data() + n, r.d.data() + 2 * n, r.esc.data(), undo_capacity(n), r.counters};
+    table.set_record(handles[i], u, r.copy.data());
+    CHECK(table.has_record(handles[i]) && table.has_shadow(handles[i]) && !table.recorded(handles[i]));
+  }
+  auto live = [&] {
+    std::vector<LiveAddresses> out;
+    for (auto& p : ps) out.push_back({p->grad.data(), p->weight.data()});
+    return out;
+  };
+  auto speculate = [&] {
+    for (auto& p : ps) p->new_gradient(rng);
+    const PassPlan plan = table.offload_pass(handles, live(), 1.0, true, true, true);
+    pipe.stage(0, plan.d2h, plan.jobs, plan.h2d, 0, false);
+    table.advance(handles);
+    for (std::size_t i = 0; i < handles.size(); ++i) table.note_recorded(handles[i], plan.jobs[i].config);
+    pipe.wait_ready(0, 0);
+  };
+  // Step 1, adopted.
+  speculate();
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    Bf16Param& p = *ps[i];
+    p.reference(1, 1.0);
+    CHECK(p.state_matches(p.s));  // in place
+    CHECK(p.weight == p.ref_weight);
+    CHECK(p.staging == p.grad);  // the gradient stays in staging: the weights went to the record's
+    CHECK(table.record_complete(handles[i]));
+    table.adopt(handles[i]);
+    CHECK(!table.recorded(handles[i]));
+  }
+  // Step 2, redone with a multiplier: as if the step had been taken once, with it.
+  speculate();
+  const PassPlan redo = table.offload_pass(handles, live(), 0.25, false, false, false);
+  pipe.stage(0, redo.d2h, redo.jobs, redo.h2d, 0, false);
+  table.mark_resolved(handles);
+  pipe.wait_ready(0, 0);
+  for (auto& p : ps) {
+    p->reference(2, 0.25);
+    CHECK(p->state_matches(p->s));
+    CHECK(p->weight == p->ref_weight);
+    CHECK(p->step == 2.0f);
+  }
+  // Step 3, taken back: the state of step 2 (and a second undo does nothing).
+  speculate();
+  table.undo(handles, 2);
+  table.undo(handles, 2);
+  table.retreat(handles);
+  for (auto& p : ps) {
+    CHECK(p->state_matches(p->s));
+    CHECK(p->step == 2.0f);
+  }
+  // Refused: a new pass, a shadow, a move or a drop while a speculative update is unresolved; an
+  // adopt after an undo; a record for amsgrad or over the gradient staging.
+  speculate();
+  const auto refused = [](const std::function<void()>& f, const char* what) {
+    bool threw = false;
+    try {
+      f();
+    } catch (const Error& e) {
+      threw = std::strstr(e.what(), what) != nullptr;
+      if (!threw) std::printf("  message: %s\n", e.what());
+    }
+    CHECK(threw);
+  };
+  refused([&] { table.offload_pass(handles, live(), 1.0, false, true, true); }, "neither adopted nor taken back");
+  refused([&] { table.clear_shadow(handles[0]); }, "neither adopted nor taken back");
+  refused([&] { table.to_device(handles[0]); }, "neither adopted nor taken back");
+  table.undo(handles);
+  table.retreat(handles);
+  refused([&] { table.adopt(handles[0]); }, "not complete");
+  Bf16Param ams(64, 0, true, rng);
+  const int64_t ha = table.add(ams.entry());
+  Rec& r = *recs[0];
+  UndoRecord u{r.d.data(), r.d.data(), r.d.data(), r.esc.data(), 64, r.counters};
+  refused([&] { table.set_record(ha, u, r.copy.data()); }, "without amsgrad");
+  refused([&] { table.set_record(handles[0], u, ps[0]->staging.data()); }, "is the gradient staging");
 }
 
 TEST(offload_passes_speculate_adopt_and_redo) {

@@ -44,6 +44,47 @@ struct AdamWConfig {
   bool streaming_stores = true;
 };
 
+// Undo records: a speculative update done in place that can take itself back exactly.
+//
+// A speculative update (the step's gradient multiplier not known yet) may write the new state over
+// the old one when it keeps what the old one was. Every step of the update can be run backwards from
+// the new values and the gradient to within a few ulps; the record keeps, per element, how far the old
+// value's bits are from that reconstruction: one signed byte each for p, m and v (fp32 states without
+// amsgrad), against 12 bytes for a copy of the old state. The reconstruction is computed by the same
+// instructions when the record is written and when it is read, so the old state comes back bit for
+// bit. An element whose distance does not fit a byte (a moment crossing zero, a weight near zero, a
+// non-finite gradient) keeps its old p, m and v in the escape list instead; once that is full, further
+// such elements are left untouched (not updated), and the record is incomplete: such a pass cannot be
+// adopted as the step's result, only taken back or redone.
+//
+//   dp[i]: the distance of p, or kEscaped (old values in escapes) or kUntouched (not updated)
+//   dm[i], dv[i]: the distances of m and v (0 for escaped and untouched elements)
+struct UndoEntry {
+  uint32_t index;  // the element's index_base + offset in its tensor
+  float p, m, v;
+};
+constexpr int8_t kEscaped = -128;
+constexpr int8_t kUntouched = -127;
+constexpr int32_t kMinDistance = -126;  // distances that fit: [kMinDistance, 127]
+
+struct UndoRecord {
+  int8_t* dp = nullptr;
+  int8_t* dm = nullptr;
+  int8_t* dv = nullptr;
+  UndoEntry* escapes = nullptr;
+  int64_t capacity = 0;         // entries in `escapes`
+  int64_t* counters = nullptr;  // [0] escape entries claimed (may pass capacity), [1] elements untouched
+};
+
+// What an update does with its record: none; write (a speculative update in place, keeping the
+// record); undo (the state as before that update); redo (undo, then the update with this job's
+// config: the step's multiplier and hyperparameters). undo and redo run the reconstruction with
+// record_config, the config of the update that wrote the record.
+enum class RecordMode : int32_t { none = 0, write = 1, undo = 2, redo = 3 };
+
+// Escape entries a record of n elements gets: one per 128 elements (1/8 byte per element), at least 64.
+inline int64_t undo_capacity(int64_t n) { return n / 128 > 64 ? n / 128 : 64; }
+
 struct AdamWTensor {
   float* param = nullptr;
   void* exp_avg = nullptr;          // state_dtype elements
@@ -69,6 +110,11 @@ struct AdamWTensor {
   // moment's buffer (quant8.h); 0 means index_base + numel (a whole tensor). A q8 range starts on a
   // block boundary of the parameter (index_base + begin a multiple of kQ8Block).
   int64_t state_numel = 0;
+  // Undo records (above): fp32 states without amsgrad, in place; param_copy, if any, is not the
+  // gradient (undo and redo read the gradient again).
+  RecordMode record_mode = RecordMode::none;
+  UndoRecord record{};
+  AdamWConfig record_config{};
 };
 
 inline int64_t dtype_bytes(DType t) { return t == DType::f32 ? 4 : (t == DType::q8 ? 1 : 2); }

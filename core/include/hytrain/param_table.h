@@ -6,9 +6,10 @@
 // changes -- the groups' hyperparameters, the gradient multiplier, and for the CPU path the
 // gradient and weight addresses of the moment -- and the table builds the UpdateEngine jobs.
 //
-// Each entry has two slot sets: the state (what the next update reads) and, while the parameter
-// speculates, a shadow set the speculative update writes beside it (with its own weight staging).
-// adopt() swaps them: the shadow becomes the state and the old state the next shadow.
+// A parameter that speculates keeps either a shadow set, which the speculative update writes beside
+// the state (with its own weight staging), adopt() swapping them; or an undo record (adamw.h, fp32
+// states without amsgrad: about 5 bytes a parameter against 14), with which the speculative update
+// writes the state in place and can be taken back (undo) or redone from the old state (redo).
 //
 // Step counters are the caller's (torch's per-parameter `step` tensors, fp32 as torch keeps them): a
 // new step reads the counter, uses counter + 1 and writes it back. Everything runs on the
@@ -93,7 +94,23 @@ class ParamTable {
   void clear_shadow(int64_t handle);
   bool has_shadow(int64_t handle) const;
   const StateSlots& shadow(int64_t handle) const;
-  // The speculative result is the step's: shadow and state change places (staging stays put).
+  // An undo record instead (the parameter's shadow set is dropped): distances, escape list and
+  // counters as adamw.h says, and the weight staging the speculative update writes (bf16/fp16).
+  void set_record(int64_t handle, const UndoRecord& record, void* copy);
+  bool has_record(int64_t handle) const;
+  // A speculative pass with the record was staged (its config, for undo and redo), not yet resolved.
+  void note_recorded(int64_t handle, const AdamWConfig& config);
+  bool recorded(int64_t handle) const;
+  // A redo of `handles` was staged: their records are resolved.
+  void mark_resolved(const std::vector<int64_t>& handles);
+  // Once the speculative pass has finished: whether it updated every element (else it can only be
+  // taken back or redone).
+  bool record_complete(int64_t handle) const;
+  // Takes the speculative updates of `handles` back (those with a record not resolved yet), on the
+  // calling thread and `threads` OpenMP threads; their passes must have finished.
+  void undo(const std::vector<int64_t>& handles, int threads = 0);
+  // The speculative result is the step's: shadow and state change places (staging stays put); with
+  // a record, the state in place is the result (it must be complete).
   void adopt(int64_t handle);
 
   // The param groups' hyperparameters, for the passes built from now on (set when they change).
@@ -108,9 +125,11 @@ class ParamTable {
   // Offload path: gradients from the device (`live[i].grad`) into staging, the jobs reading them
   // there, and each new weight from its staging (fp32: the master) to the device (`live[i].weight`);
   // with `stage_gradients` false the gradients are already in staging (a redo) and d2h is empty.
-  // into_shadow: the new state and weights go to the shadows (each handle must have them).
+  // into_shadow: the new state and weights go to the shadows, or in place with the record (each
+  // handle must have one or the other; note_recorded() once staged).
   // new_step: the jobs use counter + 1 (advance() once they are staged); else they redo the step the
-  // counters already hold (a speculative pass done again with the step's multiplier).
+  // counters already hold (a speculative pass done again with the step's multiplier; from a record
+  // not resolved yet, the state is first taken back, and the record is resolved once staged).
   PassPlan offload_pass(const std::vector<int64_t>& handles, const std::vector<LiveAddresses>& live,
                         double grad_scale, bool into_shadow, bool stage_gradients, bool new_step) const;
   // The step counters of `handles` move to counter + 1 (a new step's jobs were queued); retreat()
@@ -128,7 +147,13 @@ class ParamTable {
     StateSlots shadow;
     void* shadow_copy = nullptr;
     bool has_shadow = false;
+    UndoRecord record{};
+    void* record_copy = nullptr;
+    bool has_record = false;
+    bool recorded = false;  // a speculative write in place, not resolved
+    AdamWConfig record_config{};
   };
+  void check_resolved(const Row& r, int64_t handle, const char* what) const;
   const Row& row(int64_t handle) const;
   Row& row(int64_t handle);
   UpdateJob job(int64_t handle, const GroupHyper& g, double grad_scale, int64_t step) const;
