@@ -164,6 +164,9 @@ void bind_cuda(py::module_& m) {
       .def("cancel", &OffloadPipeline::cancel, py::arg("block"))
       .def("wait_ready", &OffloadPipeline::wait_ready, py::arg("block"), py::arg("stream"),
            py::arg("timeout_s") = -1.0, py::call_guard<py::gil_scoped_release>())
+      .def("wait_updated", &OffloadPipeline::wait_updated, py::arg("block"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Waits until the block's CPU update has finished, without consuming its pass.")
       .def("in_flight", &OffloadPipeline::in_flight)
       .def("last_pass", [](OffloadPipeline& p, int64_t block) {
         const BlockPass b = p.last_pass(block);

@@ -276,6 +276,24 @@ void OffloadPipeline::wait_ready(int64_t block, std::uintptr_t stream, double ti
   if (info.h2d_last != 0) h2d_->make_wait(stream, info.h2d_last);
 }
 
+void OffloadPipeline::wait_updated(int64_t block) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = passes_.find(block);
+  if (it == passes_.end()) return;
+  const std::shared_ptr<Pass> p = it->second;
+  HYTRAIN_CHECK(!p->hold, "block " + std::to_string(block) + " is held: its update waits for release()");
+  const auto settled = [&] { return p->state == State::ready || p->state == State::failed; };
+  while (!settled()) {
+    changed_.wait_for(lock, std::chrono::milliseconds(20), settled);
+    if (settled()) break;
+    const std::string f = stream_failure();  // the poller stops at a CUDA error without calling anyone
+    if (!f.empty()) {
+      fail(*p, f);
+      break;
+    }
+  }
+}
+
 bool OffloadPipeline::in_flight(int64_t block) {
   std::lock_guard<std::mutex> lock(mutex_);
   return passes_.count(block) != 0;

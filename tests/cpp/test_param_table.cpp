@@ -344,6 +344,8 @@ TEST(undo_records_speculate_in_place) {
     pipe.stage(0, plan.d2h, plan.jobs, plan.h2d, 0, false);
     table.advance(handles);
     for (std::size_t i = 0; i < handles.size(); ++i) table.note_recorded(handles[i], plan.jobs[i].config);
+    pipe.wait_updated(0);  // finished on the CPU, the pass not consumed
+    CHECK(pipe.in_flight(0));
     pipe.wait_ready(0, 0);
   };
   // Step 1, adopted.

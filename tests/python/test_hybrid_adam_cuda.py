@@ -186,8 +186,9 @@ def test_cuda_clipping_hands_gradients_off_during_backward_and_survives_a_bad_st
     ref_losses = train(ref_model, ref, ref_data)
     assert_close_models(model, ref_model, losses[:4] + losses[5:], ref_losses, torch.bfloat16)
     assert released[0] is False and all(released[1:])  # after step 1, .grad is gone by step()
-    if speculate:
-        assert opt.speculation_counts["adopted"] > 0 and opt.speculation_counts["redone"] == 0
+    if speculate:  # (a pass of the first steps may escape more than its undo record holds: redone)
+        counts = opt.speculation_counts
+        assert counts["adopted"] > 2 * counts["redone"], counts
 
 
 @pytest.mark.parametrize("k_changes", [False, True])
@@ -228,6 +229,49 @@ def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
     assert 0 < ref.clipped < 3 * STEPS
     counts = opt.speculation_counts
     assert counts["adopted"] > 0 and counts["redone"] > 0, counts
+
+
+@pytest.mark.parametrize("capacity", ["default", 0])
+def test_cuda_speculation_in_place_with_undo_records(capacity, monkeypatch):
+    # fp32 states speculate in place with undo records (about 5 bytes a parameter, not a copy of the
+    # state). With no room for escapes (capacity 0) a pass leaves some elements untouched: it cannot be
+    # adopted and is redone. Every third step clips (redone from the record). Either way the run
+    # follows the reference, and a state_dict() between backward and step() is the state before.
+    if capacity == 0:
+        monkeypatch.setattr(hytrain.hybrid.store, "undo_capacity", lambda n: 0)
+    model, ref_model = pair()
+    probe = copy.deepcopy(model)
+    x0 = cuda_batches(1)[0][0]
+    probe(x0, x0).backward()
+    limit = 3 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=limit, model=model,
+                              gpu_blocks=1, workers=2, speculate=1)
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=limit)
+    losses, ref_losses = [], []
+    for i, (x,) in enumerate(cuda_batches(3 * STEPS)):
+        factor = 50.0 if i % 3 == 2 else 1.0
+        for m, o, out in ((model, opt, losses), (ref_model, ref, ref_losses)):
+            before = copy.deepcopy(o.state_dict()) if (o is opt and i == 7) else None
+            loss = m(x, x)
+            (loss * factor).backward()
+            if before is not None:
+                during = o.state_dict()  # speculated blocks are taken back for it
+                for key, st in before["state"].items():  # (step counters move at the hand-off)
+                    for name, t in st.items():
+                        if name != "step":
+                            assert torch.equal(t.cpu(), during["state"][key][name].cpu()), (key, name)
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+        assert_placement(opt)
+    opt.synchronize()
+    store = opt._engine.store
+    assert store.shadow and all("codes" in sh for sh in store.shadow.values())
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    counts = opt.speculation_counts
+    assert counts["redone"] > 0, counts
+    if capacity == "default":
+        assert counts["adopted"] > 0, counts
 
 
 def test_pipeline_errors_surface_in_the_training_thread():

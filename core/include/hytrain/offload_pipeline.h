@@ -63,6 +63,10 @@ class OffloadPipeline {
   // (the block is then free to be staged again) and hytrain::Timeout after timeout_s (< 0: never).
   void wait_ready(int64_t block, std::uintptr_t stream, double timeout_s = -1.0);
 
+  // Waits until the block's CPU update has finished (or failed) without consuming the pass: wait_ready
+  // still follows, and reports a failure. Returns at once for a block with no pass in flight.
+  void wait_updated(int64_t block);
+
   void release(int64_t block, double grad_scale);
   // The same with every job's hyperparameters replaced (one config per job, in staging order; the
   // multiplier is in the configs): the hyperparameters of step() time, not of the hand-off.

@@ -314,6 +314,8 @@ class Engine:
             for b in rt.in_phase(phases.speculated):  # after the GPU updates: these may wait on the host
                 if b in changed:
                     launcher.restage(b, mult, fresh[b])
+                elif mult == 1.0 and not stale and b not in rewritten and launcher.adoptable(b):
+                    self._adopt_block(b)  # in place, with undo records
                 else:
                     launcher.redo(b, mult)
                     self.speculation_counts["redone"] += 1
@@ -354,12 +356,16 @@ class Engine:
         """The multiplier is 1: the speculative states are the step's result; the old ones become
         the shadows (the passes still writing them are waited for before anything reads them).
         Blocks in ``keep`` (their gradients changed after the hand-off) stay speculated to be restaged."""
-        rt = self.rt
-        adopted = [b for b in rt.in_phase(native().BlockPhase.speculated) if b not in keep]
-        self.speculation_counts["adopted"] += len(adopted)
-        for b in adopted:
-            self.store.adopt(b, rt.handed(b))
-            rt.launch(b)
+        rt, table = self.rt, self.store.table
+        for b in rt.in_phase(native().BlockPhase.speculated):
+            # Undo records are adopted once their passes are known complete, after the launches.
+            if b not in keep and not any(table.has_record(h) for h in rt.handed(b)):
+                self._adopt_block(b)
+
+    def _adopt_block(self, b):
+        self.speculation_counts["adopted"] += 1
+        self.store.adopt(b, self.rt.handed(b))
+        self.rt.launch(b)
 
     def _follow_weight_writes(self) -> set:
         """Weights the loop wrote since the last step (a rollback with ``model.load_state_dict``)
@@ -391,8 +397,11 @@ class Engine:
         if not self.bound:
             return
         # Held blocks (between backward and step) have nothing to wait for until step() releases them.
-        held = native().BlockPhase.held
-        self.wait_blocks([b for b in self.rt.in_flight_blocks() if self.rt.phase(b) != held])
+        phases = native().BlockPhase
+        # Speculative updates in place are taken back: whoever synchronizes before step() (to read the
+        # state, save it, refresh the masters) sees the state before backward; step() redoes them.
+        self.launcher.take_back(self.rt.in_phase(phases.speculated))
+        self.wait_blocks([b for b in self.rt.in_flight_blocks() if self.rt.phase(b) != phases.held])
         if self.store.cuda:
             self.store.settle()
         self.fence.disarm()

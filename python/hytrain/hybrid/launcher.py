@@ -175,6 +175,7 @@ class Launcher:
             rt.drop(b)
         for b in rt.in_phase(phases.speculated):
             self.wait_blocks([b])  # the compute stream now follows the speculative weight copies
+            table.undo(rt.handed(b))  # updates in place with an undo record: taken back
             ps = self.plan.of_handles(rt.handed(b))
             for p in ps:
                 local(p).copy_(self.store.state[p]["master"], non_blocking=True)  # the weights are its rounding
@@ -195,8 +196,30 @@ class Launcher:
             return
         if rt.phase(b) == native().BlockPhase.held:
             self.pipeline.cancel(b)
+        else:  # speculated: an update in place with an undo record is taken back first
+            self.wait_blocks([b])
+            self.store.table.undo(rt.handed(b))
         self.store.table.retreat(rt.handed(b))
         self.launch(b, mult, release=False, pairs=pairs)
+
+    def adoptable(self, b) -> bool:
+        """Whether block b's speculative pass can be the step's result: each update in place with an
+        undo record updated every element (waits for the pass on the CPU, not for its copies)."""
+        table, handles = self.store.table, self.rt.handed(b)
+        records = [h for h in handles if table.has_record(h)]
+        if not records:
+            return True
+        self.pipeline.wait_updated(b)
+        return all(table.record_complete(h) for h in records)
+
+    def take_back(self, blocks) -> None:
+        """Speculative updates in place (undo records) of these blocks are taken back, their passes
+        finished first: the state is the one before backward (the step redoes them)."""
+        for b in blocks:
+            handles = self.rt.handed(b)
+            if any(self.store.table.recorded(h) for h in handles):
+                self.pipeline.wait_updated(b)
+                self.store.table.undo(handles)
 
     def redo(self, b, mult):
         """Clipping fired: block b is updated again from its untouched state with the multiplier;

@@ -23,6 +23,11 @@ _MORE_ROOM = ("leave the GPU more room (a smaller batch, activation checkpointin
               "or use a host with more memory")
 
 
+def undo_capacity(n) -> int:
+    """The escape entries of a parameter's undo record (the native adamw.h's rule)."""
+    return native().undo_capacity(n)
+
+
 def _rss_bytes() -> int:
     """The process's resident memory (0 where /proc is not there to tell)."""
     try:
@@ -665,11 +670,45 @@ class StateStore:
         return all(id(p) in self.shadow for p in self.plan.blocks[b])
 
     def _shadow_bytes(self, b) -> int:
-        return 0 if self.has_shadows(b) else sum(self._tensor_bytes(b))
+        return 0 if self.has_shadows(b) else sum(self._shadow_tensor_bytes(b))
+
+    def _records(self, p) -> bool:
+        """Whether parameter p speculates with an undo record (fp32 states without amsgrad; see the
+        native adamw.h) rather than a copy of its state."""
+        n = local(p).numel()
+        return (self.settings.state_dtype == torch.float32 and not self.plan.amsgrad(p) and 0 < n < 2 ** 32)
+
+    def _shadow_tensor_bytes(self, b) -> list[int]:
+        """The pool bytes of block b's shadows: undo records (3 bytes a parameter, the escape list and
+        the weight staging), or copies of the state where records do not apply."""
+        pool = self.settings.pool
+        align = pool.alignment if pool is not None else 256
+        out = []
+        for p in self.plan.blocks[b]:
+            n = local(p).numel()
+            if not n:
+                continue
+            if self._records(p):
+                sizes = [3 * n, 16 * undo_capacity(n), 16]
+                if p.dtype != torch.float32:
+                    sizes.append(p.element_size() * n)
+            else:
+                st = self.state[p]
+                sizes = [st[key].numel() * st[key].element_size() for key in _STATE_AND_MASTER if key in st]
+                if p.dtype != torch.float32:
+                    sizes.append(p.element_size() * n)
+            out += [-(-size // align) * align for size in sizes]
+        return out
 
     def _set_shadow(self, p, sh):
         self.shadow[id(p)] = sh
         copy = sh.get("copy")
+        if "codes" in sh:
+            n, codes = local(p).numel(), sh["codes"].data_ptr()
+            self.table.set_record(self.plan.index(p), codes, codes + n, codes + 2 * n, sh["escapes"].data_ptr(),
+                                  sh["escapes"].numel() // 4, sh["counters"].data_ptr(),
+                                  copy.data_ptr() if copy is not None else 0)
+            return
         self.table.set_shadow(self.plan.index(p), sh["master"].data_ptr(), sh["exp_avg"].data_ptr(),
                               sh["exp_avg_sq"].data_ptr(), _checks.address(sh.get("max_exp_avg_sq")),
                               copy.data_ptr() if copy is not None else 0)
@@ -685,7 +724,7 @@ class StateStore:
         if not blocks or not self.pool.page_locked:
             return
         stats = self.pool.stats()
-        short = sum(n for b in blocks for n in self._tensor_bytes(b)) - (stats["reserved"] - stats["in_use"])
+        short = sum(n for b in blocks for n in self._shadow_tensor_bytes(b)) - (stats["reserved"] - stats["in_use"])
         if short > 0:
             slab = self.pool.slab_bytes
             self.pool.reserve_for([slab] * -(-short // slab))
@@ -700,7 +739,13 @@ class StateStore:
         try:
             for p in self.plan.blocks[b]:
                 st = self.state[p]
-                sh = {key: self.pool.empty(st[key].shape, st[key].dtype) for key in _STATE_AND_MASTER if key in st}
+                n = local(p).numel()
+                if self._records(p):
+                    sh = {"codes": self.pool.empty((3 * n,), torch.int8),
+                          "escapes": self.pool.empty((4 * undo_capacity(n),), torch.int32),
+                          "counters": self.pool.zeros((2,), torch.int64)}
+                else:
+                    sh = {key: self.pool.empty(st[key].shape, st[key].dtype) for key in _STATE_AND_MASTER if key in st}
                 if p.dtype != torch.float32:
                     sh["copy"] = self.pool.empty(local(p).shape, p.dtype)
                 self._set_shadow(p, sh)
@@ -729,10 +774,14 @@ class StateStore:
         return rt.plan_shadows(lowest_start, has, need, max(0, room))
 
     def adopt(self, b, handles) -> None:
-        """Block b's speculative states become its state; the old ones its shadows."""
+        """Block b's speculative states become its state; the old ones its shadows. (With undo
+        records, the state in place is the result: the record is let go.)"""
         for h in handles:
             p = self.plan.params[h]
             st, sh = self.state[p], self.shadow[id(p)]
+            if "codes" in sh:
+                self.table.adopt(h)
+                continue
             for key in _STATE_AND_MASTER:
                 if key in st:
                     st[key], sh[key] = sh[key], st[key]
