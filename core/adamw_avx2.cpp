@@ -63,6 +63,10 @@ struct VecAvx2 {
     const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
   }
+  static void stream_i8(int8_t* p, I x) {  // p 8-byte aligned
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_stream_si64(reinterpret_cast<long long*>(p), _mm_cvtsi128_si64(_mm_packs_epi16(w, w)));
+  }
   static bool fits(I d) {
     const __m256i out = _mm256_or_si256(_mm256_cmpgt_epi32(d, iset1(127)),
                                         _mm256_cmpgt_epi32(iset1(static_cast<uint32_t>(kMinDistance)), d));

@@ -62,6 +62,9 @@ struct VecAvx512 {
   static void istore(int32_t* p, I x) { _mm512_storeu_si512(p, x); }
   static I load_i8(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store_i8(int8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
+  static void stream_i8(int8_t* p, I x) {  // p 16-byte aligned
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));
+  }
   static bool fits(I d) {
     return (_mm512_cmplt_epi32_mask(d, iset1(static_cast<uint32_t>(kMinDistance))) |
             _mm512_cmpgt_epi32_mask(d, iset1(127))) == 0;

@@ -402,7 +402,18 @@ struct RecordKernel {
   static I distance(F old, F rec) { return V::isub(V::bits(old), V::bits(rec)); }
   static F restore(F rec, I d) { return V::from_bits(V::iadd(V::bits(rec), d)); }
 
+  template <bool kNt>
+  static void store_codes(int8_t* p, I d) {
+    if constexpr (kNt) {
+      V::stream_i8(p, d);
+    } else {
+      V::store_i8(p, d);
+    }
+  }
+
   // The speculative update of W elements at offset i, `valid` of them real (a tail pads the rest).
+  // kNt: the distances and the weight copy (which the update does not read) through streaming stores.
+  template <bool kNt = false>
   void write(const RecSlice& x, int64_t i, int valid, F& bad) const {
     const F p0 = V::load(x.p + i), m0 = V::load(x.m + i), v0 = V::load(x.v + i);
     F p = p0, m = m0, v = v0;
@@ -414,10 +425,10 @@ struct RecordKernel {
       V::store(x.p + i, p);
       V::store(x.m + i, m);
       V::store(x.v + i, v);
-      V::store_i8(x.dp + i, dp);
-      V::store_i8(x.dm + i, dm);
-      V::store_i8(x.dv + i, dv);
-      if constexpr (kCopy) store_copy<V, C, false>(x.copy, i, p);
+      store_codes<kNt>(x.dp + i, dp);
+      store_codes<kNt>(x.dm + i, dm);
+      store_codes<kNt>(x.dv + i, dv);
+      if constexpr (kCopy) store_copy<V, C, kNt>(x.copy, i, p);
       return;
     }
     // Some element does not fit (or a tail): element by element, with escapes.
@@ -515,7 +526,20 @@ bool adamw_range_record(const AdamWTensor& t, const AdamWScalars& s, int64_t beg
     else k.template undo<true>(x, i, bad);
   };
   int64_t i = begin;
-  for (; i + W <= end; i += W) run(whole, i, W);
+  bool streamed = false;
+  if constexpr (V::kStream) {  // a write streams what it does not read, where aligned (stream_plan's rule)
+    const auto at = [](const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+    streamed = mode == RecordMode::write && s.streaming_stores && end - begin >= kStreamMin &&
+               at(t.record.dp + begin, W) && at(t.record.dm + begin, W) && at(t.record.dv + begin, W) &&
+               (!kCopy || at(static_cast<const uint16_t*>(t.param_copy) + begin, 2 * W));
+    if (streamed) {
+      for (; i + W <= end; i += W) k.template write<true>(whole, i, W, bad);
+      V::fence();
+    }
+  }
+  if (!streamed) {
+    for (; i + W <= end; i += W) run(whole, i, W);
+  }
   const int64_t n = end - i;
   if (n > 0) {  // the tail through W-element buffers (zero padding; a write keeps no padding escapes)
     alignas(64) float p[W] = {}, m[W] = {}, v[W] = {};
