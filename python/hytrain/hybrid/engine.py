@@ -68,7 +68,6 @@ class Engine:
         self.steps = 0  # steps taken
         self.loss_scaling = False
         self.last_clipped = True  # whether the last step's multiplier differed from 1 (or none yet)
-        self.speculation_counts = {"adopted": 0, "redone": 0}  # speculated block updates, so far
         self.pending = None  # parameter -> state entry, loaded when the state is created
         self._model_hooks = []
 
@@ -79,6 +78,7 @@ class Engine:
         self.store = StateStore(plan, settings, self.rt, self._state, self.wait_blocks)
         self.intake = GradientIntake(plan, settings, self.rt, self.store, self.shard_group, self._arrived)
         self.launcher = Launcher(plan, settings, self.rt, self.store, self.intake, self.fence, self.groups)
+        self.speculation_counts = self.launcher.counts  # speculated block updates, so far
         self.planner = Planner(plan, settings, self.rt, self.store)
 
     @property
@@ -314,8 +314,6 @@ class Engine:
             for b in rt.in_phase(phases.speculated):  # after the GPU updates: these may wait on the host
                 if b in changed:
                     launcher.restage(b, mult, fresh[b])
-                elif mult == 1.0 and not stale and b not in rewritten and launcher.adoptable(b):
-                    self._adopt_block(b)  # in place, with undo records
                 else:
                     launcher.redo(b, mult)
                     self.speculation_counts["redone"] += 1
@@ -357,15 +355,15 @@ class Engine:
         the shadows (the passes still writing them are waited for before anything reads them).
         Blocks in ``keep`` (their gradients changed after the hand-off) stay speculated to be restaged."""
         rt, table = self.rt, self.store.table
-        for b in rt.in_phase(native().BlockPhase.speculated):
-            # Undo records are adopted once their passes are known complete, after the launches.
-            if b not in keep and not any(table.has_record(h) for h in rt.handed(b)):
-                self._adopt_block(b)
-
-    def _adopt_block(self, b):
-        self.speculation_counts["adopted"] += 1
-        self.store.adopt(b, self.rt.handed(b))
-        self.rt.launch(b)
+        # (Updates in place that were taken back before step() -- see synchronize() -- are redone.)
+        adopted = [b for b in rt.in_phase(native().BlockPhase.speculated) if b not in keep and
+                   not any(table.has_record(h) and not table.recorded(h) for h in rt.handed(b))]
+        self.speculation_counts["adopted"] += len(adopted)
+        for b in adopted:
+            handles = rt.handed(b)
+            if self.store.adopt(b, handles):  # updates in place: adopted once known complete
+                self.launcher.adopt_later(b, handles)
+            rt.launch(b)
 
     def _follow_weight_writes(self) -> set:
         """Weights the loop wrote since the last step (a rollback with ``model.load_state_dict``)

@@ -27,6 +27,8 @@ class Launcher:
         self.meter = None
         self._alive = {}  # block -> what the workers read (CPU path) / the weights written (pipeline)
         self._landing = collections.deque()  # (D2H ticket, gradients it reads) until the copy lands
+        self._unchecked = {}  # block -> handles adopted with undo records, checked complete when waited for
+        self.counts = {"adopted": 0, "redone": 0}  # speculated block updates (the engine's)
         self._pass_owner = {}  # block -> the timeline iteration its pass belongs to
         self._meter_owner = {}  # block -> the measured iteration its pass belongs to
 
@@ -43,7 +45,7 @@ class Launcher:
 
     def stop(self) -> None:
         self.engine = self.pipeline = self.timeline = self.meter = None
-        self._alive, self._landing = {}, collections.deque()
+        self._alive, self._landing, self._unchecked = {}, collections.deque(), {}
 
     def _stream(self):
         return torch.cuda.current_stream(self.store.device).cuda_stream
@@ -97,6 +99,8 @@ class Launcher:
         elif rt.on_gpu(b):
             self.gpu_update(b, pairs, grad_scale)
         elif pairs:
+            if b in self._unchecked:  # its last pass is checked before a new one reads the state
+                self.wait_blocks([b])
             store.migration_done(b, host=True)  # states that came down from the GPU have landed
             self.pipeline.stage(b, store.table, handles, [g.data_ptr() for _, g in pairs],
                                 [local(p).data_ptr() for p, _ in pairs], float(grad_scale), self._stream(),
@@ -202,15 +206,28 @@ class Launcher:
         self.store.table.retreat(rt.handed(b))
         self.launch(b, mult, release=False, pairs=pairs)
 
-    def adoptable(self, b) -> bool:
-        """Whether block b's speculative pass can be the step's result: each update in place with an
-        undo record updated every element (waits for the pass on the CPU, not for its copies)."""
-        table, handles = self.store.table, self.rt.handed(b)
-        records = [h for h in handles if table.has_record(h)]
-        if not records:
-            return True
-        self.pipeline.wait_updated(b)
-        return all(table.record_complete(h) for h in records)
+    def adopt_later(self, b, handles) -> None:
+        """Block b's speculative updates in place (undo records) are the step's result, if complete:
+        that is known once the pass has finished, and checked when the block is waited for (before
+        its next forward, or any other use of its weights or state)."""
+        self._unchecked[b] = list(handles)
+
+    def _check_records(self, b) -> None:
+        """Block b's pass has finished: its records are adopted where complete; otherwise (an element
+        left untouched, its escape list full) the block is redone with multiplier 1 and the
+        hyperparameters of its step (the table's until the next hand-off), and waited for."""
+        table, handles = self.store.table, self._unchecked.pop(b)
+        pending = [h for h in handles if table.recorded(h)]
+        if all(table.record_complete(h) for h in pending):
+            for h in pending:
+                table.adopt(h)
+            return
+        ps = self.plan.of_handles(handles)
+        self.pipeline.stage(b, table, handles, [0] * len(ps), [local(p).data_ptr() for p in ps], 1.0,
+                            self._stream(), redo=True)
+        self.pipeline.wait_ready(b, self._stream())
+        self.counts["adopted"] -= 1
+        self.counts["redone"] += 1
 
     def take_back(self, blocks) -> None:
         """Speculative updates in place (undo records) of these blocks are taken back, their passes
@@ -262,9 +279,12 @@ class Launcher:
             try:
                 if cuda:
                     self.pipeline.wait_ready(b, self._stream())
+                    if b in self._unchecked:
+                        self._check_records(b)
                 else:
                     self.engine.wait(b)
             finally:
+                self._unchecked.pop(b, None)
                 self._alive.pop(b, None)
                 self.fence.forget(b)
                 if rt.landed(b):  # k rose while its pass was in flight: its states go up now

@@ -774,15 +774,18 @@ class StateStore:
         return rt.plan_shadows(lowest_start, has, need, max(0, room))
 
     def adopt(self, b, handles) -> None:
-        """Block b's speculative states become its state; the old ones its shadows. (With undo
-        records, the state in place is the result: the record is let go.)"""
+        """Block b's speculative states become its state; the old ones its shadows. Returns whether
+        some of them were updated in place with undo records: those are the state already, and their
+        records are let go once the pass is known complete (Launcher.adopt_later)."""
+        records = False
         for h in handles:
             p = self.plan.params[h]
             st, sh = self.state[p], self.shadow[id(p)]
             if "codes" in sh:
-                self.table.adopt(h)
+                records = True
                 continue
             for key in _STATE_AND_MASTER:
                 if key in st:
                     st[key], sh[key] = sh[key], st[key]
             self.table.adopt(h)
+        return records
