@@ -171,14 +171,8 @@ void ParamTable::undo(const std::vector<int64_t>& handles, int threads) {
   for (int64_t h : handles) {
     Row& r = row(h);
     if (!r.recorded) continue;
-    AdamWTensor t;
-    t.param = r.e.state.master;
-    t.exp_avg = r.e.state.exp_avg;
-    t.exp_avg_sq = r.e.state.exp_avg_sq;
-    t.grad = r.e.grad;
-    t.grad_dtype = r.e.grad_dtype;
-    t.numel = r.e.numel;
-    t.seed = static_cast<uint32_t>(h);
+    AdamWTensor t = job(h, group_of(r), 1.0, r.record_config.step).tensor;  // the state and staging
+    t.param_copy = nullptr;  // the weights are the caller's to restore
     t.record_mode = RecordMode::undo;
     t.record = r.record;
     t.record_config = r.record_config;

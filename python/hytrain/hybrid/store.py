@@ -300,8 +300,6 @@ class StateStore:
     def _tensor_bytes(self, b) -> list[int]:
         """The pool bytes of every tensor :meth:`_host_state` makes for block b's parameters (each
         rounded up to the pool's alignment)."""
-        pool = self.settings.pool
-        align = pool.alignment if pool is not None else 256
         out = []
         for p in self.plan.blocks[b]:
             n = local(p).numel()
@@ -312,7 +310,7 @@ class StateStore:
                 sizes.append(4 * n)  # master
             if self.cuda:
                 sizes.append(p.element_size() * n)  # staging
-            out += [-(-size // align) * align for size in sizes]
+            out += self._in_pool(sizes)
         return out
 
     def _dtype(self, key) -> torch.dtype:
@@ -681,8 +679,6 @@ class StateStore:
     def _shadow_tensor_bytes(self, b) -> list[int]:
         """The pool bytes of block b's shadows: undo records (3 bytes a parameter, the escape list and
         the weight staging), or copies of the state where records do not apply."""
-        pool = self.settings.pool
-        align = pool.alignment if pool is not None else 256
         out = []
         for p in self.plan.blocks[b]:
             n = local(p).numel()
@@ -697,8 +693,14 @@ class StateStore:
                 sizes = [st[key].numel() * st[key].element_size() for key in _STATE_AND_MASTER if key in st]
                 if p.dtype != torch.float32:
                     sizes.append(p.element_size() * n)
-            out += [-(-size // align) * align for size in sizes]
+            out += self._in_pool(sizes)
         return out
+
+    def _in_pool(self, sizes) -> list[int]:
+        """Each size rounded up to the pool's alignment."""
+        pool = self.settings.pool
+        align = pool.alignment if pool is not None else 256
+        return [-(-size // align) * align for size in sizes]
 
     def _set_shadow(self, p, sh):
         self.shadow[id(p)] = sh
@@ -773,7 +775,7 @@ class StateStore:
             room = min(self.settings.host_memory_limit - _rss_bytes() + free, stats["capacity"] - stats["in_use"])
         return rt.plan_shadows(lowest_start, has, need, max(0, room))
 
-    def adopt(self, b, handles) -> None:
+    def adopt(self, b, handles) -> bool:
         """Block b's speculative states become its state; the old ones its shadows. Returns whether
         some of them were updated in place with undo records: those are the state already, and their
         records are let go once the pass is known complete (Launcher.adopt_later)."""
