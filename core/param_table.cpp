@@ -68,15 +68,10 @@ void ParamTable::check_resolved(const Row& r, int64_t handle, const char* what) 
 void ParamTable::to_device(int64_t handle) {
   Row& r = row(handle);
   check_resolved(r, handle, "a move to the GPU");
-  r.record = UndoRecord{};
-  r.record_copy = nullptr;
-  r.has_record = false;
+  r.drop_spares();
   r.e.state = StateSlots{};
   r.e.grad = nullptr;
   r.e.copy = nullptr;
-  r.shadow = StateSlots{};
-  r.shadow_copy = nullptr;
-  r.has_shadow = false;
   r.e.on_host = false;
 }
 
@@ -103,9 +98,7 @@ void ParamTable::set_shadow(int64_t handle, const StateSlots& s, void* copy) {
     HYTRAIN_THROW("ParamTable: a bf16/fp16 parameter's shadow needs its own weight staging");
   }
   check_resolved(r, handle, "a shadow");
-  r.record = UndoRecord{};
-  r.record_copy = nullptr;
-  r.has_record = false;
+  r.drop_spares();
   r.shadow = s;
   r.shadow_copy = copy;
   r.has_shadow = true;
@@ -114,12 +107,7 @@ void ParamTable::set_shadow(int64_t handle, const StateSlots& s, void* copy) {
 void ParamTable::clear_shadow(int64_t handle) {
   Row& r = row(handle);
   check_resolved(r, handle, "dropping the undo record");
-  r.shadow = StateSlots{};
-  r.shadow_copy = nullptr;
-  r.has_shadow = false;
-  r.record = UndoRecord{};
-  r.record_copy = nullptr;
-  r.has_record = false;
+  r.drop_spares();
 }
 
 bool ParamTable::has_shadow(int64_t handle) const {
@@ -139,9 +127,7 @@ void ParamTable::set_record(int64_t handle, const UndoRecord& rec, void* copy) {
   if (r.e.grad_dtype != DType::f32 && !copy) HYTRAIN_THROW(who + ": a bf16/fp16 parameter needs its weight staging");
   if (copy && copy == r.e.grad) HYTRAIN_THROW(who + ": its weight staging is the gradient staging");
   check_resolved(r, handle, "a new undo record");
-  r.shadow = StateSlots{};
-  r.shadow_copy = nullptr;
-  r.has_shadow = false;
+  r.drop_spares();
   r.record = rec;
   r.record_copy = copy;
   r.has_record = true;

@@ -191,6 +191,19 @@ def test_cuda_clipping_hands_gradients_off_during_backward_and_survives_a_bad_st
         assert counts["adopted"] > 2 * counts["redone"], counts
 
 
+def _speculating_pair():
+    """A model and its reference copy, HybridAdamW speculating from block 1 (k = 1) and the reference
+    optimizer, both clipping at 3x the first batch's gradient norm: unscaled steps do not clip."""
+    model, ref_model = pair()
+    probe = copy.deepcopy(model)
+    x0 = cuda_batches(1)[0][0]
+    probe(x0, x0).backward()
+    limit = 3 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=limit, model=model,
+                              gpu_blocks=1, workers=2, speculate=1)
+    return model, ref_model, opt, Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=limit)
+
+
 @pytest.mark.parametrize("k_changes", [False, True])
 def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
     # Every third step's loss is scaled up 50 times: its gradients are clipped, the others' are not.
@@ -199,14 +212,7 @@ def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
     # k_changes: k changes at random every step (asynchronously), so speculating blocks move up
     # (their shadows and host state given back) and come down again (host state taken anew);
     # a state_dict round trip in the middle must change nothing.
-    model, ref_model = pair()
-    probe = copy.deepcopy(model)
-    x0 = cuda_batches(1)[0][0]
-    probe(x0, x0).backward()
-    limit = 3 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
-    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=limit, model=model,
-                              gpu_blocks=1, workers=2, speculate=1)
-    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=limit)
+    model, ref_model, opt, ref = _speculating_pair()
     losses, ref_losses = [], []
     n = len(opt.blocks)
     ks = torch.randint(0, n, (3 * STEPS,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -239,14 +245,7 @@ def test_cuda_speculation_in_place_with_undo_records(capacity, monkeypatch):
     # follows the reference, and a state_dict() between backward and step() is the state before.
     if capacity == 0:
         monkeypatch.setattr(hytrain.hybrid.store, "undo_capacity", lambda n: 0)
-    model, ref_model = pair()
-    probe = copy.deepcopy(model)
-    x0 = cuda_batches(1)[0][0]
-    probe(x0, x0).backward()
-    limit = 3 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
-    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=limit, model=model,
-                              gpu_blocks=1, workers=2, speculate=1)
-    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=limit)
+    model, ref_model, opt, ref = _speculating_pair()
     losses, ref_losses = [], []
     for i, (x,) in enumerate(cuda_batches(3 * STEPS)):
         factor = 50.0 if i % 3 == 2 else 1.0

@@ -152,6 +152,14 @@ class ParamTable {
     bool has_record = false;
     bool recorded = false;  // a speculative write in place, not resolved
     AdamWConfig record_config{};
+    void drop_spares() {  // no shadow set, no record
+      shadow = StateSlots{};
+      shadow_copy = nullptr;
+      has_shadow = false;
+      record = UndoRecord{};
+      record_copy = nullptr;
+      has_record = false;
+    }
   };
   void check_resolved(const Row& r, int64_t handle, const char* what) const;
   const Row& row(int64_t handle) const;
