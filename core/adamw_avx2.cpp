@@ -58,7 +58,9 @@ struct VecAvx2 {
   static F from_bits(I x) { return _mm256_castsi256_ps(x); }
   static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static void istore(int32_t* p, I x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x); }
-  static I load_i8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+  static I load_i8(const int8_t* p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
   static void store_i8(int8_t* p, I x) {  // every lane fits a byte
     const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
@@ -73,7 +75,9 @@ struct VecAvx2 {
     return _mm256_testz_si256(out, out) != 0;
   }
   using M = __m256;
-  static M special(I c) { return _mm256_castsi256_ps(_mm256_cmpgt_epi32(iset1(static_cast<uint32_t>(kMinDistance)), c)); }
+  static M special(I c) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(iset1(static_cast<uint32_t>(kMinDistance)), c));
+  }
   static F blend(M k, F a, F b) { return _mm256_blendv_ps(a, b, k); }  // b where k
   template <int n>
   static I isrl(I a) { return _mm256_srli_epi32(a, n); }

@@ -60,7 +60,9 @@ struct VecAvx512 {
   static F from_bits(I x) { return _mm512_castsi512_ps(x); }
   static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static void istore(int32_t* p, I x) { _mm512_storeu_si512(p, x); }
-  static I load_i8(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I load_i8(const int8_t* p) {
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static void store_i8(int8_t* p, I x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x)); }
   static void stream_i8(int8_t* p, I x) {  // p 16-byte aligned
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(x));

@@ -73,8 +73,9 @@ class Launcher:
         """Starts block b's update with gradient multiplier ``grad_scale``. ``release`` drops the
         parameters' ``.grad`` (the GPU memory returns once the gradient copy has landed). ``hold``
         (offloaded blocks): copy the gradients out now, update on :meth:`release`.
-        ``speculative`` (offloaded blocks): the new state goes to the block's shadows and the new
-        weights come from the shadow staging; the gradients stay in staging (see :meth:`redo`).
+        ``speculative`` (offloaded blocks): the new state goes to the block's shadows, or in place
+        with its undo records, and the new weights come from their own staging; the gradients stay
+        in staging (see :meth:`redo`).
         The parameters are stepped by their handles in the native table; what crosses is the
         multiplier and the gradients' and weights' addresses of the moment."""
         if pairs is None:
@@ -189,7 +190,7 @@ class Launcher:
 
     def restage(self, b, mult, pairs=None):
         """Block b's gradients changed after its hand-off: its held pass is cancelled, or its
-        speculative one dropped (it wrote only the shadows), and the block is updated from the
+        speculative one dropped (it wrote the shadows, or in place: taken back), and the block is updated from the
         gradients there now (the new copies wait for the old pass on the device)."""
         rt = self.rt
         if pairs is None:
@@ -239,8 +240,9 @@ class Launcher:
                 self.store.table.undo(handles)
 
     def redo(self, b, mult):
-        """Clipping fired: block b is updated again from its untouched state with the multiplier;
-        the gradients are still in staging. (The pipeline lets the speculative pass finish first.)"""
+        """Clipping fired: block b is updated again from its old state with the multiplier (read
+        back from the undo records in the same pass); the gradients are still in staging. (The
+        pipeline lets the speculative pass finish first.)"""
         rt = self.rt
         handles = list(rt.handed(b))
         ps = self.plan.of_handles(handles)
