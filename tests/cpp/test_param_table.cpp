@@ -304,17 +304,35 @@ TEST(maximize_ascends_and_held_passes_take_the_hyperparameters_of_release) {
   CHECK(configs[0].grad_scale == -0.25);
 }
 
+// A pipeline over host queues (scalar CPU updates), a table with both groups, and its bf16 parameters.
+struct Rig {
+  UpdateEngine engine{2, 1024, SimdPath::scalar};
+  OffloadPipeline pipe{engine, std::make_unique<HostCopyQueue>(), std::make_unique<HostCopyQueue>()};
+  ParamTable table;
+  std::vector<std::unique_ptr<Bf16Param>> ps;
+  std::vector<int64_t> handles;
+  Rig() { table.set_groups({kGroups[0], kGroups[1]}); }
+  void add(int64_t n, int group, bool amsgrad, std::mt19937& rng) {
+    ps.push_back(std::make_unique<Bf16Param>(n, group, amsgrad, rng));
+    handles.push_back(table.add(ps.back()->entry()));
+  }
+  std::vector<LiveAddresses> live() const {
+    std::vector<LiveAddresses> out;
+    for (auto& p : ps) out.push_back({p->grad.data(), p->weight.data()});
+    return out;
+  }
+};
+
 // Undo records: speculation in place. Step 1 speculates and is adopted (the state in place is the
 // reference step); step 2 speculates and is redone with a multiplier (as if never speculated);
 // step 3 speculates and is taken back (the state of step 2, bit for bit); then the refusals.
 TEST(undo_records_speculate_in_place) {
   std::mt19937 rng(12);
-  UpdateEngine engine(2, 1024, SimdPath::scalar);
-  OffloadPipeline pipe(engine, std::make_unique<HostCopyQueue>(), std::make_unique<HostCopyQueue>());
-  ParamTable table;
-  table.set_groups({kGroups[0], kGroups[1]});
-  std::vector<std::unique_ptr<Bf16Param>> ps;
-  std::vector<int64_t> handles;
+  Rig rig;
+  OffloadPipeline& pipe = rig.pipe;
+  ParamTable& table = rig.table;
+  auto& ps = rig.ps;
+  auto& handles = rig.handles;
   struct Rec {
     std::vector<int8_t> d;
     std::vector<UndoEntry> esc;
@@ -323,8 +341,7 @@ TEST(undo_records_speculate_in_place) {
   };
   std::vector<std::unique_ptr<Rec>> recs;
   for (int i = 0; i < 2; ++i) {
-    ps.push_back(std::make_unique<Bf16Param>(3001 + 17 * i, i, false, rng));
-    handles.push_back(table.add(ps.back()->entry()));
+    rig.add(3001 + 17 * i, i, false, rng);
     const int64_t n = ps.back()->n;
     recs.push_back(std::make_unique<Rec>());
     Rec& r = *recs.back();
@@ -333,11 +350,7 @@ TEST(undo_records_speculate_in_place) {
     table.set_record(handles[i], u, r.copy.data());
     CHECK(table.has_record(handles[i]) && table.has_shadow(handles[i]) && !table.recorded(handles[i]));
   }
-  auto live = [&] {
-    std::vector<LiveAddresses> out;
-    for (auto& p : ps) out.push_back({p->grad.data(), p->weight.data()});
-    return out;
-  };
+  auto live = [&] { return rig.live(); };
   auto speculate = [&] {
     for (auto& p : ps) p->new_gradient(rng);
     const PassPlan plan = table.offload_pass(handles, live(), 1.0, true, true, true);
@@ -410,21 +423,13 @@ TEST(undo_records_speculate_in_place) {
 
 TEST(offload_passes_speculate_adopt_and_redo) {
   std::mt19937 rng(11);
-  UpdateEngine engine(2, 1024, SimdPath::scalar);
-  OffloadPipeline pipe(engine, std::make_unique<HostCopyQueue>(), std::make_unique<HostCopyQueue>());
-  ParamTable table;
-  table.set_groups({kGroups[0], kGroups[1]});
-  std::vector<std::unique_ptr<Bf16Param>> ps;
-  std::vector<int64_t> handles;
-  for (int i = 0; i < 3; ++i) {
-    ps.push_back(std::make_unique<Bf16Param>(3000 + 17 * i, i % 2, i == 1, rng));
-    handles.push_back(table.add(ps.back()->entry()));
-  }
-  auto live = [&] {
-    std::vector<LiveAddresses> out;
-    for (auto& p : ps) out.push_back({p->grad.data(), p->weight.data()});
-    return out;
-  };
+  Rig rig;
+  OffloadPipeline& pipe = rig.pipe;
+  ParamTable& table = rig.table;
+  auto& ps = rig.ps;
+  auto& handles = rig.handles;
+  for (int i = 0; i < 3; ++i) rig.add(3000 + 17 * i, i % 2, i == 1, rng);
+  auto live = [&] { return rig.live(); };
   auto run = [&](const PassPlan& plan, bool hold = false, bool new_step = true) {
     pipe.stage(0, plan.d2h, plan.jobs, plan.h2d, 0, hold);
     if (new_step) table.advance(handles);
