@@ -191,17 +191,18 @@ def test_cuda_clipping_hands_gradients_off_during_backward_and_survives_a_bad_st
         assert counts["adopted"] > 2 * counts["redone"], counts
 
 
-def _speculating_pair():
+def _speculating_pair(**kw):
     """A model and its reference copy, HybridAdamW speculating from block 1 (k = 1) and the reference
-    optimizer, both clipping at 3x the first batch's gradient norm: unscaled steps do not clip."""
+    optimizer, both clipping at 3x the first batch's gradient norm: unscaled steps do not clip.
+    ``kw``: more AdamW arguments for both."""
     model, ref_model = pair()
     probe = copy.deepcopy(model)
     x0 = cuda_batches(1)[0][0]
     probe(x0, x0).backward()
     limit = 3 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=limit, model=model,
-                              gpu_blocks=1, workers=2, speculate=1)
-    return model, ref_model, opt, Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=limit)
+                              gpu_blocks=1, workers=2, speculate=1, **kw)
+    return model, ref_model, opt, Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=limit, **kw)
 
 
 @pytest.mark.parametrize("k_changes", [False, True])
@@ -271,6 +272,52 @@ def test_cuda_speculation_in_place_with_undo_records(capacity, monkeypatch):
     assert counts["redone"] > 0, counts
     if capacity == "default":
         assert counts["adopted"] > 0, counts
+
+
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["undo_records", "copy_shadows"])
+def test_cuda_state_between_backward_and_step_is_the_state_before(amsgrad):
+    # Offloaded blocks count the step when they are handed off during backward. Between backward
+    # and step(), state_dict() (and sharded_state_dict()) must still be the state before the step,
+    # step counters included, as torch's is; and a state loaded there is the one the step starts
+    # from: the optimizer alone rolled back to the state of 3 steps earlier, with the reference
+    # rolled back the same way (its masters are torch's parameters), must go on as the reference,
+    # speculated blocks too (their results, computed from the state before, are not adopted).
+    model, ref_model, opt, ref = _speculating_pair(amsgrad=amsgrad)
+    losses, ref_losses = [], []
+    for i, (x,) in enumerate(cuda_batches(3 * STEPS)):
+        factor = 50.0 if i % 3 == 2 else 1.0
+        if i == 4:
+            saved, ref_saved = copy.deepcopy(opt.state_dict()), copy.deepcopy(ref.opt.state_dict())
+            ref_masters = [m.detach().clone() for m in ref.master]
+        before = copy.deepcopy(opt.state_dict()) if i == 7 else None
+        for m, o, out in ((model, opt, losses), (ref_model, ref, ref_losses)):
+            loss = m(x, x)
+            (loss * factor).backward()
+            if before is not None and o is opt:
+                assert opt._engine.rt.in_phase(hytrain.native().BlockPhase.speculated), "nothing speculated"
+                during, sharded = opt.state_dict(), opt.sharded_state_dict()
+                for key, st in before["state"].items():
+                    for name, t in st.items():
+                        assert torch.equal(t.cpu(), during["state"][key][name].cpu()), (key, name)
+                    assert torch.equal(sharded["state"][key]["step"], during["state"][key]["step"]), key
+                opt.load_state_dict(copy.deepcopy(saved))
+            elif before is not None:
+                ref.opt.load_state_dict(copy.deepcopy(ref_saved))
+                with torch.no_grad():
+                    for mine, old in zip(ref.master, ref_masters):
+                        mine.copy_(old)
+            o.step()
+            o.zero_grad()
+            out.append(loss.item())
+    opt.synchronize()
+    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    mine, theirs = opt.state_dict()["state"], ref.opt.state_dict()["state"]
+    for i, master in enumerate(ref.master):
+        assert float(mine[i]["step"]) == float(theirs[i]["step"]) == 3 * STEPS - 3, i
+        # (a result adopted from the state before the load would be about 3 updates of lr = 3e-3 off)
+        torch.testing.assert_close(mine[i]["master"].cpu(), master.detach().cpu(), rtol=0, atol=1e-3)
+    counts = opt.speculation_counts
+    assert counts["adopted"] > 0 and counts["redone"] > 0, counts
 
 
 def test_pipeline_errors_surface_in_the_training_thread():

@@ -69,6 +69,7 @@ class Engine:
         self.loss_scaling = False
         self.last_clipped = True  # whether the last step's multiplier differed from 1 (or none yet)
         self.pending = None  # parameter -> state entry, loaded when the state is created
+        self.reloaded = set()  # speculated blocks whose state was loaded before step(): see loaded()
         self._model_hooks = []
 
     def _make_parts(self):
@@ -282,7 +283,8 @@ class Engine:
                 raise RuntimeError(f"the gradient multiplier is {mult} (non-finite gradient norm)")
             phases = native().BlockPhase
             changed = intake.changed_blocks(launcher.staged)
-            rewritten = self._follow_weight_writes() - changed  # speculated from masters now refreshed
+            # Speculated from masters now refreshed, or from a state loaded since: redone.
+            rewritten = (self._follow_weight_writes() | self.reloaded) - changed
             # Every gradient this step reads is checked before anything is applied: a refused step
             # leaves every parameter and state as it was.
             fresh = {b: intake.grads(b) for b in range(len(self.plan)) if not rt.submitted(b) or b in changed}
@@ -338,6 +340,7 @@ class Engine:
                 self.planner.meter.current = None  # a step not taken is not measured
             raise
         finally:
+            self.reloaded = set()
             rt.abandon_step()
             intake.end_step()
             if self.timeline is not None:
@@ -382,6 +385,49 @@ class Engine:
 
     def wait_blocks(self, ids):
         self.launcher.wait_blocks(ids)
+
+    def counted_ahead(self) -> dict:
+        """Block -> handles whose step counter already counts the coming step: an offloaded block's
+        pass counts it when it is staged, at the hand-off during backward, so between backward and
+        step() its held or speculated parameters are one step ahead of their state (the state itself is
+        the one before; see synchronize()). GPU-resident blocks count at their update."""
+        if not self.bound:
+            return {}
+        rt, phases = self.rt, native().BlockPhase
+        return {b: list(rt.handed(b)) for b in (*rt.in_phase(phases.held), *rt.in_phase(phases.speculated))
+                if not rt.on_gpu(b)}
+
+    def as_before_step(self, out, params=None) -> dict:
+        """State dict ``out`` (entries by index into ``params``, default the groups' parameters, as
+        torch numbers them) taken between backward and step(): the step of each parameter counted
+        ahead is one step back, in a copy of its entry (the optimizer's own entries are not touched),
+        so the dict is the state before the step."""
+        if params is None:
+            params = [p for g in self.groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(params)}
+        for handles in self.counted_ahead().values():
+            for p in self.plan.of_handles(handles):
+                entry = out["state"].get(index[id(p)])
+                if entry is not None and "step" in entry:
+                    out["state"][index[id(p)]] = {**entry, "step": entry["step"] - 1}
+        return out
+
+    def load(self, entries) -> None:
+        """Loaded state entries (parameter -> {key: tensor}, checked) replace the state (a parameter
+        without one starts afresh); before the first step they are kept until the state is made."""
+        if not self.bound:
+            self.pending = entries or None
+            return
+        self.store.load_entries(entries, reset_missing=True, sharded=self.shard_group is not None)
+        self.loaded()
+
+    def loaded(self) -> None:
+        """A state loaded between backward and step() is the state the step starts from: the passes
+        handed off during backward count the step again on the loaded counters, and speculated
+        blocks (their results computed from the state before) are redone in step(), not adopted."""
+        for handles in self.counted_ahead().values():
+            self.store.table.advance(handles)
+        self.reloaded.update(self.rt.in_phase(native().BlockPhase.speculated))
 
     def in_flight(self) -> bool:
         return self.bound and bool(self.rt.in_flight_blocks())

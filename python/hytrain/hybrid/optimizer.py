@@ -237,6 +237,7 @@ class HybridAdamW(torch.optim.Optimizer):
         where the state lives: pinned host tensors for blocks the CPU updates, GPU tensors for
         GPU-resident blocks (as torch's AdamW keeps the state of CUDA parameters); save or copy them
         before training goes on (a speculating block's buffers change places with its shadows).
+        Between backward and step() it is the state before the step, as torch's would be.
         Parameters without state (never stepped) have no entry, as in torch. Before the first step:
         the settings, and the state loaded by load_state_dict if any, in this optimizer's format."""
         engine = self._engine
@@ -245,7 +246,7 @@ class HybridAdamW(torch.optim.Optimizer):
         extra = dict(self._parked)
         if not engine.bound and engine.pending:  # as torch: in the format the state takes when loaded
             extra.update(state_dicts.in_format(engine.pending, self.state_format))
-        return state_dicts.with_entries(super().state_dict(), extra, self.param_groups)
+        return engine.as_before_step(state_dicts.with_entries(super().state_dict(), extra, self.param_groups))
 
     def sharded_state_dict(self, state_format=None) -> dict:
         """The state for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``): ``{"state":
@@ -260,7 +261,8 @@ class HybridAdamW(torch.optim.Optimizer):
             check_group_values(self.param_groups)
             engine.bind()
         engine.synchronize()
-        return state_dicts.sharded(engine.plan.params, self.state, self.param_groups, self.state_format, state_format)
+        return engine.as_before_step(state_dicts.sharded(engine.plan.params, self.state, self.param_groups,
+                                                         self.state_format, state_format), engine.plan.params)
 
     def load_sharded_state_dict(self, state_dict) -> None:
         """Completes a resume from ``dcp.load(sd, ...)`` where ``sd`` came from
@@ -271,6 +273,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if isinstance(state_dict, dict) and "state" in state_dict and not engine.bound:
             raise RuntimeError("load_sharded_state_dict needs the dict of this optimizer's sharded_state_dict()")
         groups = state_dicts.load_sharded(state_dict, engine.plan.params, self.state, self.param_groups)
+        engine.loaded()
         state_dicts.apply_groups(groups, self.param_groups, self.defaults)
 
     def load_state_dict(self, state_dict):
@@ -286,10 +289,7 @@ class HybridAdamW(torch.optim.Optimizer):
                                             engine.store.amsgrad_bound if engine.bound else None, self.state_format)
         active = engine.plan.index_of
         mine = {p: e for p, e in entries.items() if id(p) in active}
-        if engine.bound:
-            engine.store.load_entries(mine, reset_missing=True, sharded=engine.shard_group is not None)
-        else:
-            engine.pending = mine or None
+        engine.load(mine)
         self._parked = {p: e for p, e in entries.items() if id(p) not in active}
         state_dicts.apply_groups(groups, self.param_groups, self.defaults)
 
