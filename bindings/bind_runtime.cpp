@@ -113,6 +113,8 @@ void bind_runtime(py::module_& m) {
       .def("undo", &ParamTable::undo, py::arg("handles"), py::arg("threads") = 0,
            py::call_guard<py::gil_scoped_release>(),
            "Takes back the speculative updates in place of `handles` (their passes have finished).")
+      .def("mark_resolved", &ParamTable::mark_resolved, py::arg("handles"),
+           "Drops the undo records of `handles` without taking them back (a state loaded over them).")
       .def("set_groups", &ParamTable::set_groups, py::arg("groups"))
       .def("advance", &ParamTable::advance, py::arg("handles"))
       .def("retreat", &ParamTable::retreat, py::arg("handles"))

@@ -101,7 +101,7 @@ class ParamTable {
   // A speculative pass with the record was staged (its config, for undo and redo), not yet resolved.
   void note_recorded(int64_t handle, const AdamWConfig& config);
   bool recorded(int64_t handle) const;
-  // A redo of `handles` was staged: their records are resolved.
+  // A redo of `handles` was staged, or a state loaded over them: their records are resolved.
   void mark_resolved(const std::vector<int64_t>& handles);
   // Once the speculative pass has finished: whether it updated every element (else it can only be
   // taken back or redone).

@@ -425,9 +425,16 @@ class Engine:
         """A state loaded between backward and step() is the state the step starts from: the passes
         handed off during backward count the step again on the loaded counters, and speculated
         blocks (their results computed from the state before) are redone in step(), not adopted."""
+        table = self.store.table
         for handles in self.counted_ahead().values():
-            self.store.table.advance(handles)
-        self.reloaded.update(self.rt.in_phase(native().BlockPhase.speculated))
+            table.advance(handles)
+        speculated = self.rt.in_phase(native().BlockPhase.speculated)
+        for b in speculated:  # records not taken back (a dcp.load in place) no longer describe the state
+            recorded = [h for h in self.rt.handed(b) if table.recorded(h)]
+            if recorded:
+                self.launcher.pipeline.wait_updated(b)
+                table.mark_resolved(recorded)
+        self.reloaded.update(speculated)
 
     def in_flight(self) -> bool:
         return self.bound and bool(self.rt.in_flight_blocks())
