@@ -125,7 +125,8 @@ void bind_cuda(py::module_& m) {
            py::arg("h2d_priority") = 0, py::keep_alive<1, 2>())
       .def("stage", [](OffloadPipeline& p, int64_t block, ParamTable& table, const std::vector<int64_t>& handles,
                        const std::vector<std::uintptr_t>& grads, const std::vector<std::uintptr_t>& weights,
-                       double grad_scale, std::uintptr_t stream, bool hold, bool speculative, bool redo) {
+                       double grad_scale, std::uintptr_t stream, bool hold, bool speculative, bool redo,
+                       bool count) {
         // A redo reads the gradients still in staging and recomputes the step the counters hold.
         if (speculative && p.in_flight(block)) {  // undo records are counted afresh by the new pass
           py::gil_scoped_release release;
@@ -137,7 +138,7 @@ void bind_cuda(py::module_& m) {
           py::gil_scoped_release release;
           p.stage(block, plan.d2h, plan.jobs, plan.h2d, stream, hold);
         }
-        if (!redo) table.advance(handles);  // a new step, counted once staged
+        if (!redo && count) table.advance(handles);  // a new step, counted once staged
         for (std::size_t i = 0; i < handles.size(); ++i) {  // undo records: written, or resolved
           if (!table.has_record(handles[i])) continue;
           if (speculative) table.note_recorded(handles[i], plan.jobs[i].config);
@@ -145,11 +146,12 @@ void bind_cuda(py::module_& m) {
         }
       }, py::arg("block"), py::arg("table"), py::arg("handles"), py::arg("grads"), py::arg("weights"),
          py::arg("grad_scale"), py::arg("stream"), py::arg("hold") = false, py::arg("speculative") = false,
-         py::arg("redo") = false,
+         py::arg("redo") = false, py::arg("count") = true,
          "Starts a pass of the table's `handles`: gradients (device addresses) to staging, the update, "
          "the new weights to `weights` (device addresses). hold: the update waits for release(); "
          "speculative: the new state goes to the shadows, or in place with the undo record; redo: the "
-         "gradients are already staged (from an undo record: the state is taken back first).")
+         "gradients are already staged (from an undo record: the state is taken back first). A new "
+         "pass updates with the counters + 1; count=False leaves the counters to the caller.")
       .def("release", [](OffloadPipeline& p, int64_t block, double grad_scale, const ParamTable* table,
                          const std::vector<int64_t>& handles) {
         if (table == nullptr) {

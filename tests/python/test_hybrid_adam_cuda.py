@@ -276,9 +276,9 @@ def test_cuda_speculation_in_place_with_undo_records(capacity, monkeypatch):
 @pytest.mark.parametrize("amsgrad, dcp", [(False, False), (True, False), (False, True)],
                          ids=["undo_records", "copy_shadows", "dcp_in_place"])
 def test_cuda_state_between_backward_and_step_is_the_state_before(amsgrad, dcp):
-    # Offloaded blocks count the step when they are handed off during backward. Between backward
-    # and step(), state_dict() (and sharded_state_dict()) must still be the state before the step,
-    # step counters included, as torch's is; and a state loaded there is the one the step starts
+    # Offloaded blocks are handed off during backward, their passes staged with the coming step.
+    # Between backward and step(), optimizer.state, state_dict() and sharded_state_dict() must still
+    # be the state before the step, step counters included, as torch's is; a state loaded there is the one the step starts
     # from: the optimizer alone rolled back to the state of 3 steps earlier, with the reference
     # rolled back the same way (its masters are torch's parameters), must go on as the reference,
     # speculated blocks too (their results, computed from the state before, are not adopted).
@@ -304,6 +304,7 @@ def test_cuda_state_between_backward_and_step_is_the_state_before(amsgrad, dcp):
             if before is not None and o is opt:
                 speculated = opt._engine.rt.in_phase(hytrain.native().BlockPhase.speculated)
                 assert speculated, "nothing speculated"
+                assert {float(opt.state[p]["step"]) for p in model.parameters()} == {7.0}
                 if dcp:
                     for b in speculated:
                         opt._engine.launcher.pipeline.wait_updated(b)

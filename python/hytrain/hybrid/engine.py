@@ -294,6 +294,7 @@ class Engine:
             if self.planner.meter is not None:
                 self.planner.meter.launched()
             clipped = mult != 1.0 or bool(changed)
+            launcher.count_handed()  # the step goes ahead: the hand-offs count it now
             if mult == 1.0 and not stale:
                 self._adopt(keep=changed | rewritten)
             # Forward order (the next forward needs block 0 first), offloaded blocks first so that
@@ -341,6 +342,7 @@ class Engine:
             raise
         finally:
             self.reloaded = set()
+            launcher.end_step()
             rt.abandon_step()
             intake.end_step()
             if self.timeline is not None:
@@ -386,32 +388,6 @@ class Engine:
     def wait_blocks(self, ids):
         self.launcher.wait_blocks(ids)
 
-    def counted_ahead(self) -> dict:
-        """Block -> handles whose step counter already counts the coming step: an offloaded block's
-        pass counts it when it is staged, at the hand-off during backward, so between backward and
-        step() its held or speculated parameters are one step ahead of their state (the state itself is
-        the one before; see synchronize()). GPU-resident blocks count at their update."""
-        if not self.bound:
-            return {}
-        rt, phases = self.rt, native().BlockPhase
-        return {b: list(rt.handed(b)) for b in (*rt.in_phase(phases.held), *rt.in_phase(phases.speculated))
-                if not rt.on_gpu(b)}
-
-    def as_before_step(self, out, params=None) -> dict:
-        """State dict ``out`` (entries by index into ``params``, default the groups' parameters, as
-        torch numbers them) taken between backward and step(): the step of each parameter counted
-        ahead is one step back, in a copy of its entry (the optimizer's own entries are not touched),
-        so the dict is the state before the step."""
-        if params is None:
-            params = [p for g in self.groups for p in g["params"]]
-        index = {id(p): i for i, p in enumerate(params)}
-        for handles in self.counted_ahead().values():
-            for p in self.plan.of_handles(handles):
-                entry = out["state"].get(index[id(p)])
-                if entry is not None and "step" in entry:
-                    out["state"][index[id(p)]] = {**entry, "step": entry["step"] - 1}
-        return out
-
     def load(self, entries) -> None:
         """Loaded state entries (parameter -> {key: tensor}, checked) replace the state (a parameter
         without one starts afresh); before the first step they are kept until the state is made."""
@@ -422,12 +398,9 @@ class Engine:
         self.loaded()
 
     def loaded(self) -> None:
-        """A state loaded between backward and step() is the state the step starts from: the passes
-        handed off during backward count the step again on the loaded counters, and speculated
+        """A state loaded between backward and step() is the state the step starts from: speculated
         blocks (their results computed from the state before) are redone in step(), not adopted."""
         table = self.store.table
-        for handles in self.counted_ahead().values():
-            table.advance(handles)
         speculated = self.rt.in_phase(native().BlockPhase.speculated)
         for b in speculated:  # records not taken back (a dcp.load in place) no longer describe the state
             recorded = [h for h in self.rt.handed(b) if table.recorded(h)]

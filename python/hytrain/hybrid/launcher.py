@@ -28,6 +28,7 @@ class Launcher:
         self._alive = {}  # block -> what the workers read (CPU path) / the weights written (pipeline)
         self._landing = collections.deque()  # (D2H ticket, gradients it reads) until the copy lands
         self._unchecked = {}  # block -> handles adopted with undo records, checked complete when waited for
+        self._counted = set()  # blocks handed off during backward whose step step() has counted
         self.counts = {"adopted": 0, "redone": 0}  # speculated block updates (the engine's)
         self._pass_owner = {}  # block -> the timeline iteration its pass belongs to
         self._meter_owner = {}  # block -> the measured iteration its pass belongs to
@@ -105,7 +106,7 @@ class Launcher:
             store.migration_done(b, host=True)  # states that came down from the GPU have landed
             self.pipeline.stage(b, store.table, handles, [g.data_ptr() for _, g in pairs],
                                 [local(p).data_ptr() for p, _ in pairs], float(grad_scale), self._stream(),
-                                hold=hold, speculative=speculative)
+                                hold=hold, speculative=speculative, count=not (hold or speculative))
             self._landing.append((self.pipeline.d2h_issued, [g for _, g in pairs]))
             # The H2D copies write these weights: their storage stays alive until the pass is waited
             # for, even if the caller replaces the parameters' data meanwhile.
@@ -121,6 +122,24 @@ class Launcher:
         if release and store.cuda:
             for p, _ in pairs:
                 p.grad = None
+
+    def count_handed(self) -> None:
+        """step() goes ahead: the offloaded blocks handed off during backward count the step now.
+        Their passes were staged with it (the counter + 1), but until step() the counters stay the
+        state before it, as torch's do (what ``optimizer.state``, a state dict or a load sees)."""
+        rt, phases = self.rt, native().BlockPhase
+        for b in (*rt.in_phase(phases.held), *rt.in_phase(phases.speculated)):
+            if not rt.on_gpu(b) and b not in self._counted:
+                self.store.table.advance(rt.handed(b))
+                self._counted.add(b)
+
+    def end_step(self) -> None:
+        self._counted.clear()
+
+    def _uncount(self, b) -> None:
+        if b in self._counted:
+            self.store.table.retreat(self.rt.handed(b))
+            self._counted.discard(b)
 
     def release(self, b, mult) -> None:
         """A held block's update goes ahead with the step's multiplier (and hyperparameters)."""
@@ -170,13 +189,13 @@ class Launcher:
 
     def drop_held(self, *, sharded):
         """A step that cannot be taken: held updates are cancelled, speculative ones dropped (their
-        blocks get back the weights of their untouched state), and step counts restored, so that the
-        states and weights are as before the backward."""
+        blocks get back the weights of their untouched state), and step counts restored where step()
+        had counted them, so that the states and weights are as before the backward."""
         rt, phases, table = self.rt, native().BlockPhase, self.store.table
         for b in rt.in_phase(phases.held):
             if not rt.on_gpu(b):
                 self.pipeline.cancel(b)
-                table.retreat(rt.handed(b))
+                self._uncount(b)
             rt.drop(b)
         for b in rt.in_phase(phases.speculated):
             self.wait_blocks([b])  # the compute stream now follows the speculative weight copies
@@ -185,7 +204,7 @@ class Launcher:
             for p in ps:
                 local(p).copy_(self.store.state[p]["master"], non_blocking=True)  # the weights are its rounding
             self.store.note_weight_versions(ps, sharded=sharded)
-            table.retreat(rt.handed(b))
+            self._uncount(b)
             rt.drop(b)
 
     def restage(self, b, mult, pairs=None):
@@ -204,7 +223,7 @@ class Launcher:
         else:  # speculated: an update in place with an undo record is taken back first
             self.wait_blocks([b])
             self.store.table.undo(rt.handed(b))
-        self.store.table.retreat(rt.handed(b))
+        self._uncount(b)  # counted again by the new pass
         self.launch(b, mult, release=False, pairs=pairs)
 
     def adopt_later(self, b, handles) -> None:

@@ -246,7 +246,7 @@ class HybridAdamW(torch.optim.Optimizer):
         extra = dict(self._parked)
         if not engine.bound and engine.pending:  # as torch: in the format the state takes when loaded
             extra.update(state_dicts.in_format(engine.pending, self.state_format))
-        return engine.as_before_step(state_dicts.with_entries(super().state_dict(), extra, self.param_groups))
+        return state_dicts.with_entries(super().state_dict(), extra, self.param_groups)
 
     def sharded_state_dict(self, state_format=None) -> dict:
         """The state for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``): ``{"state":
@@ -261,8 +261,7 @@ class HybridAdamW(torch.optim.Optimizer):
             check_group_values(self.param_groups)
             engine.bind()
         engine.synchronize()
-        return engine.as_before_step(state_dicts.sharded(engine.plan.params, self.state, self.param_groups,
-                                                         self.state_format, state_format), engine.plan.params)
+        return state_dicts.sharded(engine.plan.params, self.state, self.param_groups, self.state_format, state_format)
 
     def load_sharded_state_dict(self, state_dict) -> None:
         """Completes a resume from ``dcp.load(sd, ...)`` where ``sd`` came from
