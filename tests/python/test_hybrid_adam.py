@@ -231,8 +231,12 @@ def test_bad_input():
         hytrain.HybridAdamW([lin.weight * 2])
     with pytest.raises(TypeError, match="complex64"):
         hytrain.HybridAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
-    with pytest.raises(ValueError, match="no parameter that requires gradients"):  # a frozen int64 one is skipped
+    # A frozen int64 one is skipped (as torch skips it); alone, the message says what it got.
+    with pytest.raises(ValueError, match=r"no parameter that requires gradients: all 1 have requires_grad=False "
+                                         r"\(int64\)"):
         hytrain.HybridAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)])
+    with pytest.raises(ValueError, match="empty parameter list"):  # torch's own check
+        hytrain.HybridAdamW([])
     # Device and dtype are those the parameters have at the first step (they may still move).
     for params, kw, err, msg in [([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))], {}, TypeError, "float64"),
                                  ([lin.weight, torch.nn.Parameter(torch.zeros(3, device="meta"))], {}, ValueError,

@@ -54,7 +54,10 @@ class BlockPlan:
         self.params = [p for p in everything if p.requires_grad]
         self.frozen = [p for p in everything if not p.requires_grad]
         if not self.params:
-            raise ValueError("HybridAdamW got no parameter that requires gradients")
+            kinds = sorted({str(p.dtype).replace("torch.", "") for p in self.frozen})
+            got = f": all {len(self.frozen)} have requires_grad=False ({', '.join(kinds)})" if self.frozen else ""
+            raise ValueError(f"HybridAdamW got no parameter that requires gradients{got}; it needs at least "
+                             "one trainable floating-point parameter when it is built")
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.group_of = {id(p): g for g in param_groups for p in g["params"]}
         self.group_index = {id(p): i for i, g in enumerate(param_groups) for p in g["params"]}
