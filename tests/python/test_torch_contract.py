@@ -263,6 +263,32 @@ def test_compiled_model(when):
     assert_same_weights(model, ref)
 
 
+def test_model_compiled_after_the_optimizer_is_not_recompiled_every_step():
+    """A model compiled after the optimizer was built enters its compiled frames with the fence on
+    the stack (updates in flight after step()). The fence runs outside the graphs, so the frames'
+    guards do not depend on which blocks are in flight: the frames compile a bounded number of times
+    (they recompiled at every step, until dynamo's recompile limit sent them back to eager), and the
+    weights still follow torch's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, workers=1, model=model)
+    compiled = torch.compile(model, backend="eager")
+    xs = batches(12)
+    train(compiled, opt, xs)
+    graphs = counters["stats"]["unique_graphs"]
+    assert opt._engine.fence is not None and opt._engine.settings.fence
+    assert graphs <= 6, f"{graphs} graphs for 12 steps: the frames recompile with the fence's state"
+    torch._dynamo.reset()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    train(torch.compile(ref, backend="eager"), ref_opt, xs)
+    assert_same_weights(model, ref)
+
+
 def test_vit_blocks():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,

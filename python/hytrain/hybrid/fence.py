@@ -128,6 +128,11 @@ class Fence(TorchFunctionMode):
         if found:
             self._on_stack = False
 
+    # Not traced by torch.compile: a frame entered with the fence on the stack (a model compiled after
+    # the optimizer was built, a compiled function called right after step()) runs each operation
+    # through it outside the graph, as it is, until the fence leaves the stack; traced, the lookups
+    # made the frame's guards depend on which blocks were in flight, and it recompiled every step.
+    @torch.compiler.disable
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Hot: every torch operation while armed. Parameters are found by identity, gradients by
         # identity checked against a weak reference (an id may be reused once a gradient is freed).
