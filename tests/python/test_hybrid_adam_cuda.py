@@ -278,10 +278,11 @@ def test_cuda_speculation_in_place_with_undo_records(capacity, monkeypatch):
 def test_cuda_state_between_backward_and_step_is_the_state_before(amsgrad, dcp):
     # Offloaded blocks are handed off during backward, their passes staged with the coming step.
     # Between backward and step(), optimizer.state, state_dict() and sharded_state_dict() must still
-    # be the state before the step, step counters included, as torch's is; a state loaded there is the one the step starts
-    # from: the optimizer alone rolled back to the state of 3 steps earlier, with the reference
-    # rolled back the same way (its masters are torch's parameters), must go on as the reference,
-    # speculated blocks too (their results, computed from the state before, are not adopted).
+    # be the state before the step, step counters included, as torch's is; a state loaded there is
+    # the one the step starts from: the optimizer alone rolled back to the state of 3 steps earlier,
+    # with the reference rolled back the same way (its masters are torch's parameters), must go on
+    # as the reference, speculated blocks too (their results, computed from the state before, are
+    # not adopted).
     # Masters are compared by their mean difference per parameter, right after the load: a few
     # elements whose gradients are near eps differ by up to an update from the first steps on.
     # (Adopted copy shadows were 4e-3 to 6e-3 off here; a correct step is about 2e-5 off.)

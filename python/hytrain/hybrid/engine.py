@@ -400,13 +400,8 @@ class Engine:
     def loaded(self) -> None:
         """A state loaded between backward and step() is the state the step starts from: speculated
         blocks (their results computed from the state before) are redone in step(), not adopted."""
-        table = self.store.table
         speculated = self.rt.in_phase(native().BlockPhase.speculated)
-        for b in speculated:  # records not taken back (a dcp.load in place) no longer describe the state
-            recorded = [h for h in self.rt.handed(b) if table.recorded(h)]
-            if recorded:
-                self.launcher.pipeline.wait_updated(b)
-                table.mark_resolved(recorded)
+        self.launcher.drop_records(speculated)  # records nobody took back (a dcp.load in place)
         self.reloaded.update(speculated)
 
     def in_flight(self) -> bool:

@@ -249,14 +249,30 @@ class Launcher:
         self.counts["adopted"] -= 1
         self.counts["redone"] += 1
 
+    def _recorded(self, b) -> list:
+        """Block b's handles whose speculative update in place is neither adopted nor taken back,
+        once that pass has finished on the CPU ([] without waiting if there are none)."""
+        table = self.store.table
+        handles = [h for h in self.rt.handed(b) if table.recorded(h)]
+        if handles:
+            self.pipeline.wait_updated(b)
+        return handles
+
     def take_back(self, blocks) -> None:
         """Speculative updates in place (undo records) of these blocks are taken back, their passes
         finished first: the state is the one before backward (the step redoes them)."""
         for b in blocks:
-            handles = self.rt.handed(b)
-            if any(self.store.table.recorded(h) for h in handles):
-                self.pipeline.wait_updated(b)
+            handles = self._recorded(b)
+            if handles:
                 self.store.table.undo(handles)
+
+    def drop_records(self, blocks) -> None:
+        """A state was loaded over these blocks' speculative updates in place: their records describe
+        a state that is gone and are dropped, not taken back (the step redoes the blocks)."""
+        for b in blocks:
+            handles = self._recorded(b)
+            if handles:
+                self.store.table.mark_resolved(handles)
 
     def redo(self, b, mult):
         """Clipping fired: block b is updated again from its old state with the multiplier (read
