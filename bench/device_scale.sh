@@ -5,8 +5,9 @@
 #           and 4 ranks where there are GPUs for them, resumes at another world size, two agents with a
 #           worker killed; the 1-rank cases run in the one-GPU suite); $TESTS: another pytest -k
 #   scale   bench/scale_bench.py on $MODEL (default l7b) at $NPROCS (default 1,2) for $MODES (default all),
-#           hytrain capped at DeepSpeed's reserved peak where DeepSpeed ran; $ITERS/$WARMUP for hytrain,
-#           $BASE_ITERS/$BASE_WARMUP for the baselines
+#           hytrain capped at $CAP (default: DeepSpeed's reserved peak where DeepSpeed ran; GB per rank;
+#           none); $ITERS/$WARMUP for hytrain, $BASE_ITERS/$BASE_WARMUP for the baselines; the node's host
+#           update rate with 1 and N ranks at once first (the floor beside each hytrain record)
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0). Logs go to $OUT (or ./device-out).
 set -uo pipefail
 source "$(dirname "$0")/stage_env.sh" 10
@@ -23,7 +24,8 @@ for stage in "$@"; do
     scale)
       grep -E "MemTotal|MemAvailable" /proc/meminfo  # the default pool and host limits come from these
       python3 bench/scale_bench.py --model "${MODEL:-l7b}" --nprocs "${NPROCS:-1,2}" --batch "${BATCH:-2}" \
-        --modes "${MODES:-deepspeed_offload,hytrain,fsdp2_cpu_offload}" --warmup "${WARMUP:-6}" --iters "${ITERS:-10}" \
+        --modes "${MODES:-deepspeed_offload,hytrain,hytrain_8bit,fsdp2_cpu_offload}" --cap "${CAP:-deepspeed}" \
+        --warmup "${WARMUP:-6}" --iters "${ITERS:-10}" \
         --baseline-warmup "${BASE_WARMUP:-2}" --baseline-iters "${BASE_ITERS:-4}" --timeout "${TIMEOUT:-400}" \
         2>&1 | tee -a "$out/scale_${MODEL:-l7b}.txt" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;

@@ -30,7 +30,11 @@ import subprocess
 import sys
 import time
 
-MODES = ("deepspeed_offload", "hytrain", "fsdp2_cpu_offload")  # DeepSpeed first: its peak caps hytrain
+MODES = ("deepspeed_offload", "hytrain", "hytrain_8bit", "fsdp2_cpu_offload")  # DeepSpeed first: its peak caps hytrain
+STATE_FORMATS = {"hytrain": "fp32", "hytrain_8bit": "8bit"}
+# Host bytes the CPU update moves per parameter (bf16 gradient in, bf16 weight out): fp32 master, m
+# and v read and written; 8-bit m and v as codes with their block scales (about 1 byte each way).
+UPDATE_BYTES = {"fp32": 28, "8bit": 16}
 SHAPES = {  # presets of hytrain.models.presets plus larger Llama shapes
     "13b": dict(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40, num_heads=40,
                 num_kv_heads=40),
@@ -76,7 +80,7 @@ def worker(args):
         model.rope_cos, model.rope_sin = model.rope_cos.to(args.device), model.rope_sin.to(args.device)
     if cuda:
         torch.cuda.empty_cache()  # the whole model built on each GPU is gone: only this rank's shards stay
-    if args.mode == "hytrain":
+    if args.mode in STATE_FORMATS:
         import hytrain
 
         cap = int(args.cap_gb * 1e9) if args.cap_gb and cuda else None
@@ -84,7 +88,7 @@ def worker(args):
             total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
         opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
-                                  gpu_memory_limit=cap)
+                                  gpu_memory_limit=cap, state_format=STATE_FORMATS[args.mode])
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     x = batch(args, cfg, rank)
@@ -92,16 +96,19 @@ def worker(args):
     def iteration():
         loss = model(x, x)
         loss.backward()
-        if args.mode != "hytrain":
+        if args.mode not in STATE_FORMATS:
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
 
     times = timed(iteration, args)
     extra = {}
-    if args.mode == "hytrain":
-        stats = opt.schedule_stats()
-        extra = dict(gpu_wait_frac=stats.get("gpu_wait_frac"), k=stats.get("k"), cap_gb=args.cap_gb)
+    if args.mode in STATE_FORMATS:
+        stats, placed = opt.schedule_stats(), opt.residency()
+        local = [sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in b) for b in opt.blocks]
+        extra = dict(gpu_wait_frac=stats.get("gpu_wait_frac"), k=stats.get("k"), cap_gb=args.cap_gb,
+                     cpu_params=sum(n for b, n in enumerate(local) if b not in set(placed["gpu"])),
+                     blocks=len(local), state_host_gb=placed["host_bytes"] / 1e9)
     report(args, model, times, rank, world, extra)
 
 
@@ -195,8 +202,59 @@ def report(args, model, timing, rank, world, extra):
                "peak_host_gb_per_rank": max(r["peak_host_gb"] for r in everyone),
                "gpu_wait_frac": [r.get("gpu_wait_frac") for r in everyone],
                "k": [r.get("k") for r in everyone], "iter_times_s": [round(t, 4) for t in times]}
+        if "cpu_params" in everyone[0]:  # hytrain: what the node's CPUs update each step, all ranks together
+            out.update(blocks=everyone[0]["blocks"], cpu_params=sum(r["cpu_params"] for r in everyone),
+                       state_host_gb_per_rank=max(r["state_host_gb"] for r in everyone))
         print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
+
+
+def floor_worker(args):
+    """One rank's CPU AdamW (fp32 master, m, v; bf16 gradient in, bf16 weight out) on ``--floor-params``
+    parameters with the update threads a rank of ``LOCAL_WORLD_SIZE`` ranks gets, started at
+    ``--start-at`` together with the other ranks: prints the seconds its timed passes took."""
+    import torch
+
+    import hytrain
+    from hytrain.distributed import default_workers
+
+    n = args.floor_params
+    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    g, copy = (torch.randn(n) * 1e-3).to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    threads = default_workers()
+    hytrain.adamw_step(p, g, m, v, step=1, param_copy=copy, num_threads=threads)  # pages touched, threads up
+    time.sleep(max(0.0, args.start_at - time.time()))
+    t0 = time.perf_counter()
+    for i in range(args.floor_passes):
+        hytrain.adamw_step(p, g, m, v, step=2 + i, param_copy=copy, num_threads=threads)
+    print(json.dumps({"seconds": time.perf_counter() - t0, "threads": threads}), flush=True)
+
+
+def node_update_rate(nranks: int, params: int, passes: int) -> dict:
+    """The node's CPU update rate with ``nranks`` ranks updating at once (each on its own parameters,
+    with its share of the cores): parameters per second and host bytes per second, all ranks together."""
+    start = time.time() + 5.0 + 0.5 * nranks  # after every rank has allocated and touched its buffers
+    cmd = [sys.executable, __file__, "--floor-worker", "--floor-params", str(params), "--floor-passes", str(passes),
+           "--start-at", str(start)]
+    env = dict(os.environ, LOCAL_WORLD_SIZE=str(nranks), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(nranks)]
+    runs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    wall = max(r["seconds"] for r in runs)
+    rate = nranks * params * passes / wall
+    return {"ranks": nranks, "threads_per_rank": runs[0]["threads"], "gparams_per_s": round(rate / 1e9, 3),
+            "fp32_update_gbps": round(UPDATE_BYTES["fp32"] * rate / 1e9, 1)}
+
+
+def floor_of(rec: dict, rate: dict | None) -> dict:
+    """The node-level floor of one hytrain configuration: the update traffic of its CPU-resident
+    share, all ranks together, over the host bandwidth measured with as many ranks updating at once."""
+    if not rate or "cpu_params" not in rec:
+        return {}
+    fmt = STATE_FORMATS[rec["mode"]]
+    gbps = rate["fp32_update_gbps"]  # the fp32 kernel's traffic rate stands for the host's bandwidth
+    floor = UPDATE_BYTES[fmt] * rec["cpu_params"] / (gbps * 1e9)
+    return {"host_floor_s": round(floor, 6), "host_gbps_at_n": gbps,
+            "iter_over_host_floor": round(rec["iter_s"] / floor, 3) if floor > 0 else None}
 
 
 def failure(proc) -> str:
@@ -233,12 +291,31 @@ def main():
                          "when it ran), 'none', or GB")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: the harness on CPU ranks (gloo, no DeepSpeed), to check it, not to time it")
+    ap.add_argument("--floor-params", type=int, default=100_000_000,
+                    help="parameters each rank updates to measure the node's host bandwidth (0: no floor)")
+    ap.add_argument("--floor-passes", type=int, default=5, help="timed update passes of that measurement")
+    # A worker's own flags (set by this script for the processes it starts; the parent's are --cap and --modes).
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap-gb", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--start-at", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    if args.floor_worker:
+        return floor_worker(args)
+    given = [flag for flag, value in (("--cap-gb", args.cap_gb), ("--mode", args.mode), ("--start-at", args.start_at))
+             if value is not None]
+    if given:  # the parent would not act on them: refused, not swallowed
+        ap.error(f"{', '.join(given)}: a worker's own flag(s), not this command's; "
+                 "hytrain's GPU memory limit is --cap GB (per rank), the modes are --modes")
+    try:
+        cap_value = None if args.cap in ("deepspeed", "none") else float(args.cap)
+    except ValueError:
+        ap.error(f"--cap {args.cap!r}: 'deepspeed', 'none' or a number of GB")
+    if cap_value is not None and not cap_value > 0:
+        ap.error(f"--cap {args.cap!r}: a number of GB must be positive")
     from hytrain.models.presets import PRESETS
 
     if args.model not in {**PRESETS, **SHAPES}:
@@ -247,23 +324,29 @@ def main():
     if unknown:
         ap.error(f"--modes: {', '.join(sorted(unknown))} unknown; the modes are {', '.join(MODES)}")
     results = {}
+    nprocs = [int(v) for v in args.nprocs.split(",")]
+    rates = {}
+    if args.floor_params > 0:
+        for n in sorted({1, *nprocs}):  # one rank alone, and as many as each configuration has
+            rates[n] = node_update_rate(n, args.floor_params, args.floor_passes)
+            print(json.dumps({"host_update_rate": rates[n]}), flush=True)
     modes = [m for m in MODES if m in args.modes.split(",")]
     if "deepspeed_offload" in modes and (args.device == "cpu" or not deepspeed_available()):
         why = "DeepSpeed is not importable" if args.device == "cuda" else "DeepSpeed's offload needs GPUs"
         print(json.dumps({"mode": "deepspeed_offload", "skipped": why}), flush=True)
         modes.remove("deepspeed_offload")
-    for n in [int(v) for v in args.nprocs.split(",")]:
+    for n in nprocs:
         for mode in modes:
-            baseline = mode != "hytrain"
+            baseline = mode not in STATE_FORMATS
             warmup = args.baseline_warmup if baseline and args.baseline_warmup is not None else args.warmup
             iters = args.baseline_iters if baseline and args.baseline_iters is not None else args.iters
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", __file__, "--worker",
                    "--mode", mode, "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
                    "--iters", str(iters), "--warmup", str(warmup), "--device", args.device]
-            if mode == "hytrain" and args.cap != "none":
+            if mode in STATE_FORMATS and args.cap != "none":
                 ds = results.get(("deepspeed_offload", n), {}).get("peak_gpu_reserved_gb")
-                cap = ds if args.cap == "deepspeed" else float(args.cap)
+                cap = ds if args.cap == "deepspeed" else cap_value
                 if cap:
                     cmd += ["--cap-gb", str(cap)]
             env = dict(os.environ, NCCL_NVLS_ENABLE="0")
@@ -273,19 +356,25 @@ def main():
                 rec = json.loads(lines[-1][7:]) if lines else {"mode": mode, "nproc": n, "error": failure(proc)}
             except subprocess.TimeoutExpired:
                 rec = {"mode": mode, "nproc": n, "error": f"timed out after {args.timeout} s"}
+            if "iter_s" in rec:
+                rec.update(floor_of(rec, rates.get(n)))
+                if rec.get("cap_gb") and rec.get("peak_gpu_reserved_gb"):  # the cap holds reserved bytes
+                    rec["reserved_within_cap"] = rec["peak_gpu_reserved_gb"] <= rec["cap_gb"] * 1.001
             results[(mode, n)] = rec
             print(json.dumps(rec), flush=True)
     summary = {"summary": True, "model": args.model}
-    base = results.get(("hytrain", 1), {}).get("tokens_per_s_per_gpu")
     for (mode, n), rec in results.items():
-        if mode != "hytrain" or "iter_s" not in rec:
+        if mode not in STATE_FORMATS or "iter_s" not in rec:
             continue
         for other_mode in ("deepspeed_offload", "fsdp2_cpu_offload"):
             other = results.get((other_mode, n), {}).get("iter_s")
             if other:
-                summary[f"n{n}_hytrain_speedup_vs_{other_mode}"] = round(other / rec["iter_s"], 3)
-        if base:
-            summary[f"n{n}_hytrain_scaling_efficiency"] = round(rec["tokens_per_s_per_gpu"] / base, 3)
+                summary[f"n{n}_{mode}_speedup_vs_{other_mode}"] = round(other / rec["iter_s"], 3)
+        base = results.get((mode, 1), {}).get("tokens_per_s_per_gpu")
+        if base and n > 1:  # per-GPU tokens/s at N over N = 1, the same per-GPU batch
+            summary[f"n{n}_{mode}_scaling_efficiency"] = round(rec["tokens_per_s_per_gpu"] / base, 3)
+        if rec.get("iter_over_host_floor") is not None:
+            summary[f"n{n}_{mode}_iter_over_host_floor"] = rec["iter_over_host_floor"]
     print(json.dumps(summary), flush=True)
 
 

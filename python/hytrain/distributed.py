@@ -1,11 +1,17 @@
 """Process groups for runs started by torchrun.
 
-``init_process_group()`` joins the group torchrun set up (gloo for CPU training, NCCL for GPUs). When
-torchrun has restarted the group after a failure (``--max-restarts``), the new attempt rendezvouses
-under a key prefix of its own in torchrun's store, so that it never reads the addresses a dead
-attempt left there (without it, a restarted gloo group can fail with "connection refused"). A rank
-that dies makes its peers' collectives fail at once (the connection drops) and torchrun stops and
-restarts the group; ``timeout_s`` bounds a collective that hangs instead.
+``init_process_group()`` joins the group torchrun set up (gloo for CPU training, NCCL for GPUs). A
+restarted group (``--max-restarts``) must never read what the dead round left in the rendezvous
+store (a restarted gloo group then fails with "connection refused", an NCCL one waits for peers
+that are gone). ``hytrain train --nproc`` starts torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``:
+every round gets a store of its own. Under a torchrun that shares its agent's store across rounds
+(its default), each round joins under a key prefix named by TORCHELASTIC_RESTART_COUNT. That count
+agrees between the ranks of one node, but not across nodes: after a failure on one node the other
+nodes' agents restart their workers for the membership change without counting it, and the two
+halves then wait for each other under different prefixes until ``timeout_s``. So several nodes with
+restarts need the variable above (a warning says so). A rank that dies makes its gloo peers'
+collectives fail at once; NCCL peers wait in their collective until torchrun stops them (SIGTERM,
+SIGKILL 30 s later) or ``timeout_s`` passes.
 
 ``bind_to_numa_node()`` keeps a rank on the NUMA node of its GPU, on machines with several: its CPU
 update workers run there and its pinned state is first touched there, so each rank's share of the
@@ -35,6 +41,14 @@ def init_process_group(backend: str | None = None, timeout_s: float = 600.0):
         dist.init_process_group(backend, timeout=timeout)
         return rank, world
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if (rank == 0 and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+        import warnings
+
+        warnings.warn("torchrun shares its rendezvous store across restarts: after a failure on one node, "
+                      "the nodes' restarted workers may wait for each other until the timeout. Set "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node (hytrain train --nproc "
+                      "does), or restart the job without torchrun's --max-restarts.", stacklevel=2)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"hytrain/attempt{attempt}/", store), rank=rank,

@@ -20,7 +20,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "dist_train.py"
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
+              pytest.mark.timeout(600)]  # each process started has its own, tighter limit
 
 
 def _env():

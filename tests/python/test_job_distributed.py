@@ -21,7 +21,8 @@ from hytrain.job.options import ConfigError
 from hytrain.job.ranks import resolve_nproc, torchrun_command
 from test_distributed import _env
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
+              pytest.mark.timeout(600)]  # each process started has its own, tighter limit
 
 FAST = ["--batch-size", "4", "--seq-len", "32", "--no-progress", "--device", "cpu", "--workers", "1",
         "--eval-batches", "2"]
@@ -127,9 +128,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_a_worker_past_a_checkpoint(launchers, out, deadline_s=240):
+def _signal_pending(pid: int, signum: int) -> bool:
+    """Whether ``signum`` waits to be delivered to ``pid`` (a stopped process keeps it pending)."""
+    try:
+        status = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return True  # gone
+    masks = [int(ln.split()[1], 16) for ln in status.splitlines() if ln.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(m >> (signum - 1) & 1 for m in masks)
+
+
+def _kill_a_worker_past_a_checkpoint(launchers, out, deadline_s=240, survivor_hangs=False):
     """SIGKILL to one worker of the last launcher once the run is a few steps past a checkpoint:
-    (the worker's pid, the step saved, metrics.jsonl as it was then)."""
+    (the worker's pid, the step saved, metrics.jsonl as it was then). ``survivor_hangs``: the other
+    worker is stopped first and resumed only once its agent has sent it SIGTERM, as an NCCL rank
+    stuck in a collective with the dead one is: its agent then restarts it for the other agent's
+    sake (a membership change, which torchrun does not count as a restart), not for its own."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline and all(p.poll() is None for p in launchers):
         latest = out / "checkpoints" / "latest"
@@ -138,8 +152,17 @@ def _kill_a_worker_past_a_checkpoint(launchers, out, deadline_s=240):
             done = len((out / "metrics.jsonl").read_text().splitlines())
             workers = [[p for p in _descendants(a.pid) if _is_worker(p)] for a in launchers]
             if done >= saved + 3 and sum(map(len, workers)) == 2:  # a few steps past the checkpoint
-                os.kill(max(workers[-1]), signal.SIGKILL)
-                return max(workers[-1]), saved, (out / "metrics.jsonl").read_text()
+                victim = max(workers[-1])
+                survivor = next(p for ws in workers for p in ws if p != victim)
+                if survivor_hangs:
+                    os.kill(survivor, signal.SIGSTOP)
+                before = (out / "metrics.jsonl").read_text()
+                os.kill(victim, signal.SIGKILL)
+                if survivor_hangs:
+                    while not _signal_pending(survivor, signal.SIGTERM) and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    os.kill(survivor, signal.SIGCONT)
+                return victim, saved, before
         time.sleep(0.05)
     raise AssertionError("the run ended before a worker could be killed")
 
@@ -241,22 +264,57 @@ def _two_agents(args, envs=(None, None), during=None, timeout=300):
     return outs, got
 
 
-def two_agents_one_worker_killed(tmp_path, device_args, steps=400, save_every=25, envs=(None, None)):
+def two_agents_one_worker_killed(tmp_path, device_args, steps=400, save_every=25, envs=(None, None),
+                                 survivor_hangs=False):
     """Two agents (``_two_agents``, --max-restarts 1); one worker is killed a few steps past a
     checkpoint: both agents restart their workers in a new rendezvous round, which resumes from the
     last checkpoint, and the run ends with every step logged once and the steps run again bit for
-    bit as before (on GPUs ``envs`` gives each agent its CUDA_VISIBLE_DEVICES)."""
+    bit as before (on GPUs ``envs`` gives each agent its CUDA_VISIBLE_DEVICES). ``survivor_hangs``:
+    see ``_kill_a_worker_past_a_checkpoint``."""
     out = tmp_path / "agents"
     args = ["--steps", str(steps), "--save-every", str(save_every), "--eval-every", "0", "--out", str(out),
-            "--max-restarts", "1", *device_args]
-    outs, (_, saved, before) = _two_agents(args, envs, lambda agents: _kill_a_worker_past_a_checkpoint(agents, out))
+            "--max-restarts", "1", "--timeout", "60", *device_args]
+
+    def during(agents):
+        killed = _kill_a_worker_past_a_checkpoint(agents, out, survivor_hangs=survivor_hangs)
+        return killed, _restarted_workers(agents, killed[0])
+
+    outs, ((_, saved, before), restarted) = _two_agents(args, envs, during)
     assert "resumed from" in "".join(o[0] for o in outs)
     _assert_rewound(out, steps, saved, before)
+    # One new worker per agent, met at the first try: no round lost to a timeout.
+    assert sorted(a for a, _ in restarted.values()) == [0, 1], restarted
+    if survivor_hangs:  # the case set up: only the killed worker's agent counted a restart
+        assert sorted(c for _, c in restarted.values()) == ["0", "1"], restarted
+
+
+def _restarted_workers(agents, victim) -> dict:
+    """The workers the agents start after the kill, until they exit: pid -> (agent, the worker's
+    TORCHELASTIC_RESTART_COUNT)."""
+    first = {p for a in agents for p in _descendants(a.pid) if _is_worker(p)} | {victim}
+    seen = {}
+    while any(a.poll() is None for a in agents):
+        for i, a in enumerate(agents):
+            for p in _descendants(a.pid):
+                if p in first or p in seen or not _is_worker(p):
+                    continue
+                try:
+                    env = open(f"/proc/{p}/environ", "rb").read().split(b"\0")
+                except OSError:
+                    continue
+                count = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"TORCHELASTIC_RESTART_COUNT=")]
+                seen[p] = (i, count[0] if count else None)
+        time.sleep(0.1)
+    return seen
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
-def test_two_agents_restart_a_killed_worker_from_the_last_checkpoint(tmp_path):
-    two_agents_one_worker_killed(tmp_path, FAST)
+@pytest.mark.parametrize("survivor", ["fails", "hangs"])
+def test_two_agents_restart_a_killed_worker_from_the_last_checkpoint(tmp_path, survivor):
+    # "hangs": the other worker neither fails nor exits when its peer dies (an NCCL rank waits in its
+    # collective), so only the killed worker's agent counts a restart; the other agent restarts its
+    # worker for the membership change. Both new workers must still meet and resume.
+    two_agents_one_worker_killed(tmp_path, FAST, survivor_hangs=survivor == "hangs")
 
 
 def test_launcher_options(tmp_path):

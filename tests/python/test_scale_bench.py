@@ -1,6 +1,8 @@
 """bench/scale_bench.py's harness on CPU ranks (gloo, no DeepSpeed): the tiny shape trains under hytrain
-and FSDP2 + CPUOffloadPolicy at 1 and 2 processes, one record each with every rank's k, the summary's
-ratios are those of the records, and a worker that fails is reported with its exception."""
+(fp32 and 8-bit states) and FSDP2 + CPUOffloadPolicy at 1 and 2 processes, one record each with every
+rank's k and, for hytrain, the node-level floor from the host update rate measured in the same run
+with 1 and 2 ranks at once; the summary's ratios are those of the records; a worker that fails is
+reported with its exception; a worker's own flags given to the parent are refused."""
 
 import json
 import subprocess
@@ -24,21 +26,33 @@ def bench(*args):
 
 
 def test_the_harness_on_cpu_ranks():
-    lines = bench("--model", "tiny", "--nprocs", "1,2")
-    assert lines[0] == {"mode": "deepspeed_offload", "skipped": "DeepSpeed's offload needs GPUs"}
-    runs = {(r["mode"], r["nproc"]): r for r in lines[1:-1]}
-    assert set(runs) == {(m, n) for m in ("hytrain", "fsdp2_cpu_offload") for n in (1, 2)}, lines
+    lines = bench("--model", "tiny", "--nprocs", "1,2", "--modes", "hytrain,hytrain_8bit,fsdp2_cpu_offload",
+                  "--floor-params", "2000000", "--floor-passes", "2")
+    rates = {r["host_update_rate"]["ranks"]: r["host_update_rate"] for r in lines if "host_update_rate" in r}
+    assert set(rates) == {1, 2} and all(r["gparams_per_s"] > 0 for r in rates.values()), lines
+    assert rates[1]["fp32_update_gbps"] == pytest.approx(28 * rates[1]["gparams_per_s"], rel=0.01)
+    runs = {(r["mode"], r["nproc"]): r for r in lines if "mode" in r}
+    assert set(runs) == {(m, n) for m in ("hytrain", "hytrain_8bit", "fsdp2_cpu_offload") for n in (1, 2)}, lines
     for (mode, n), r in runs.items():
         assert "error" not in r, r
         assert r["params"] == 791680 and r["iter_s"] > 0 and r["first_step_s"] > 0 and len(r["iter_times_s"]) == 2
         assert r["tokens_per_s_per_gpu"] == pytest.approx(2 * 32 / r["iter_s"])
         assert len(r["k"]) == n and r["peak_host_gb_per_rank"] > 0 and r["peak_gpu_gb"] is None
     assert runs[("hytrain", 2)]["k"] == [0, 0]  # CPU parameters: every block updated by the CPU workers
+    for fmt, mode in ((28, "hytrain"), (16, "hytrain_8bit")):
+        for n in (1, 2):
+            r = runs[(mode, n)]
+            assert r["cpu_params"] == 791680  # every parameter, the ranks' shards together
+            want = fmt * r["cpu_params"] / (rates[n]["fp32_update_gbps"] * 1e9)
+            assert r["host_floor_s"] == pytest.approx(want, rel=1e-3, abs=1e-4)
+            assert r["iter_over_host_floor"] == pytest.approx(r["iter_s"] / r["host_floor_s"], rel=1e-2)
+    assert "host_floor_s" not in runs[("fsdp2_cpu_offload", 2)]
     summary = lines[-1]
     assert summary["summary"] and summary["model"] == "tiny"
     h1, h2, f2 = runs[("hytrain", 1)], runs[("hytrain", 2)], runs[("fsdp2_cpu_offload", 2)]
     assert summary["n2_hytrain_speedup_vs_fsdp2_cpu_offload"] == round(f2["iter_s"] / h2["iter_s"], 3)
     assert summary["n2_hytrain_scaling_efficiency"] == round(h2["tokens_per_s_per_gpu"] / h1["tokens_per_s_per_gpu"], 3)
+    assert summary["n2_hytrain_8bit_iter_over_host_floor"] == runs[("hytrain_8bit", 2)]["iter_over_host_floor"]
 
 
 def test_a_failing_worker_is_reported_with_its_exception():
@@ -59,3 +73,8 @@ def test_a_failing_worker_is_reported_with_its_exception():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--modes", "hytrain,fsdp"], capture_output=True, text=True,
                           env=_env())
     assert proc.returncode == 2 and "--modes: fsdp unknown; the modes are deepspeed_offload," in proc.stderr
+    # A worker's flag given to the parent: refused (it used to be accepted and the run went uncapped).
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cap-gb", "19.6"], capture_output=True, text=True, env=_env())
+    assert proc.returncode == 2 and "--cap-gb: a worker's own flag(s), not this command's" in proc.stderr
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cap", "-3"], capture_output=True, text=True, env=_env())
+    assert proc.returncode == 2 and "--cap '-3': a number of GB must be positive" in proc.stderr

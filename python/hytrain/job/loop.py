@@ -144,7 +144,7 @@ def _run(args, ranks, say, out) -> int:
                           f"number of processes ({ranks.world})")
     dtype = DTYPES[args.precision or ("bf16" if device.type == "cuda" else "fp32")]
     resume = args.resume
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = ranks.restarted(device) if ranks.distributed else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and (out / "checkpoints" / "latest").is_file():
         resume = "latest"  # torchrun restarted the group after a failure: go on from the last checkpoint
     resume_dir, sharded_ckpt = None, False

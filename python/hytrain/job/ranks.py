@@ -181,7 +181,11 @@ def launch(args, argv: list[str]) -> int:
     print("hytrain train: " + " ".join(cmd[1:]), flush=True)
     # OMP_NUM_THREADS=1 is what torchrun gives each rank anyway (the job sets its own thread counts);
     # setting it here spares its four-line banner saying so.
-    env = {"OMP_NUM_THREADS": "1", **os.environ, LAUNCHED: str(os.getpid())}  # named by the run lock
+    # A fresh rendezvous store for every round of the group (torch's documented opt-out of the agent's
+    # shared one), so that a restarted group never reads what the dead round left in it: see
+    # ``hytrain.distributed.init_process_group``.
+    env = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **os.environ,
+           LAUNCHED: str(os.getpid())}  # named by the run lock
     child = subprocess.Popen(_torchrun_wrapper(cmd), env=env)
     forwarded = []
 
@@ -272,6 +276,14 @@ class Ranks:
             return batch
         n = batch.shape[0] // self.world
         return batch[self.rank * n:(self.rank + 1) * n]
+
+    def restarted(self, device) -> bool:
+        """Whether torchrun restarted the group after a failure, on any rank. After a failure on one
+        node, the agents of the others restart their workers for the membership change, which
+        torchrun does not count: their TORCHELASTIC_RESTART_COUNT stays as it was (an NCCL rank
+        waiting in a collective with the dead one neither fails nor exits until its agent stops it)."""
+        mine = float(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+        return self.total(mine, device) > 0
 
     def gather(self, values: list[float], device) -> list[list[float]]:
         """Every rank's values (one small all-gather); ``[values]`` in a plain job."""
