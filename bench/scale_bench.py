@@ -293,7 +293,7 @@ def main():
                     help="cpu: the harness on CPU ranks (gloo, no DeepSpeed), to check it, not to time it")
     ap.add_argument("--floor-params", type=int, default=100_000_000,
                     help="parameters each rank updates to measure the node's host bandwidth (0: no floor)")
-    ap.add_argument("--floor-passes", type=int, default=5, help="timed update passes of that measurement")
+    ap.add_argument("--floor-passes", type=int, default=20, help="timed update passes of that measurement")
     # A worker's own flags (set by this script for the processes it starts; the parent's are --cap and --modes).
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap-gb", type=float, default=None, help=argparse.SUPPRESS)
@@ -349,7 +349,11 @@ def main():
                 cap = ds if args.cap == "deepspeed" else cap_value
                 if cap:
                     cmd += ["--cap-gb", str(cap)]
-            env = dict(os.environ, NCCL_NVLS_ENABLE="0")
+            # Each rank's share of the cores for the CPU optimizers of the baselines (DeepSpeedCPUAdam and
+            # torch's AdamW run on OpenMP/intra-op threads): torchrun would give each rank one thread
+            # (OMP_NUM_THREADS=1) where it starts several. hytrain sizes its own workers the same way.
+            threads = max(1, len(os.sched_getaffinity(0)) // n)
+            env = dict(os.environ, NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(threads)))
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
                 lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
