@@ -397,6 +397,23 @@ class Engine:
         self.store.load_entries(entries, reset_missing=True, sharded=self.shard_group is not None)
         self.loaded()
 
+    def reconcile(self, state) -> None:
+        """What the loop did to ``optimizer.state`` between calls -- cleared it, removed or emptied an
+        entry, put other tensors in it, replaced the dict itself -- is found by identity and applied
+        as torch's AdamW would see it (see StateStore.changes and restore), after waiting for what is
+        in flight; the buffers the native side points at were never freed (the store holds them)."""
+        if state is not self._state:
+            self._state = state
+            self.store.rebind(state)
+        if not self.bound:
+            return
+        replaced, removed = self.store.changes()
+        if not (replaced or removed):
+            return
+        self.synchronize()
+        self.store.restore(replaced, removed, sharded=self.shard_group is not None)
+        self.loaded()
+
     def loaded(self) -> None:
         """A state loaded between backward and step() is the state the step starts from: speculated
         blocks (their results computed from the state before) are redone in step(), not adopted."""

@@ -103,6 +103,7 @@ class HybridAdamW(torch.optim.Optimizer):
     def _rebuild(self):
         """The set of parameters changed (add_param_group, an unfrozen parameter): a new engine, with
         every state carried over (copies) and loaded when the state is made at the next step."""
+        self._engine.reconcile(self.state)
         carried = {**self._parked, **self._engine.carry()}
         self._engine.close()
         self._engine = Engine(self.param_groups, self.state, self._settings)
@@ -208,6 +209,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 loss = closure()
         engine = self._engine
         engine.fence.disarm()
+        engine.reconcile(self.state)
         engine.intake.remove_clip_prehooks()
         check_group_values(self.param_groups, engine.store.amsgrad_bound if engine.bound else None,
                            self._settings.state_format)
@@ -218,6 +220,7 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         self._engine.fence.disarm()
+        self._engine.reconcile(self.state)
         if not set_to_none:
             self.synchronize()  # the workers may still read the gradients being zeroed
         # Dropping .grad needs no wait: the updates in flight keep the gradients they read alive.
@@ -241,6 +244,7 @@ class HybridAdamW(torch.optim.Optimizer):
         Parameters without state (never stepped) have no entry, as in torch. Before the first step:
         the settings, and the state loaded by load_state_dict if any, in this optimizer's format."""
         engine = self._engine
+        engine.reconcile(self.state)
         if engine.bound:
             engine.synchronize()
         extra = dict(self._parked)
@@ -257,6 +261,7 @@ class HybridAdamW(torch.optim.Optimizer):
         ``state_format``: to load a checkpoint of another format, m and v in its layout (converted by
         :meth:`load_sharded_state_dict`). Creates the state if the first step has not."""
         engine = self._engine
+        engine.reconcile(self.state)
         if not engine.bound:
             check_group_values(self.param_groups)
             engine.bind()
@@ -282,6 +287,7 @@ class HybridAdamW(torch.optim.Optimizer):
         as torch's AdamW would. Before the first step the state is kept and loaded when it is
         created. Everything is checked before anything changes."""
         engine = self._engine
+        engine.reconcile(self.state)  # the dict the load fills is optimizer.state as it is now
         if isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict:
             self.synchronize()
         groups, entries = state_dicts.parse(state_dict, self.param_groups,

@@ -86,6 +86,9 @@ class StateStore:
         self.staging = {}  # id(p) -> (gradient staging, weight staging or None); host-resident CUDA parameters
         self.dev = {}  # id(p) -> device master/exp_avg/exp_avg_sq/max_exp_avg_sq/grad (resident blocks)
         self.shadow = {}  # id(p) -> spare host master/exp_avg/exp_avg_sq[/max_exp_avg_sq]/copy
+        # id(p) -> the tensors this store last put in state[p]: they stay alive whatever the loop does
+        # to optimizer.state (the native table holds their addresses), and tell what it changed there.
+        self._owned = {}
         self.moves = {}  # block -> CUDA event: its states' asynchronous move has completed
         self.floor = 0  # the host holds the states of blocks >= floor only: k never goes below it
         self.deferred = []  # GPU-resident blocks whose states the first step makes (create)
@@ -152,6 +155,7 @@ class StateStore:
                 self.dev.pop(id(p), None)
                 for key in self._keys(p):
                     self.state[p].pop(key, None)
+                self._own(p)
             self.defer_to_host(b)
             return
         self.deferred.remove(b)
@@ -183,6 +187,7 @@ class StateStore:
                     continue  # (its empty state is on the host already)
                 st, host = self.state[p], self._host_state(p, fill=True)
                 st.update({key: t for key, t in host.items() if key not in ("grad", "copy")})
+                self._own(p)
                 self._table_to_host(p, host)
             self.rt.moved_down(x)
         self.deferred = [x for x in self.deferred if x < b]
@@ -273,6 +278,7 @@ class StateStore:
     def clear(self) -> None:
         """Drops the state (a failed creation, or a rebuild)."""
         self.state.clear()
+        self._owned = {}
         self.pool = self.table = self.bound = self.amsgrad_bound = None
         self.staging, self.dev, self.shadow, self.moves, self._fused, self._leaving = {}, {}, {}, {}, {}, {}
         self.deferred = []
@@ -350,6 +356,7 @@ class StateStore:
             numel=w.numel(), group=self.plan.group_index[id(p)], amsgrad="max_exp_avg_sq" in st,
             state_dtype=self._state_code())
         assert handle == self.plan.index(p)
+        self._own(p)
 
     def _register_on_gpu(self, p):
         """The parameter's step counter and its table entry as a GPU-resident one (no host buffers)."""
@@ -360,6 +367,7 @@ class StateStore:
                                 group=self.plan.group_index[id(p)], amsgrad=self.plan.amsgrad(p), on_host=False,
                                 state_dtype=self._state_code())
         assert handle == self.plan.index(p)
+        self._own(p)
 
     def _gpu_state(self, p):
         """The parameter's state on the GPU: zero moments, the master from the weights, and the
@@ -373,6 +381,7 @@ class StateStore:
         self.dev[id(p)] = d
         for key in self._keys(p):
             st[key] = d[key]
+        self._own(p)
 
     def _host_state(self, p, *, fill):
         """The parameter's host tensors from the pool: its state (zero moments and the master from
@@ -459,16 +468,16 @@ class StateStore:
 
     # -- loads ---------------------------------------------------------------------------------------------
 
-    def load_entries(self, entries, *, reset_missing, sharded=False):
+    def load_entries(self, entries, *, reset_missing, sharded=False, reset=()):
         """Copies loaded state entries (parameter -> {key: tensor}, checked) into the host buffers;
         with ``reset_missing`` the parameters without an entry start afresh (step 0, zero moments,
-        the master from the weights)."""
+        the master from the weights), else those in ``reset``."""
         plan = []
         for p in self.plan.params:
             mine = self.state[p]
             entry = entries.get(p)
             if entry is None:
-                if reset_missing:
+                if reset_missing or p in reset:
                     for key in ("step", *STATE_KEYS):
                         if key in mine:
                             plan.append((mine[key], None, key))
@@ -495,6 +504,73 @@ class StateStore:
                 else:
                     dst.copy_(local(src))
         self.note_weight_versions(sharded=sharded)  # the loaded masters are what the next update starts from
+
+    # -- what the loop did to optimizer.state -----------------------------------------------------------
+
+    def _own(self, p) -> None:
+        self._owned[id(p)] = dict(self.state[p])
+
+    def rebind(self, state) -> None:
+        """``optimizer.state`` is another dict now (``opt.state = defaultdict(dict)``): it is the one
+        read and written from here on; what it holds is reconciled by :meth:`changes`."""
+        self.state = state
+
+    def changes(self) -> tuple[dict, set]:
+        """What the loop changed in ``optimizer.state`` since this store last wrote it, found by
+        identity (no copy, no read of the values): (parameter -> {key: the tensor put there} for
+        replaced tensors, the parameters whose entry was removed or emptied). A key deleted from an
+        entry that is otherwise there is refused, as torch's AdamW would fail on it too."""
+        replaced, removed = {}, set()
+        for p in self.plan.params:
+            mine = self._owned.get(id(p))
+            if not mine:
+                continue  # no state here (an empty shard, or not made yet)
+            cur = self.state.get(p)
+            if cur is None or (isinstance(cur, dict) and not cur):
+                removed.add(p)
+                continue
+            if cur is not mine and not isinstance(cur, dict):
+                raise TypeError(f"optimizer.state[p] of parameter {self.plan.index(p)} is a "
+                                f"{type(cur).__name__}, not a dict")
+            diff = {}
+            for key, t in mine.items():
+                got = cur.get(key)
+                if got is t:
+                    continue
+                if got is None:
+                    raise KeyError(f"optimizer.state[p] of parameter {self.plan.index(p)} lost {key!r}; remove "
+                                   "the whole entry (del optimizer.state[p]) to start that parameter afresh")
+                diff[key] = got
+            if diff:
+                replaced[p] = diff
+        return replaced, removed
+
+    def restore(self, replaced: dict, removed: set, *, sharded: bool) -> None:
+        """Applies :meth:`changes` as torch would see them, with nothing in flight: a removed entry
+        starts afresh (step 0, zero moments, the master from the weights); a replaced tensor's
+        values are copied into this store's buffer (in its format and place, after the checks of a
+        load). ``optimizer.state[p]`` holds this store's buffers again either way."""
+        entries = {}
+        for p, diff in replaced.items():
+            mine, want = self._owned[id(p)], local(p).numel()
+            for key, got in diff.items():
+                got = torch.as_tensor(got)
+                n = local(got).numel() if hasattr(got, "to_local") else got.numel()
+                need = 1 if key == "step" else want
+                if n != need:
+                    raise ValueError(f"optimizer.state[p][{key!r}] of parameter {self.plan.index(p)} was replaced "
+                                     f"by a tensor of {n} elements (shape {tuple(got.shape)}); it needs {need}")
+                if not (got.is_floating_point() or key == "step"):
+                    raise TypeError(f"optimizer.state[p][{key!r}] of parameter {self.plan.index(p)} was replaced "
+                                    f"by a {got.dtype} tensor; it needs a floating-point one")
+            entries[p] = {key: torch.as_tensor(got).reshape(mine[key].shape) if key == "step" else got
+                          for key, got in diff.items()}
+        for p in (*replaced, *removed):
+            cur = self.state.get(p)
+            if not isinstance(cur, dict):
+                cur = self.state[p] = {}
+            cur.update(self._owned[id(p)])
+        self.load_entries(entries, reset_missing=False, sharded=sharded, reset=removed)
 
     # -- placement: moves between host and GPU ----------------------------------------------------------
 
@@ -538,6 +614,7 @@ class StateStore:
                 leaving += [t for t in self.staging.pop(id(p), ()) if t is not None]
                 for key in self._keys(p):
                     st[key] = d[key]
+                self._own(p)
                 self.dev[id(p)] = d
                 self.table.to_device(self.plan.index(p))
         done = torch.cuda.Event()
@@ -558,6 +635,7 @@ class StateStore:
                     if key != "master" or p.dtype != torch.float32:
                         d[key].record_stream(self._stream)  # freed only after the copy
                     st[key] = host[key]
+                self._own(p)
                 d["grad"].record_stream(self._stream)
                 self._table_to_host(p, host)
         self.drop_fused({id(p) for p in self.plan.blocks[b]})
@@ -789,5 +867,6 @@ class StateStore:
             for key in _STATE_AND_MASTER:
                 if key in st:
                     st[key], sh[key] = sh[key], st[key]
+            self._own(p)
             self.table.adopt(h)
         return records
