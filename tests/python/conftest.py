@@ -66,7 +66,9 @@ def _ours(pid: int) -> bool:
     try:
         if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
             return False
-        cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
     except OSError:
         return False
-    return any(s in cmd for s in (b"torch.distributed.run", b"hytrain", b"dist_train.py", b"scale_bench.py"))
+    modules = {b"hytrain", b"hytrain.job.torchrun", b"torch.distributed.run"}
+    return any(a in modules or a.endswith((b"/hytrain", b"/dist_train.py", b"/scale_bench.py", b"/capacity_bench.py"))
+               for a in argv)
