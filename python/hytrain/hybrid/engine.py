@@ -397,7 +397,13 @@ class Engine:
         self.store.load_entries(entries, reset_missing=True, sharded=self.shard_group is not None)
         self.loaded()
 
-    def reconcile(self, state) -> None:
+    def resume(self, state) -> None:
+        """A call from the loop (step, zero_grad): the fence's watch ends, and what the loop did to
+        ``optimizer.state`` meanwhile is taken in (:meth:`reconcile`)."""
+        self.fence.disarm()
+        self.reconcile(state)
+
+    def reconcile(self, state, wait=False) -> None:
         """What the loop did to ``optimizer.state`` between calls -- cleared it, removed or emptied an
         entry, put other tensors in it, replaced the dict itself -- is found by identity and applied
         as torch's AdamW would see it (see StateStore.changes and restore), after waiting for what is
@@ -409,6 +415,8 @@ class Engine:
             return
         replaced, removed = self.store.changes()
         if not (replaced or removed):
+            if wait:  # ``wait``: nothing left in flight on return, whatever was found
+                self.synchronize()
             return
         self.synchronize()
         self.store.restore(replaced, removed, sharded=self.shard_group is not None)

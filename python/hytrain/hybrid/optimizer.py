@@ -208,8 +208,7 @@ class HybridAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         engine = self._engine
-        engine.fence.disarm()
-        engine.reconcile(self.state)
+        engine.resume(self.state)
         engine.intake.remove_clip_prehooks()
         check_group_values(self.param_groups, engine.store.amsgrad_bound if engine.bound else None,
                            self._settings.state_format)
@@ -219,8 +218,7 @@ class HybridAdamW(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
-        self._engine.fence.disarm()
-        self._engine.reconcile(self.state)
+        self._engine.resume(self.state)
         if not set_to_none:
             self.synchronize()  # the workers may still read the gradients being zeroed
         # Dropping .grad needs no wait: the updates in flight keep the gradients they read alive.
@@ -244,9 +242,7 @@ class HybridAdamW(torch.optim.Optimizer):
         Parameters without state (never stepped) have no entry, as in torch. Before the first step:
         the settings, and the state loaded by load_state_dict if any, in this optimizer's format."""
         engine = self._engine
-        engine.reconcile(self.state)
-        if engine.bound:
-            engine.synchronize()
+        engine.reconcile(self.state, wait=True)
         extra = dict(self._parked)
         if not engine.bound and engine.pending:  # as torch: in the format the state takes when loaded
             extra.update(state_dicts.in_format(engine.pending, self.state_format))
