@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 _SUBREAPER = sys.platform == "linux" and ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
@@ -45,7 +45,7 @@ def _no_process_outlives_its_test():
     yield
     if not _SUBREAPER:
         return
-    left = [p for p in _descendants(os.getpid()) if _ours(p)]
+    left = [p for p in descendants(os.getpid()) if _ours(p)]
     for p in left:
         try:
             os.kill(p, signal.SIGKILL)

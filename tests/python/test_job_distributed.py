@@ -19,6 +19,7 @@ import torch
 from hytrain import checkpoint as ckpt
 from hytrain.job.options import ConfigError
 from hytrain.job.ranks import resolve_nproc, torchrun_command
+from conftest import descendants as _descendants
 from test_distributed import _env
 
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
@@ -95,20 +96,6 @@ def test_sharded_checkpoints_resume_on_two_processes_and_on_one(tmp_path):
     assert proc.stderr.count("step_00000008, which") == 1 and "resuming from step_00000004" in proc.stderr
     assert "is damaged (meta.json was altered: its content does not match its checksum)" in proc.stderr
     assert {s: losses(damaged)[s] for s in range(5, 9)} == {s: want[s] for s in range(5, 9)}
-
-
-def _descendants(pid):
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = [int(c) for t in os.listdir(f"/proc/{p}/task")
-                    for c in open(f"/proc/{p}/task/{t}/children").read().split()]
-        except OSError:
-            continue
-        out += kids
-        todo += kids
-    return out
 
 
 def _is_worker(pid):
