@@ -3,6 +3,7 @@
 
 #include "common.h"
 #include "hytrain/cpu_features.h"
+#include "hytrain/fingerprint.h"
 #include "hytrain/membench.h"
 #include "hytrain/quant8.h"
 
@@ -99,6 +100,13 @@ void bind_core(py::module_& m) {
       py::arg("signed"), "The 8-bit state map (quant8.h): (value of each code, midpoints; +inf past the last).");
   m.def("steady_now_ns", &steady_now_ns, "The clock of UpdateEngine timings (ns).");
   m.def("undo_capacity", &undo_capacity, py::arg("numel"), "Escape entries an undo record of numel elements gets.");
+  m.def(
+      "fingerprint",
+      [](std::uintptr_t data, int64_t bytes) {
+        py::gil_scoped_release nogil;
+        return fingerprint(as_ptr<const void>(data), bytes);
+      },
+      py::arg("data"), py::arg("bytes"), "The fingerprint (fingerprint.h) of host memory [data, data + bytes).");
 }
 
 }  // namespace bindings

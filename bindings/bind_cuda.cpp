@@ -10,6 +10,7 @@
 #include "hytrain/copy_stream.h"
 #include "hytrain/cuda_adamw.h"
 #include "hytrain/cuda_env.h"
+#include "hytrain/cuda_fingerprint.h"
 #include "hytrain/cuda_grad_norm.h"
 #endif
 #include "hytrain/offload_pipeline.h"
@@ -81,6 +82,18 @@ void bind_cuda(py::module_& m) {
         g.accumulate(as_ptr<float>(sumsq), as_ptr<float>(found_inf), stream);
       })
       .def_property_readonly("numel", &cuda::GradNormGroup::numel);
+  // Rows: (address, bytes).
+  using SpanRow = std::tuple<std::uintptr_t, int64_t>;
+  py::class_<cuda::FingerprintGroup>(m, "CudaFingerprintGroup")
+      .def(py::init([](const std::vector<SpanRow>& rows, int device) {
+        std::vector<cuda::SpanRef> spans;
+        for (const SpanRow& r : rows) spans.push_back({as_ptr<const void>(std::get<0>(r)), std::get<1>(r)});
+        return std::make_unique<cuda::FingerprintGroup>(spans, device);
+      }))
+      .def("compute", [](cuda::FingerprintGroup& g, std::uintptr_t out, std::uintptr_t stream) {
+        g.compute(as_ptr<uint64_t>(out), stream);
+      })
+      .def_property_readonly("size", &cuda::FingerprintGroup::size);
   m.def("cuda_clip_multiplier", [](std::uintptr_t sumsq, std::uintptr_t inv_scale,
                                    double host_inv_scale, double max_norm, std::uintptr_t out,
                                    int device, std::uintptr_t stream) {

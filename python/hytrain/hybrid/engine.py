@@ -30,15 +30,23 @@ from .planner import Planner
 from .store import StateStore
 
 
-def _weak(ref, name, *args):
-    """A hook calling ``engine.name(*args)`` through a weak reference (nothing once it is gone).
-    Under torch.compile it runs as it is, outside the graph (a graph break)."""
+class _Hook:
+    """A module hook calling ``engine.name(*args)`` through a weak reference (nothing once the engine
+    is gone). Under torch.compile it runs as it is, outside the graph (a graph break). A copy of the
+    module (``copy.deepcopy``, ``torch.save``/``torch.load``) gets a hook that does nothing: the copy's
+    parameters are not the optimizer's."""
+
+    def __init__(self, ref, name, *args):
+        self.ref, self.name, self.args = ref, name, args
+
     @torch.compiler.disable
-    def hook(*_):
-        engine = ref()
+    def __call__(self, *_):
+        engine = self.ref() if self.ref is not None else None
         if engine is not None:
-            getattr(engine, name)(*args)
-    return hook
+            getattr(engine, self.name)(*self.args)
+
+    def __reduce__(self):
+        return (_Hook, (None, self.name))
 
 
 def _in_backward() -> bool:
@@ -169,13 +177,13 @@ class Engine:
         waits for its own blocks (and can be measured)."""
         ref, plan = weakref.ref(self), self.plan
         inner = getattr(model, "_orig_mod", model)
-        self._model_hooks.append(inner.register_state_dict_pre_hook(_weak(ref, "synchronize")))
+        self._model_hooks.append(inner.register_state_dict_pre_hook(_Hook(ref, "synchronize")))
         layers = None if plan.compiled else repeated_layers(inner)
         n = len(plan)
         if layers is None:
             everything = list(range(n))
             self._model_hooks.append(model.register_forward_pre_hook(
-                _weak(ref, "before_forward", everything, everything[:1]), prepend=True))
+                _Hook(ref, "before_forward", everything, everything[:1]), prepend=True))
             return not plan.compiled
         layer_ids = [sorted({plan.block_of[id(p)] for p in child.parameters() if id(p) in plan.block_of})
                      for child in layers]
@@ -191,13 +199,13 @@ class Engine:
             # (prepend), and the tail, which belongs to the root's unit, is waited for with the head.
             head, tail = head + tail, []
         self._model_hooks.append(model.register_forward_pre_hook(
-            _weak(ref, "before_forward", head + outside, head), prepend=True))
+            _Hook(ref, "before_forward", head + outside, head), prepend=True))
         for child, ids in zip(layers, layer_ids):
             self._model_hooks.append(child.register_forward_pre_hook(
-                _weak(ref, "before_forward", ids, ids), prepend=True))
+                _Hook(ref, "before_forward", ids, ids), prepend=True))
         if tail:
             self._model_hooks.append(layers[len(layers) - 1].register_forward_hook(
-                _weak(ref, "before_forward", tail, tail)))
+                _Hook(ref, "before_forward", tail, tail)))
         return True
 
     # -- during backward and forward --------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 from .._native import native
 from . import collectives
-from .common import local
+from .common import dense, local
 
 
 def sq_norm(grads):
@@ -76,7 +76,8 @@ class GradientIntake:
         self.arrived(b, arrival == kinds.complete)  # (before the state exists: only measured)
 
     def grads(self, b):
-        """The block's (parameter, gradient) pairs, gradients validated and contiguous: for
+        """The block's (parameter, gradient) pairs, gradients validated and laid out as their
+        parameters (element i of the gradient's memory is element i of the weights'): for
         the local shards of sharded (FSDP2) parameters; a parameter whose shard on this rank is empty
         has nothing to update here."""
         out = []
@@ -92,7 +93,8 @@ class GradientIntake:
                                    f"shape {tuple(g.shape)}, device {g.device}: it must match the parameter "
                                    f"({w.dtype}, {w.device})")
             if w.numel():
-                out.append((p, g if g.is_contiguous() else g.contiguous()))
+                same = g.stride() == w.stride() or (g.is_contiguous() and w.is_contiguous())
+                out.append((p, g if same and dense(g) else torch.empty_like(w).copy_(g)))
         return out
 
     def handed_off(self, b, pairs) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from .._native import native
 from ..cpu_adam import simd_paths
-from .common import local
+from .common import is_sharded, local
 
 
 class Launcher:
@@ -21,6 +21,7 @@ class Launcher:
     def __init__(self, plan, settings, rt, store, intake, fence, groups):
         self.plan, self.settings, self.rt, self.store, self.intake = plan, settings, rt, store, intake
         self.fence, self.groups = fence, groups
+        self.sharded = any(is_sharded(p) for p in plan.params)  # FSDP2 shards: no weight versions
         self.engine = None  # the native UpdateEngine (CPU workers), once the state exists
         self.pipeline = None  # the native OffloadPipeline (CUDA parameters)
         self.timeline = None
@@ -179,6 +180,7 @@ class Launcher:
             fused.step(step=step, lr=float(group["lr"]), betas=tuple(float(x) for x in group["betas"]),
                        eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                        grad_scale=sign * float(grad_scale))
+            store.note_weight_versions(ps, sharded=self.sharded)  # written on this stream: see writes.py
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(store.device))
@@ -320,6 +322,9 @@ class Launcher:
                         self._check_records(b)
                 else:
                     self.engine.wait(b)
+                # The weights as this update wrote them, before any operation of the loop's can touch
+                # them (on the stream that reads them next): see writes.py.
+                self.store.note_weight_versions(self.plan.blocks[b], sharded=self.sharded)
             finally:
                 self._unchecked.pop(b, None)
                 self._alive.pop(b, None)

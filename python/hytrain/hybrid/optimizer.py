@@ -72,6 +72,11 @@ class HybridAdamW(torch.optim.Optimizer):
             (the loop may clip or rescale them before ``step()``; see the module notes). True
             without ``max_grad_norm`` promises that nothing reads or changes the gradients after
             backward, and updates blocks while backward goes on.
+        watch_writes: writes to the weights between steps are seen however they are made (``.data``,
+            raw pointers, other threads; see ``hybrid/writes.py``): the next update starts from the
+            written weights, as torch's does. False sees only writes that move the parameters'
+            version counters (in-place operations on them, ``load_state_dict``), and saves two reads
+            of the weights per step.
     """
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale/found_inf instead of unscaling
@@ -82,14 +87,14 @@ class HybridAdamW(torch.optim.Optimizer):
                  accumulation_steps=1, workers=None, pool=None, overlap=True,
                  bucket_elements=4 << 20, slice_elements=1 << 18, trace=False,
                  gpu_memory_limit=None, schedule_every=1, speculate="auto", host_memory_limit=None,
-                 release_grads=None, fence=True, state_format="fp32"):
+                 release_grads=None, fence=True, state_format="fp32", watch_writes=True):
         validate_hparams(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._settings = settings(
             max_grad_norm=max_grad_norm, release_grads=release_grads, accumulation_steps=accumulation_steps,
             gpu_blocks=gpu_blocks, schedule_every=schedule_every, gpu_memory_limit=gpu_memory_limit,
             speculate=speculate, host_memory_limit=host_memory_limit, fence=fence, overlap=overlap,
             workers=workers, slice_elements=slice_elements, trace=trace, pool=pool, model=model, blocks=blocks,
-            bucket_elements=bucket_elements, state_format=state_format)
+            bucket_elements=bucket_elements, state_format=state_format, watch_writes=watch_writes)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
                         maximize=maximize, foreach=foreach, capturable=capturable,
                         differentiable=differentiable, fused=fused)
@@ -212,8 +217,9 @@ class HybridAdamW(torch.optim.Optimizer):
         engine.intake.remove_clip_prehooks()
         check_group_values(self.param_groups, engine.store.amsgrad_bound if engine.bound else None,
                            self._settings.state_format)
-        if any(p.requires_grad and p.grad is not None for p in engine.plan.frozen):
-            self._rebuild()  # a parameter without state has a gradient now (unfrozen): it gets state
+        if engine.plan.stale(self.param_groups) or any(p.requires_grad and p.grad is not None
+                                                       for p in engine.plan.frozen):
+            self._rebuild()  # a parameter swapped in the groups, or one without state has a gradient now
         self._engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         return loss
 
@@ -241,12 +247,14 @@ class HybridAdamW(torch.optim.Optimizer):
         Between backward and step() it is the state before the step, as torch's would be.
         Parameters without state (never stepped) have no entry, as in torch. Before the first step:
         the settings, and the state loaded by load_state_dict if any, in this optimizer's format."""
+        state_dicts.run_hooks(self._optimizer_state_dict_pre_hooks, self)
         engine = self._engine
         engine.reconcile(self.state, wait=True)
         extra = dict(self._parked)
         if not engine.bound and engine.pending:  # as torch: in the format the state takes when loaded
             extra.update(state_dicts.in_format(engine.pending, self.state_format))
-        return state_dicts.with_entries(super().state_dict(), extra, self.param_groups)
+        out = state_dicts.with_entries(state_dicts.torch_state_dict(self), extra, self.param_groups)
+        return state_dicts.run_hooks(self._optimizer_state_dict_post_hooks, self, out)
 
     def sharded_state_dict(self, state_format=None) -> dict:
         """The state for ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load``): ``{"state":
@@ -281,7 +289,9 @@ class HybridAdamW(torch.optim.Optimizer):
         each parameter's entry loaded into its buffers (``exp_avg``, ``exp_avg_sq``, ``step``,
         and ``master`` when saved by HybridAdamW), and a parameter without an entry starts afresh,
         as torch's AdamW would. Before the first step the state is kept and loaded when it is
-        created. Everything is checked before anything changes."""
+        created. Everything is checked before anything changes. torch's load_state_dict pre- and
+        post-hooks run around it (a pre-hook may return the dict to load)."""
+        state_dict = state_dicts.run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
         engine = self._engine
         engine.reconcile(self.state)  # the dict the load fills is optimizer.state as it is now
         if isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict:
@@ -293,6 +303,7 @@ class HybridAdamW(torch.optim.Optimizer):
         engine.load(mine)
         self._parked = {p: e for p, e in entries.items() if id(p) not in active}
         state_dicts.apply_groups(groups, self.param_groups, self.defaults)
+        state_dicts.run_hooks(self._optimizer_load_state_dict_post_hooks, self)
 
 
 _SETTINGS_VIEWS = frozenset(("max_grad_norm", "release_grads", "accumulation_steps", "auto", "gpu_blocks",

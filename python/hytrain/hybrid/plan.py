@@ -21,15 +21,18 @@ def check_param_list(params) -> None:
         if not isinstance(p, torch.Tensor):
             raise TypeError(f"parameter {i} is a {type(p).__name__}, not a tensor")
         if id(p) in seen:
-            raise ValueError(f"parameter {i} appears more than once")
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) appears more than once in the param groups "
+                             "(torch's optimizers warn and update it twice per step); pass each parameter once")
         seen.add(id(p))
         if not p.is_leaf:
             raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) is not a leaf tensor; "
                              "optimize the leaf (e.g. the nn.Parameter), not a result of an operation")
         # A frozen integer parameter is never stepped (as in torch); a complex one is not supported.
-        if not p.is_floating_point() and (p.requires_grad or p.is_complex()):
-            raise TypeError(f"parameter {i} has dtype {p.dtype}; HybridAdamW supports float32, bfloat16 "
-                            "and float16")
+        if (not p.is_floating_point() and (p.requires_grad or p.is_complex())) or (
+                p.requires_grad and p.dtype == torch.float64):
+            raise TypeError(f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; HybridAdamW supports "
+                            "float32, bfloat16 and float16 (its masters and states are fp32: a float64 model "
+                            "would be trained at fp32 precision); cast the model first, e.g. model.float()")
 
 
 def is_compiled(model) -> bool:
@@ -51,6 +54,7 @@ class BlockPlan:
         self.moment_bytes = moment_bytes or (lambda n: 4 * n)  # bytes of m (or v) of an n-element parameter
         everything = [p for g in param_groups for p in g["params"]]
         check_param_list(everything)
+        self._ids = self.ids(param_groups)
         self.params = [p for p in everything if p.requires_grad]
         self.frozen = [p for p in everything if not p.requires_grad]
         if not self.params:
@@ -69,6 +73,15 @@ class BlockPlan:
                 if id(p) in self.block_of:
                     raise ValueError("a parameter appears in two blocks")
                 self.block_of[id(p)] = i
+
+    @staticmethod
+    def ids(param_groups) -> tuple:
+        return tuple(tuple(map(id, g["params"])) for g in param_groups)
+
+    def stale(self, param_groups) -> bool:
+        """Whether the param groups hold other parameters than when the plan was made (one swapped
+        in ``param_groups[i]["params"]``, a list replaced): the face builds a new plan."""
+        return self.ids(param_groups) != self._ids
 
     def fenced_ids(self) -> dict:
         """``block_of`` with the local shards of FSDP2 parameters added: the tensor a DTensor holds

@@ -53,6 +53,7 @@ class Settings:
     blocks: list | None
     bucket_elements: int
     state_format: str  # "fp32", "bf16" (m and v in bfloat16) or "8bit" (STATE_FORMATS)
+    watch_writes: bool = True  # fingerprints of the weights see writes their counters miss (writes.py)
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -67,7 +68,7 @@ class Settings:
 
 def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, schedule_every, gpu_memory_limit,
              speculate, host_memory_limit, fence, overlap, workers, slice_elements, trace, pool, model, blocks,
-             bucket_elements, state_format="fp32") -> Settings:
+             bucket_elements, state_format="fp32", watch_writes=True) -> Settings:
     """The engine's settings from HybridAdamW's keyword arguments (each checked, with its default)."""
     if max_grad_norm is not None:
         max_grad_norm = _checks.real("max_grad_norm", max_grad_norm, lo=0.0, lo_open=True)
@@ -96,6 +97,8 @@ def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, sc
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(fence, bool):
         raise TypeError(f"fence must be True or False, got {fence!r}")
+    if not isinstance(watch_writes, bool):
+        raise TypeError(f"watch_writes must be True or False, got {watch_writes!r}")
     if not isinstance(state_format, str) or state_format not in STATE_FORMATS:
         raise ValueError(f"state_format must be one of {', '.join(map(repr, STATE_FORMATS))}; got {state_format!r}")
     # Default: every usable core but one, which the training thread needs to keep the GPU fed.
@@ -109,7 +112,7 @@ def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, sc
         overlap=bool(overlap), workers=_checks.integer("workers", workers, lo=1),
         slice_elements=_checks.integer("slice_elements", slice_elements, lo=1024), trace=bool(trace), pool=pool,
         model=model if blocks is None else None, blocks=blocks, bucket_elements=bucket_elements,
-        state_format=state_format)
+        state_format=state_format, watch_writes=watch_writes)
 
 
 def _scalar(name, x) -> float:

@@ -10,7 +10,7 @@ import torch
 
 from .. import _checks, quant8
 from .collectives import host_mesh
-from .common import MOMENTS, STATE_KEYS, is_sharded, local
+from .common import MOMENTS, STATE_KEYS, convert_moment, is_sharded, local
 from .settings import STATE_FORMATS, check_state_value
 
 # The 8-bit scales beside m and v in sharded checkpoints (_sharded_moment).
@@ -80,11 +80,35 @@ def apply_groups(groups, param_groups, defaults) -> None:
 
 def with_entries(out, entries, param_groups) -> dict:
     """torch's state dict ``out`` with the entries of parameters that have no state here (frozen,
-    or loaded before the state exists) added under their indices."""
+    or loaded before the state exists) added under their indices; as in torch, a parameter no longer
+    in the param groups (swapped out of them) has none."""
     if entries:
         index = {id(p): i for i, p in enumerate(p for g in param_groups for p in g["params"])}
         for p, entry in entries.items():
-            out["state"][index[id(p)]] = entry
+            if id(p) in index:
+                out["state"][index[id(p)]] = entry
+    return out
+
+
+def torch_state_dict(opt) -> dict:
+    """``torch.optim.Optimizer.state_dict`` without its hooks: the face runs them around the whole
+    (the pre-hooks before the state is reconciled, the post-hooks on the dict it returns)."""
+    pre, post = opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks
+    opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = {}, {}
+    try:
+        return torch.optim.Optimizer.state_dict(opt)
+    finally:
+        opt._optimizer_state_dict_pre_hooks, opt._optimizer_state_dict_post_hooks = pre, post
+
+
+def run_hooks(hooks, opt, *args):
+    """Runs torch's optimizer hooks in their order: with a state dict (``args``), a hook that returns
+    one replaces it for the hooks after it; returns the dict (or None)."""
+    out = args[0] if args else None
+    for hook in list(hooks.values()):
+        got = hook(opt, out) if args else hook(opt)
+        if args and got is not None:
+            out = got
     return out
 
 
@@ -95,7 +119,7 @@ def in_format(entries, state_format) -> dict:
     dtype = STATE_FORMATS[state_format]
     out = {}
     for p, entry in entries.items():
-        out[p] = {key: quant8.convert(val, key, dtype, local(p).shape)
+        out[p] = {key: convert_moment(val, key, dtype, local(p))
                   if key in MOMENTS and isinstance(val, torch.Tensor) else val for key, val in entry.items()}
     return out
 

@@ -16,7 +16,8 @@ from .. import _checks, quant8
 from .._native import native
 from ..cuda_adam import CudaAdamW
 from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes, memory_total_bytes
-from .common import MOMENTS, PARAM_DTYPES, STATE_KEYS, local
+from .common import MOMENTS, PARAM_DTYPES, STATE_KEYS, convert_moment, dense, is_sharded, like, local, span
+from .writes import WeightWatch
 
 _STATE_AND_MASTER = ("master", *STATE_KEYS)
 _MORE_ROOM = ("leave the GPU more room (a smaller batch, activation checkpointing, a larger gpu_memory_limit), "
@@ -57,8 +58,9 @@ def check_params(params) -> torch.device:
         if p.dtype not in PARAM_DTYPES:
             raise TypeError(f"parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; HybridAdamW supports "
                             "float32, bfloat16 and float16")
-        if p.layout != torch.strided or not p.is_contiguous():
-            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}) must be a dense contiguous tensor")
+        if p.layout != torch.strided or not dense(p):
+            raise ValueError(f"parameter {i} (shape {tuple(p.shape)}, strides {p.stride()}) must be dense: "
+                             "contiguous, channels_last or another layout without gaps or overlaps")
         if p.device.type not in ("cpu", "cuda"):
             raise ValueError(f"parameter {i} is on {p.device}; HybridAdamW supports CPU and CUDA")
         devices.add(p.device)
@@ -96,6 +98,7 @@ class StateStore:
         self._fused = {}  # ((id, address) of each parameter) -> CudaAdamW
         self._groups_set = None  # the hyperparameters the table has
         self._versions = {}  # id(p) -> (address, version) of the weights after our last write
+        self.watch = None  # WeightWatch: fingerprints of the weights after our last write
         self._stream = None
         self._state_bytes = plan.sizes()[2]
 
@@ -138,6 +141,9 @@ class StateStore:
         self.settings.gpu_blocks = later
         if self.cuda:
             self._stream = torch.cuda.Stream(self.device, priority=0)
+        watched = [p for p in plan.params if not is_sharded(p) and local(p).numel()
+                   and (p.dtype != torch.float32 or self.cuda)]  # (fp32 CPU weights are their own master)
+        self.watch = WeightWatch(watched, self.device) if watched and self.settings.watch_writes else None
         self.bound = {id(p): (w.device, w.dtype, w.shape) for p in plan.params for w in (local(p),)}
         self.amsgrad_bound = [bool(g["amsgrad"]) for g in param_groups]
 
@@ -284,6 +290,7 @@ class StateStore:
         self.deferred = []
         self._groups_set = None
         self._versions = {}
+        self.watch = None
 
     def _pool_bytes(self) -> int:
         """A capacity for the default pool: the host bytes of the blocks from the floor on, as many
@@ -373,7 +380,7 @@ class StateStore:
         """The parameter's state on the GPU: zero moments, the master from the weights, and the
         gradient buffer its updates read."""
         st, w = self.state[p], local(p)
-        d = {key: torch.zeros(self._shape(w, key), dtype=self._dtype(key), device=self.device)
+        d = {key: like(torch.zeros(self._shape(w, key), dtype=self._dtype(key), device=self.device), w)
              for key in self._keys(p) if key != "master"}
         # (an fp32 weight is its own master)
         d["master"] = w.detach().float() if p.dtype != torch.float32 else w.detach()
@@ -397,11 +404,11 @@ class StateStore:
             empty = zeros
         out = {}
         for key in self._keys(p):
-            out[key] = (zeros if fill and key != "master" else empty)(self._shape(w, key), self._dtype(key))
+            out[key] = like((zeros if fill and key != "master" else empty)(self._shape(w, key), self._dtype(key)), w)
         if fill and "master" in out:
             out["master"].copy_(w.detach())
         if self.cuda:
-            buf = empty(w.shape, p.dtype)
+            buf = like(empty(w.shape, p.dtype), w)
             out["grad"] = buf
             if p.dtype != torch.float32:
                 out["copy"] = buf
@@ -424,18 +431,23 @@ class StateStore:
                 "HybridAdamW built after the move")
 
     def note_weight_versions(self, params=None, *, sharded=False):
-        """The weights' version counters as of now: our own updates write them without counting
-        (copies and kernels on their memory), so a counter that moved later means the loop wrote the
-        weights (``model.load_state_dict``, an in-place edit). Not for FSDP2 shards (``sharded``),
-        whose storage FSDP2 manages itself."""
+        """The weights as the optimizer wrote them (see writes.py): their version counters -- our own
+        updates write them without counting (copies and kernels on their memory), so a counter that
+        moved later means the loop wrote the weights (``model.load_state_dict``, an in-place edit) --
+        and their fingerprints, for writes that leave the counter alone (``p.data``). Not for FSDP2
+        shards (``sharded``), whose storage FSDP2 manages itself."""
         if sharded:
             return
-        for p in (self.plan.params if params is None else params):
+        params = self.plan.params if params is None else params
+        for p in params:
             if "master" in self.state[p]:
                 self._versions[id(p)] = (local(p).data_ptr(), local(p)._version)
+        if self.watch is not None:
+            self.watch.note(params)
 
     def written_weights(self, *, sharded=False) -> list:
-        """The parameters whose weights the loop wrote since :meth:`note_weight_versions`."""
+        """The parameters whose weights the loop wrote since :meth:`note_weight_versions`, of the
+        blocks whose weights no pass of the optimizer is writing now."""
         if sharded:
             return []
         out = []
@@ -444,6 +456,12 @@ class StateStore:
             w = local(p)
             if seen is not None and seen != (w.data_ptr(), w._version):
                 out.append(p)
+        if self.watch is not None:
+            rt, phases = self.rt, native().BlockPhase
+            quiet = [p for b, blk in enumerate(self.plan.blocks)
+                     if not rt.in_flight(b) or rt.phase(b) in (phases.held, phases.speculated) for p in blk]
+            seen = {id(p) for p in out}
+            out += [p for p in self.watch.written(quiet) if id(p) not in seen]
         return out
 
     def refresh_masters(self, params) -> None:
@@ -480,9 +498,9 @@ class StateStore:
                 if reset_missing or p in reset:
                     for key in ("step", *STATE_KEYS):
                         if key in mine:
-                            plan.append((mine[key], None, key))
+                            plan.append((mine[key], None, key, p))
                     if "master" in mine:
-                        plan.append((mine["master"], local(p).detach(), "master"))
+                        plan.append((mine["master"], local(p).detach(), "master", p))
                 continue
             for key, val in entry.items():
                 if key == "master" and key not in mine:
@@ -494,13 +512,13 @@ class StateStore:
                 else:
                     raise ValueError(f"parameter {self.plan.index(p)}: state {key!r} does not fit this "
                                      "optimizer (amsgrad differs?)")
-                plan.append((dst, val, key))
+                plan.append((dst, val, key, p))
         with torch.no_grad():
-            for dst, src, key in plan:
+            for dst, src, key, p in plan:
                 if src is None:
                     dst.zero_()
                 elif key in MOMENTS:  # m and v in the buffer's format (8-bit or floating)
-                    dst.copy_(quant8.convert(local(src), key, dst.dtype, dst.shape))
+                    dst.copy_(convert_moment(local(src), key, dst.dtype, local(p)))
                 else:
                     dst.copy_(local(src))
         self.note_weight_versions(sharded=sharded)  # the loaded masters are what the next update starts from
@@ -596,7 +614,7 @@ class StateStore:
         moving = []
         for p in self.plan.blocks[b]:
             st = self.state[p]
-            d = {key: torch.empty(st[key].shape, dtype=st[key].dtype, device=self.device)
+            d = {key: torch.empty_like(st[key], device=self.device)
                  for key in self._keys(p) if key != "master" or p.dtype != torch.float32}
             d["grad"] = torch.empty_like(local(p))
             moving.append((p, st, d))
@@ -727,9 +745,10 @@ class StateStore:
         self.drop_fused({id(p) for p in ps})
         ds = [self.dev[id(p)] for p in ps]
         half = dtype != torch.float32
-        fused = CudaAdamW([d["master"] for d in ds], [d["exp_avg"] for d in ds], [d["exp_avg_sq"] for d in ds],
-                          [d["grad"] for d in ds], weights=[local(p) for p in ps] if half else None,
-                          amsgrad=amsgrad, max_exp_avg_sqs=[d["max_exp_avg_sq"] for d in ds] if amsgrad else None,
+        fused = CudaAdamW([span(d["master"]) for d in ds], [span(d["exp_avg"]) for d in ds],
+                          [span(d["exp_avg_sq"]) for d in ds], [span(d["grad"]) for d in ds],
+                          weights=[span(local(p)) for p in ps] if half else None, amsgrad=amsgrad,
+                          max_exp_avg_sqs=[span(d["max_exp_avg_sq"]) for d in ds] if amsgrad else None,
                           seeds=[self.plan.index(p) for p in ps])  # the table's seeds: the handles
         self._fused[key] = fused
         return fused, True
@@ -825,9 +844,10 @@ class StateStore:
                           "escapes": self.pool.empty((4 * undo_capacity(n),), torch.int32),
                           "counters": self.pool.zeros((2,), torch.int64)}
                 else:
-                    sh = {key: self.pool.empty(st[key].shape, st[key].dtype) for key in _STATE_AND_MASTER if key in st}
+                    sh = {key: like(self.pool.empty(st[key].shape, st[key].dtype), local(p))
+                          for key in _STATE_AND_MASTER if key in st}
                 if p.dtype != torch.float32:
-                    sh["copy"] = self.pool.empty(local(p).shape, p.dtype)
+                    sh["copy"] = like(self.pool.empty(local(p).shape, p.dtype), local(p))
                 self._set_shadow(p, sh)
         except MemoryError:
             for p in self.plan.blocks[b]:
