@@ -238,8 +238,15 @@ def test_bad_input():
     with pytest.raises(ValueError, match="empty parameter list"):  # torch's own check
         hytrain.HybridAdamW([])
     # Device and dtype are those the parameters have at the first step (they may still move).
-    for params, kw, err, msg in [([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))], {}, TypeError, "float64"),
-                                 ([lin.weight, torch.nn.Parameter(torch.zeros(3, device="meta"))], {}, ValueError,
+    with pytest.raises(TypeError, match="float64.*model.float"):  # refused at construction
+        hytrain.HybridAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))])
+    cast_later = torch.nn.Parameter(torch.zeros(3))
+    opt = hytrain.HybridAdamW([cast_later], workers=1)
+    cast_later.data = cast_later.data.double()  # cast after construction: refused at the first step
+    cast_later.grad = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float64"):
+        opt.step()
+    for params, kw, err, msg in [([lin.weight, torch.nn.Parameter(torch.zeros(3, device="meta"))], {}, ValueError,
                                   "is on meta"),
                                  (list(lin.parameters()), {"gpu_blocks": 1}, ValueError, "gpu_blocks > 0 needs CUDA")]:
         opt = hytrain.HybridAdamW(params, workers=1, **kw)
