@@ -18,6 +18,8 @@ Modes (each in its own process, so memory and pinned pages start clean):
                       speculate="auto" (CPU updates during backward, redone when clipping fires)
   hytrain_nofence     as hytrain_auto with fence=False: only the forward hooks wait for the updates
                       that outlive step() (what the fence for every other path costs)
+  hytrain_nowatch     as hytrain_auto with watch_writes=False: no fingerprints of the weights (what
+                      seeing writes through .data, raw pointers and other threads costs)
   deepspeed_offload   DeepSpeed ZeRO-2 with offload_optimizer cpu (DeepSpeedCPUAdam), when importable
   <hytrain mode>_bf16 that mode with compact states (state_format="bf16": bf16 m and v), e.g.
                       hytrain_auto_bf16, hytrain_k0_bf16
@@ -51,7 +53,8 @@ WORKLOADS = {
     "l7b": dict(hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008, checkpointing=True),
 }
 VOCAB, BATCH, SEQ, LR, WD, CLIP = 32000, 2, 2048, 1e-4, 0.01, 1.0
-HYTRAIN_MODES = ("hytrain_k0", "hytrain_no_overlap", "hytrain_nospec", "hytrain_auto", "hytrain_nofence")
+HYTRAIN_MODES = ("hytrain_k0", "hytrain_no_overlap", "hytrain_nospec", "hytrain_auto", "hytrain_nofence",
+                 "hytrain_nowatch")
 FORMATS = {"_bf16": "bf16", "_8bit": "8bit"}  # a hytrain mode with this suffix runs with that state_format
 
 
@@ -194,11 +197,12 @@ def run_mode(args):
         mode, state_format = split_mode(mode)
         opt = hytrain.HybridAdamW(
             model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
-            gpu_blocks="auto" if mode in ("hytrain_auto", "hytrain_nospec", "hytrain_nofence") else 0,
+            gpu_blocks="auto" if mode in ("hytrain_auto", "hytrain_nospec", "hytrain_nofence", "hytrain_nowatch") else 0,
             overlap=mode != "hytrain_no_overlap", speculate=False if mode == "hytrain_nospec" else "auto",
             gpu_memory_limit=int(cap * 1e9) if cap is not None else None, trace=args.trace is not None,
             **({"host_memory_limit": int(args.host_limit_gb * 1e9)} if args.host_limit_gb else {}),
-            **({"fence": False} if mode == "hytrain_nofence" else {}), state_format=state_format)
+            **({"fence": False} if mode == "hytrain_nofence" else {}),
+            **({"watch_writes": False} if mode == "hytrain_nowatch" else {}), state_format=state_format)
     elif mode == "deepspeed_offload":
         import deepspeed
 
@@ -400,6 +404,8 @@ def main():
                 summary[f"{w}_{m}_speedup_vs_fp32_states"] = round(t(w, base) / t(w, m), 3)
         if t(w, "hytrain_auto") and t(w, "hytrain_nofence"):
             summary[f"{w}_fence_cost"] = round(t(w, "hytrain_auto") / t(w, "hytrain_nofence"), 3)
+        if t(w, "hytrain_auto") and t(w, "hytrain_nowatch"):
+            summary[f"{w}_watch_cost"] = round(t(w, "hytrain_auto") / t(w, "hytrain_nowatch"), 3)
         if t(w, "hytrain_no_overlap") and t(w, "hytrain_k0"):
             summary[f"{w}_overlap_speedup"] = round(t(w, "hytrain_no_overlap") / t(w, "hytrain_k0"), 3)
     print(json.dumps(summary), flush=True)

@@ -76,7 +76,6 @@ class Engine:
         self.steps = 0  # steps taken
         self.loss_scaling = False
         self.last_clipped = True  # whether the last step's multiplier differed from 1 (or none yet)
-        self.pending = None  # parameter -> state entry, loaded when the state is created
         self.reloaded = set()  # speculated blocks whose state was loaded before step(): see loaded()
         self._model_hooks = []
 
@@ -101,13 +100,19 @@ class Engine:
         device and dtype the parameters have now (``scaled``: a GradScaler drives the first step).
         On failure nothing is left half made."""
         s, store = self.settings, self.store
+        pending = None
         try:
             store.prepare()
             # Where each block's state lives from the start: the host holds what it can (the
             # blocks from its floor on), the GPU the first k; checked on both sides first.
             scaled = scaled or any(p.dtype == torch.float16 for p in self.plan.params)
+            # What optimizer.state holds before the state exists (a load, carried entries, the loop's
+            # own writes) is what the state starts from: taken out, then loaded into the buffers.
+            pending = self.pending
+            for p in pending or ():
+                del self._state[p]
             k, later = self.planner.initial_k(store.host_floor(), self.shard_group, scaled=scaled,
-                                              defer=not self.pending)
+                                              defer=not pending)
             store.create(self.groups, k, later)
             self.loss_scaling = any(p.dtype == torch.float16 for p in self.plan.params)
             self.timeline = Timeline(store.device if store.cuda else None) if s.trace else None
@@ -115,17 +120,14 @@ class Engine:
             measured = s.model is not None and self._install_forward_hooks(s.model)
             self.planner.start(measured=measured, pipeline=self.launcher.pipeline)
             self.launcher.meter = self.planner.meter
+            store.note_weight_versions(sharded=self.shard_group is not None)
+            if pending:
+                store.load_entries(store.checked_entries(pending), reset_missing=False,
+                                   sharded=self.shard_group is not None)
         except BaseException:  # nothing half made: the parts as before the first step
             self._unbind()
+            self._state.update(pending or {})
             raise
-        store.note_weight_versions(sharded=self.shard_group is not None)
-        if self.pending:
-            pending, self.pending = self.pending, None
-            try:
-                store.load_entries(pending, reset_missing=False, sharded=self.shard_group is not None)
-            except BaseException:
-                self.pending = pending
-                raise
 
     def _unbind(self):
         """The parts as before the first step (the state dropped)."""
@@ -136,6 +138,15 @@ class Engine:
         self._make_parts()
         self.timeline = None
 
+    @property
+    def pending(self) -> dict | None:
+        """Before the state exists: the entries ``optimizer.state`` holds for the parameters (loaded,
+        carried over, or written by the loop), which the state starts from when it is made."""
+        if self.bound:
+            return None
+        out = {p: dict(e) for p in self.plan.params for e in (self._state.get(p),) if e}
+        return out or None
+
     def carry(self) -> dict:
         """Parameter -> state entry (copies) of every parameter with state, or loaded for later."""
         out = dict(self.pending or {})
@@ -145,12 +156,14 @@ class Engine:
                 out[p] = {k: v.detach().clone() for k, v in self._state[p].items()}
         return out
 
-    def take(self, carried) -> dict:
-        """Entries of :meth:`carry` are loaded when the state is created; returns those of
-        parameters without state here."""
-        mine = self.plan.index_of
-        self.pending = {p: e for p, e in carried.items() if id(p) in mine} or None
-        return {p: e for p, e in carried.items() if id(p) not in mine}
+    def take(self, carried) -> None:
+        """Entries of :meth:`carry` go back into ``optimizer.state`` (loaded into the buffers when the
+        state is made; those of frozen parameters kept there as torch keeps them). A parameter no
+        longer in the param groups has none (torch's would stay there, and break its state_dict())."""
+        grouped = {id(p) for p in (*self.plan.params, *self.plan.frozen)}
+        for p, e in carried.items():
+            if id(p) in grouped:
+                self._state[p] = e
 
     def close(self):
         """Waits for what is in flight, then removes every hook and drops the state."""
@@ -379,17 +392,17 @@ class Engine:
             rt.launch(b)
 
     def _follow_weight_writes(self) -> set:
-        """Weights the loop wrote since the last step (a rollback with ``model.load_state_dict``)
-        are what the next update starts from, as with torch's optimizers: each such parameter's fp32
-        master is refreshed from its weights. Returns the blocks whose speculative pass read the old
-        master (redone in step())."""
+        """Weights the loop wrote since the last step (a rollback with ``model.load_state_dict``, a
+        ``.data`` write) are what the next update starts from, as with torch's optimizers, and so are
+        weights that a master loaded since does not round to: see StateStore.refresh_masters.
+        Returns the blocks whose speculative pass read a master changed here (redone in step())."""
         written = self.store.written_weights(sharded=self.shard_group is not None)
         if not written:
             return set()
         speculated = set(self.rt.in_phase(native().BlockPhase.speculated))
         self.synchronize()  # nothing in flight reads the masters being refreshed
-        self.store.refresh_masters(written)
-        return {self.plan.block_of[id(p)] for p in written} & speculated
+        changed = self.store.refresh_masters(written)
+        return {self.plan.block_of[id(p)] for p in changed} & speculated
 
     # -- waits ----------------------------------------------------------------------------------------
 
@@ -400,7 +413,9 @@ class Engine:
         """Loaded state entries (parameter -> {key: tensor}, checked) replace the state (a parameter
         without one starts afresh); before the first step they are kept until the state is made."""
         if not self.bound:
-            self.pending = entries or None
+            for p in self.plan.params:
+                self._state.pop(p, None)
+            self._state.update({p: dict(e) for p, e in entries.items()})
             return
         self.store.load_entries(entries, reset_missing=True, sharded=self.shard_group is not None)
         self.loaded()

@@ -52,8 +52,10 @@ class GradientIntake:
         self._chain = []  # max_norm of each clip_grad_norm_ call on this step's gradients
         self._prehooks = []  # while clips are pending: hooks that apply them before more gradients
         ref = weakref.ref(self)
+        # (A parameter frozen with its gradient still there has no hook: its block's gradients are
+        # taken at step(), as they are when a block never completes during backward.)
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, ref))
-                       for p in plan.params]
+                       for p in plan.params if p.requires_grad]
 
     def close(self):
         self.remove_clip_prehooks()

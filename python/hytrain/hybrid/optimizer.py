@@ -102,17 +102,16 @@ class HybridAdamW(torch.optim.Optimizer):
         self._engine = None
         super().__init__(params, defaults)
         check_group_values(self.param_groups, state_format=state_format)
-        self._parked = {}  # parameter -> saved state of a parameter without state here (frozen)
         self._engine = Engine(self.param_groups, self.state, self._settings)
 
     def _rebuild(self):
         """The set of parameters changed (add_param_group, an unfrozen parameter): a new engine, with
         every state carried over (copies) and loaded when the state is made at the next step."""
         self._engine.reconcile(self.state)
-        carried = {**self._parked, **self._engine.carry()}
+        carried = {**{p: e for p, e in self.state.items() if e}, **self._engine.carry()}
         self._engine.close()
         self._engine = Engine(self.param_groups, self.state, self._settings)
-        self._parked = self._engine.take(carried)
+        self._engine.take(carried)
 
     def __del__(self):  # work in flight uses memory the engine keeps alive: wait for it, drop the hooks
         try:
@@ -217,8 +216,7 @@ class HybridAdamW(torch.optim.Optimizer):
         engine.intake.remove_clip_prehooks()
         check_group_values(self.param_groups, engine.store.amsgrad_bound if engine.bound else None,
                            self._settings.state_format)
-        if engine.plan.stale(self.param_groups) or any(p.requires_grad and p.grad is not None
-                                                       for p in engine.plan.frozen):
+        if engine.plan.stale(self.param_groups) or any(p.grad is not None for p in engine.plan.frozen):
             self._rebuild()  # a parameter swapped in the groups, or one without state has a gradient now
         self._engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         return loss
@@ -250,7 +248,7 @@ class HybridAdamW(torch.optim.Optimizer):
         state_dicts.run_hooks(self._optimizer_state_dict_pre_hooks, self)
         engine = self._engine
         engine.reconcile(self.state, wait=True)
-        extra = dict(self._parked)
+        extra = {}
         if not engine.bound and engine.pending:  # as torch: in the format the state takes when loaded
             extra.update(state_dicts.in_format(engine.pending, self.state_format))
         out = state_dicts.with_entries(state_dicts.torch_state_dict(self), extra, self.param_groups)
@@ -301,7 +299,9 @@ class HybridAdamW(torch.optim.Optimizer):
         active = engine.plan.index_of
         mine = {p: e for p, e in entries.items() if id(p) in active}
         engine.load(mine)
-        self._parked = {p: e for p, e in entries.items() if id(p) not in active}
+        for p in engine.plan.frozen:  # (frozen parameters' entries: in optimizer.state, as torch keeps them)
+            self.state.pop(p, None)
+        self.state.update({p: e for p, e in entries.items() if id(p) not in active})
         state_dicts.apply_groups(groups, self.param_groups, self.defaults)
         state_dicts.run_hooks(self._optimizer_load_state_dict_post_hooks, self)
 

@@ -55,8 +55,10 @@ class BlockPlan:
         everything = [p for g in param_groups for p in g["params"]]
         check_param_list(everything)
         self._ids = self.ids(param_groups)
-        self.params = [p for p in everything if p.requires_grad]
-        self.frozen = [p for p in everything if not p.requires_grad]
+        # As torch's optimizers: a parameter is stepped when it has a gradient, whatever requires_grad
+        # says now (frozen after a backward, its gradient is still applied at the next step).
+        self.params = [p for p in everything if p.requires_grad or p.grad is not None]
+        self.frozen = [p for p in everything if not (p.requires_grad or p.grad is not None)]
         if not self.params:
             kinds = sorted({str(p.dtype).replace("torch.", "") for p in self.frozen})
             got = f": all {len(self.frozen)} have requires_grad=False ({', '.join(kinds)})" if self.frozen else ""

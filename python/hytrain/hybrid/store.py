@@ -99,6 +99,7 @@ class StateStore:
         self._groups_set = None  # the hyperparameters the table has
         self._versions = {}  # id(p) -> (address, version) of the weights after our last write
         self.watch = None  # WeightWatch: fingerprints of the weights after our last write
+        self.loaded_masters = set()  # ids of parameters whose master was loaded since the last step
         self._stream = None
         self._state_bytes = plan.sizes()[2]
 
@@ -282,8 +283,10 @@ class StateStore:
         return f"{n / 1e9:.2f} B" if n >= 10**9 else f"{n / 1e6:.2f} M" if n >= 10**6 else str(n)
 
     def clear(self) -> None:
-        """Drops the state (a failed creation, or a rebuild)."""
-        self.state.clear()
+        """Drops the state (a failed creation, or a rebuild): the entries of the parameters it is for
+        leave ``optimizer.state`` (those of frozen parameters stay, as in torch)."""
+        for p in self.plan.params:
+            self.state.pop(p, None)
         self._owned = {}
         self.pool = self.table = self.bound = self.amsgrad_bound = None
         self.staging, self.dev, self.shadow, self.moves, self._fused, self._leaving = {}, {}, {}, {}, {}, {}
@@ -291,6 +294,7 @@ class StateStore:
         self._groups_set = None
         self._versions = {}
         self.watch = None
+        self.loaded_masters = set()
 
     def _pool_bytes(self) -> int:
         """A capacity for the default pool: the host bytes of the blocks from the floor on, as many
@@ -456,6 +460,9 @@ class StateStore:
             w = local(p)
             if seen is not None and seen != (w.data_ptr(), w._version):
                 out.append(p)
+        if self.loaded_masters:  # masters loaded since: checked against the weights
+            seen = {id(p) for p in out}
+            out += [p for p in self.plan.params if id(p) in self.loaded_masters and id(p) not in seen]
         if self.watch is not None:
             rt, phases = self.rt, native().BlockPhase
             quiet = [p for b, blk in enumerate(self.plan.blocks)
@@ -464,12 +471,24 @@ class StateStore:
             out += [p for p in self.watch.written(quiet) if id(p) not in seen]
         return out
 
-    def refresh_masters(self, params) -> None:
-        """Each parameter's fp32 master (on the host, or on the GPU for a resident block) from its
-        weights: what the next update starts from (nothing in flight may read them)."""
-        for p in params:
-            self.state[p]["master"].copy_(local(p).detach())
+    def refresh_masters(self, params) -> list:
+        """The weights are what the next update starts from, as with torch's optimizers; the fp32
+        master (on the host, or on the GPU for a resident block) only adds the precision below their
+        rounding. So each element whose weight is not its master's rounding (written by the loop, or a
+        master loaded that the weights do not match) takes the weight's value; the others keep their
+        master. Returns the parameters whose master changed (nothing in flight may read them)."""
+        changed = []
+        with torch.no_grad():
+            for p in params:
+                m, w = self.state[p]["master"], local(p).detach()
+                w = w.to(m.device, non_blocking=False) if w.device != m.device else w
+                differs = w != m.to(w.dtype)  # (NaN weights always differ: the master becomes NaN)
+                if bool(differs.any()):
+                    m.copy_(torch.where(differs, w.to(m.dtype), m))
+                    changed.append(p)
+        self.loaded_masters.difference_update(id(p) for p in params)
         self.note_weight_versions(params)
+        return changed
 
     def sync_groups(self, param_groups) -> bool:
         """Gives the table the param groups' hyperparameters when they changed (an LR schedule).
@@ -490,18 +509,21 @@ class StateStore:
         """Copies loaded state entries (parameter -> {key: tensor}, checked) into the host buffers;
         with ``reset_missing`` the parameters without an entry start afresh (step 0, zero moments,
         the master from the weights), else those in ``reset``."""
-        plan = []
+        plan, mastered, fresh = [], [], []
         for p in self.plan.params:
             mine = self.state[p]
             entry = entries.get(p)
             if entry is None:
                 if reset_missing or p in reset:
+                    fresh.append(p)
                     for key in ("step", *STATE_KEYS):
                         if key in mine:
                             plan.append((mine[key], None, key, p))
                     if "master" in mine:
                         plan.append((mine["master"], local(p).detach(), "master", p))
                 continue
+            if "master" in entry:
+                mastered.append(p)
             for key, val in entry.items():
                 if key == "master" and key not in mine:
                     if p.dtype != torch.float32:
@@ -521,7 +543,12 @@ class StateStore:
                     dst.copy_(convert_moment(local(src), key, dst.dtype, local(p)))
                 else:
                     dst.copy_(local(src))
-        self.note_weight_versions(sharded=sharded)  # the loaded masters are what the next update starts from
+        # Masters made from the weights match them; loaded ones are checked against the weights at the
+        # next step (refresh_masters). Entries without one (a torch checkpoint, a counter reset) leave
+        # the weights' writes to be followed (Engine._follow_weight_writes).
+        self.note_weight_versions([p for p in fresh if "master" in self.state[p]], sharded=sharded)
+        if not sharded:
+            self.loaded_masters.update(id(p) for p in mastered)
 
     # -- what the loop did to optimizer.state -----------------------------------------------------------
 
@@ -563,26 +590,39 @@ class StateStore:
                 replaced[p] = diff
         return replaced, removed
 
+    def checked_entries(self, entries: dict, *, like=None) -> dict:
+        """Entries the loop put in ``optimizer.state`` (parameter -> {key: value}), checked as a load
+        checks them -- a key of this optimizer's state, as many elements as the parameter, floating
+        point (the counter: one value) -- and shaped for :meth:`load_entries`. ``like``: parameter ->
+        the buffers they replace (their shapes), else the parameter's."""
+        out = {}
+        for p, entry in entries.items():
+            want, i = local(p).numel(), self.plan.index(p)
+            checked = {}
+            for key, got in entry.items():
+                if key not in ("step", "master", *STATE_KEYS):
+                    raise ValueError(f"optimizer.state[p] of parameter {i} has {key!r}, which is not a state of "
+                                     "AdamW (step, exp_avg, exp_avg_sq, max_exp_avg_sq, master)")
+                got = torch.as_tensor(got)
+                n = local(got).numel() if hasattr(got, "to_local") else got.numel()
+                codes = key in MOMENTS and got.dtype == torch.uint8  # an 8-bit buffer (quant8)
+                need = 1 if key == "step" else quant8.state_bytes(want) if codes else want
+                if n != need:
+                    raise ValueError(f"optimizer.state[p][{key!r}] of parameter {i} was replaced by a tensor of "
+                                     f"{n} elements (shape {tuple(got.shape)}); it needs {need}")
+                if not (got.is_floating_point() or key == "step" or codes):
+                    raise TypeError(f"optimizer.state[p][{key!r}] of parameter {i} was replaced by a "
+                                    f"{got.dtype} tensor; it needs a floating-point one")
+                checked[key] = got.reshape(()) if key == "step" else got
+            out[p] = checked
+        return out
+
     def restore(self, replaced: dict, removed: set, *, sharded: bool) -> None:
         """Applies :meth:`changes` as torch would see them, with nothing in flight: a removed entry
         starts afresh (step 0, zero moments, the master from the weights); a replaced tensor's
         values are copied into this store's buffer (in its format and place, after the checks of a
         load). ``optimizer.state[p]`` holds this store's buffers again either way."""
-        entries = {}
-        for p, diff in replaced.items():
-            mine, want = self._owned[id(p)], local(p).numel()
-            for key, got in diff.items():
-                got = torch.as_tensor(got)
-                n = local(got).numel() if hasattr(got, "to_local") else got.numel()
-                need = 1 if key == "step" else want
-                if n != need:
-                    raise ValueError(f"optimizer.state[p][{key!r}] of parameter {self.plan.index(p)} was replaced "
-                                     f"by a tensor of {n} elements (shape {tuple(got.shape)}); it needs {need}")
-                if not (got.is_floating_point() or key == "step"):
-                    raise TypeError(f"optimizer.state[p][{key!r}] of parameter {self.plan.index(p)} was replaced "
-                                    f"by a {got.dtype} tensor; it needs a floating-point one")
-            entries[p] = {key: torch.as_tensor(got).reshape(mine[key].shape) if key == "step" else got
-                          for key, got in diff.items()}
+        entries = self.checked_entries(replaced)
         for p in (*replaced, *removed):
             cur = self.state.get(p)
             if not isinstance(cur, dict):
