@@ -148,7 +148,7 @@ def run(ops, with_model, dtype=torch.float32):
             # moments), which is what torch's first step for that parameter starts from.
             # (The same for an entry torch has emptied: its next step starts it afresh.)
             assert set(b.result) <= set(a.result), where
-            for i in set(a.result) - {i for i, e in b.result.items() if e}:
+            for i in {i for i, e in a.result.items() if e} - {i for i, e in b.result.items() if e}:
                 assert float(a.result[i]["step"]) == 0.0, where
                 assert not a.result[i]["exp_avg"].any() and not a.result[i]["exp_avg_sq"].any(), where
             for i in (i for i, e in b.result.items() if e):

@@ -86,6 +86,7 @@ def test_the_state_store_from_parameters_and_a_pool():
     assert store.sync_groups(groups) is False and store.sync_groups(groups) is False
     groups[0]["lr"] = 2e-3
     assert store.sync_groups(groups) is True  # the table had other values
+    store.note_weight_versions()  # as Engine.bind does once the state is made
     entry = {"exp_avg": torch.full((7,), 0.5), "exp_avg_sq": torch.full((7,), 0.25), "step": torch.tensor(3.0)}
     store.load_entries({params[1]: entry}, reset_missing=True)
     assert torch.equal(bf16["exp_avg"], entry["exp_avg"]) and float(bf16["step"]) == 3.0

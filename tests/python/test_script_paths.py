@@ -113,9 +113,9 @@ WRITES = ["data_zero", "data_clamp", "detached_copy", "no_grad_inplace", "data_a
 
 def _reference(how, when, steps, dtype):
     """torch's AdamW over fp32 masters of a ``dtype`` model: each step from the weights the script
-    left (a write to the weights is a write to what the next update starts from), the model's
-    weights the masters' rounding after each step -- the rule torch's AdamW follows for its own
-    parameters, at HybridAdamW's precision."""
+    left (a written element is what the next update starts from; the others keep their master's
+    precision), the model's weights the masters' rounding after each step -- the rule torch's AdamW
+    follows for its own parameters, at HybridAdamW's precision."""
     model = _mlp(dtype)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=3e-2, foreach=False)
@@ -128,8 +128,8 @@ def _reference(how, when, steps, dtype):
             _write(model, how)
         with torch.no_grad():
             for m, p in zip(masters, model.parameters()):
-                if not torch.equal(p, m.to(dtype)):  # the script wrote this parameter's weights
-                    m.copy_(p.float())
+                # Elements the script wrote (not their master's rounding) take the written value.
+                m.copy_(torch.where(p != m.to(dtype), p.float(), m))
                 m.grad = p.grad.float()
                 p.grad = None
         opt.step()

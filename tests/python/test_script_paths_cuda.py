@@ -161,3 +161,22 @@ def test_another_thread_after_synchronize_on_the_gpu(k):
         t.join()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(seen[0], ref.parameters()))
+
+
+def test_cuda_fingerprints_equal_the_host_ones():
+    """The device kernel against the host function (itself checked against fingerprint.h's definition
+    in test_script_paths.py and ctest), on fresh random bytes: aligned and unaligned spans, odd
+    lengths, chunk edges, many spans in one launch."""
+    from hytrain._native import native
+
+    g = torch.Generator().manual_seed(torch.seed() % (1 << 62))
+    host = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g)
+    dev = host.cuda()
+    spans = [(0, 0), (0, 1), (1, 2), (3, 5), (16, 4096), (17, 4097), (0, 2 * 65536), (2, 2 * 65536 + 1),
+             (5, (1 << 20) + 3), (64, (3 << 20) - 64)]
+    group = native().CudaFingerprintGroup([(dev.data_ptr() + off, n) for off, n in spans], dev.device.index)
+    out = torch.zeros(len(spans), dtype=torch.int64, device="cuda")
+    group.compute(out.data_ptr(), torch.cuda.current_stream().cuda_stream)
+    got = [x % (1 << 64) for x in out.tolist()]
+    want = [native().fingerprint(host.data_ptr() + off, n) for off, n in spans]
+    assert got == want
