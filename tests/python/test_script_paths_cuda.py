@@ -68,7 +68,7 @@ def test_state_surgery_on_the_gpu(how, clip, k):
 
 def _write(model, how):
     if how == "data_zero":
-        model.layers[1].fc1.weight.data.zero_()
+        model.layers[1].up.weight.data.zero_()
     elif how == "data_clamp":
         for p in model.parameters():
             p.data.clamp_(-0.02, 0.02)
@@ -81,6 +81,9 @@ def _write(model, how):
 @pytest.mark.parametrize("when", ["after_step", "before_step"])
 @pytest.mark.parametrize("how", ["data_zero", "data_clamp", "data_assigned"])
 def test_weight_writes_on_the_gpu(how, when, clip, k):
+    if how == "data_assigned" and when == "before_step" and clip:
+        pytest.skip("new storage between backward and step() with released gradients is refused (README)")
+
     def case(model, opt, xs):
         loop(model, opt, xs, after_step=(lambda i: _write(model, how) if i == 2 else None) if when == "after_step"
              else None, before_step=(lambda i: _write(model, how) if i == 2 else None) if when == "before_step" else None)
@@ -121,24 +124,38 @@ def test_load_hooks_pickling_and_a_swapped_parameter_on_the_gpu(k):
     run_both(case, k, None)
 
 
+class ConvNet(torch.nn.Module):
+    """A stem, repeated convolutions (blocks the planner finds), a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.layers = torch.nn.ModuleList(torch.nn.Conv2d(32, 32, 3, padding=1) for _ in range(3))
+        self.head = torch.nn.Conv2d(32, 4, 3)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for layer in self.layers:
+            h = h + torch.relu(layer(h))
+        return self.head(h)
+
+
 def conv_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
-                               torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU(),
-                               torch.nn.Conv2d(32, 4, 3)).cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)
+    return ConvNet().cuda().to(torch.bfloat16).to(memory_format=torch.channels_last)
 
 
 @pytest.mark.parametrize("k", KS)
 def test_channels_last_on_the_gpu(k):
     def case(model, opt, xs):
-        assert not model[0].weight.is_contiguous()
+        assert not model.stem.weight.is_contiguous()
         g = torch.Generator(device="cuda").manual_seed(0)
         for _ in range(4):
             x = torch.randn(2, 16, 12, 12, device="cuda", generator=g).to(torch.bfloat16)
             model(x.to(memory_format=torch.channels_last)).float().square().mean().backward()
             opt.step()
             opt.zero_grad()
-    run_both(case, k, None, make=conv_model, bucket_elements=2048)
+    run_both(case, k, None, make=conv_model)
 
 
 @pytest.mark.parametrize("k", KS)
