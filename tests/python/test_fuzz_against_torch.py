@@ -74,8 +74,8 @@ class Side:
                 opt.state[p]["step"] = torch.tensor(0.0)
         elif op == "moments_replaced":
             if present:
-                opt.state[p]["exp_avg"] = torch.full_like(p, 1e-3)
-                opt.state[p]["exp_avg_sq"] = torch.full_like(p, 1e-4)
+                opt.state[p]["exp_avg"] = torch.full_like(p, 1e-3, dtype=torch.float32)
+                opt.state[p]["exp_avg_sq"] = torch.full_like(p, 1e-4, dtype=torch.float32)
         elif op == "new_dict":
             opt.state = defaultdict(dict)
         elif op == "reload":
@@ -115,19 +115,120 @@ def _hybrid(params, model):
 
 
 def _torch(params, _):
+    params = list(params)
+    if params[0].dtype == torch.bfloat16:
+        return MasterAdamW(params, lr=3e-2, weight_decay=0.01)
     return torch.optim.AdamW(params, lr=3e-2, weight_decay=0.01, foreach=False)
 
 
-# fp32 parameters: torch's AdamW is the reference to rounding. bf16 parameters: torch's AdamW steps the
-# bf16 weights themselves and HybridAdamW fp32 masters beside them, so the two drift apart by bf16's
-# rounding (about 0.4 % a step); a write the masters missed, or a state not reset, is far larger.
-TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+class _ByParameter:
+    """``MasterAdamW.state``: torch's state (keyed by the masters) read and written by parameter."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def _m(self, p):
+        return self.opt.masters[p]
+
+    def get(self, p, default=None):
+        return self.opt.inner.state.get(self._m(p), default)
+
+    def __getitem__(self, p):
+        return self.opt.inner.state[self._m(p)]
+
+    def __setitem__(self, p, value):
+        self.opt.inner.state[self._m(p)] = value
+
+    def __contains__(self, p):
+        return self._m(p) in self.opt.inner.state
+
+    def pop(self, p, default=None):
+        return self.opt.inner.state.pop(self._m(p), default)
+
+    def clear(self):
+        self.opt.inner.state.clear()
+
+
+class MasterAdamW:
+    """The reference for bf16 parameters: torch's AdamW(foreach=False) over fp32 masters, each step
+    from the weights the script left (an element written is taken; the others keep their master's
+    precision), the weights the masters' rounding after it -- torch's rule for its own parameters, at
+    HybridAdamW's precision. (torch's AdamW on the bf16 weights themselves drifts from both by bf16's
+    rounding, which Adam's first steps after a reset turn into +-lr for near-zero gradients.)"""
+
+    def __init__(self, params, **kw):
+        self.params = list(params)
+        self.masters = {p: p.detach().float().clone().requires_grad_() for p in self.params}
+        self.inner = torch.optim.AdamW([self.masters[p] for p in self.params], foreach=False, **kw)
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return _ByParameter(self)
+
+    @state.setter
+    def state(self, value):
+        self.inner.state = value
+
+    def add_param_group(self, group):
+        ps = list(group["params"])
+        for p in ps:
+            self.masters[p] = p.detach().float().clone().requires_grad_()
+            self.params.append(p)
+        self.inner.add_param_group({**group, "params": [self.masters[p] for p in ps]})
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:
+            m = self.masters[p]
+            m.copy_(torch.where(p != m.to(p.dtype), p.float(), m))
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        for p in self.params:
+            p.copy_(self.masters[p])
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd):
+        self.inner.load_state_dict(sd)
+
+    def register_load_state_dict_pre_hook(self, hook):
+        return self.inner.register_load_state_dict_pre_hook(lambda o, d: hook(self, d))
+
+
+# fp32 parameters: torch's AdamW is the reference to rounding. bf16 parameters: MasterAdamW (the same
+# arithmetic; a master rounded the other way flips a weight by one bf16 step, 0.8 %, now and then, and
+# the slightly different gradients that follow can flip the sign of Adam's first step after a reset,
+# +-lr, for a gradient near zero): a few elements may differ by up to a few lr; a write the masters
+# missed, or a state not reset, moves most of them.
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-3)}
+
+
+def _close(x, y, dtype, msg):
+    if dtype == torch.float32:
+        torch.testing.assert_close(x, y, **TOLERANCE[dtype], msg=lambda m: f"{m}\n{msg}")
+        return
+    x, y = x.float(), y.float()
+    off = (x - y).abs() > TOLERANCE[dtype]["atol"] + TOLERANCE[dtype]["rtol"] * y.abs()
+    assert int(off.sum()) <= max(1, x.numel() // 20) and float((x - y).abs().max()) <= 0.1, (
+        f"{int(off.sum())} of {x.numel()} elements differ, by up to {float((x - y).abs().max()):.3g}\n{msg}")
 
 
 def run(ops, with_model, dtype=torch.float32):
     """Applies ``ops`` ((name, int) pairs) to both sides; raises on the first difference."""
     a, b = Side(_hybrid, with_model, dtype), Side(_torch, with_model, dtype)
-    tol = TOLERANCE[dtype]
     for n, (op, arg) in enumerate(ops):
         where = f"after operation {n} {op}({arg}) of {ops}"
         errors = []
@@ -141,7 +242,7 @@ def run(ops, with_model, dtype=torch.float32):
         if errors[0] != errors[1]:
             raise AssertionError(f"HybridAdamW raised {errors[0]}, torch raised {errors[1]} {where}")
         for x, y in zip([*a.params(), a.extra], [*b.params(), b.extra]):
-            torch.testing.assert_close(x.detach(), y.detach(), **tol, msg=lambda m: f"{m}\n{where}")
+            _close(x.detach(), y.detach(), dtype, where)
         if op == "read_state" and errors[0] is None:
             # HybridAdamW makes every parameter's state at its first step(), where torch makes it at a
             # parameter's first gradient: an entry only HybridAdamW has is a fresh one (step 0, zero
@@ -153,8 +254,7 @@ def run(ops, with_model, dtype=torch.float32):
                 assert not a.result[i]["exp_avg"].any() and not a.result[i]["exp_avg_sq"].any(), where
             for i in (i for i, e in b.result.items() if e):
                 for key in ("step", "exp_avg", "exp_avg_sq"):
-                    torch.testing.assert_close(a.result[i][key].float(), b.result[i][key].float(), **tol,
-                                               msg=lambda m: f"state {i} {key}: {m}\n{where}")
+                    _close(a.result[i][key].float(), b.result[i][key].float(), dtype, f"state {i} {key}: {where}")
 
 
 # Training in between: backward and step drawn four times as often as each other operation, so that

@@ -142,9 +142,10 @@ class StateStore:
         self.settings.gpu_blocks = later
         if self.cuda:
             self._stream = torch.cuda.Stream(self.device, priority=0)
-        watched = [p for p in plan.params if not is_sharded(p) and local(p).numel()
-                   and (p.dtype != torch.float32 or self.cuda)]  # (fp32 CPU weights are their own master)
-        self.watch = WeightWatch(watched, self.device) if watched and self.settings.watch_writes else None
+        watched = [[p for p in blk if not is_sharded(p) and local(p).numel()
+                    and (p.dtype != torch.float32 or self.cuda)]  # (fp32 CPU weights are their own master)
+                   for blk in plan.blocks]
+        self.watch = WeightWatch(watched, self.device) if any(watched) and self.settings.watch_writes else None
         self.bound = {id(p): (w.device, w.dtype, w.shape) for p in plan.params for w in (local(p),)}
         self.amsgrad_bound = [bool(g["amsgrad"]) for g in param_groups]
 
@@ -460,13 +461,14 @@ class StateStore:
             w = local(p)
             if seen is not None and seen != (w.data_ptr(), w._version):
                 out.append(p)
+        # Blocks whose weights a pass of the optimizer may be writing now are not compared: those in
+        # flight, speculated ones included (their speculative weights are copied in during backward).
+        rt, phases = self.rt, native().BlockPhase
+        quiet = [b for b in range(len(self.plan)) if not rt.in_flight(b) or rt.phase(b) == phases.held]
         if self.loaded_masters:  # masters loaded since: checked against the weights
             seen = {id(p) for p in out}
-            out += [p for p in self.plan.params if id(p) in self.loaded_masters and id(p) not in seen]
+            out += [p for b in quiet for p in self.plan.blocks[b] if id(p) in self.loaded_masters and id(p) not in seen]
         if self.watch is not None:
-            rt, phases = self.rt, native().BlockPhase
-            quiet = [p for b, blk in enumerate(self.plan.blocks)
-                     if not rt.in_flight(b) or rt.phase(b) in (phases.held, phases.speculated) for p in blk]
             seen = {id(p) for p in out}
             out += [p for p in self.watch.written(quiet) if id(p) not in seen]
         return out

@@ -31,50 +31,45 @@ from .common import local
 
 
 class WeightWatch:
-    """Fingerprints of ``params`` (the watched parameters, in a fixed order), as of the optimizer's
-    last write (:meth:`note`), compared with the weights of now (:meth:`written`)."""
+    """Fingerprints of the watched parameters of each of the plan's blocks (``blocks[b]``: the watched
+    parameters of block b, possibly none), as of the optimizer's last write (:meth:`note`), compared
+    with the weights of now (:meth:`written`). On CUDA each block has one native group (its spans'
+    addresses; a parameter whose storage changed gets a new one) and one launch per call."""
 
-    def __init__(self, params, device):
-        self.params = list(params)
+    def __init__(self, blocks, device):
+        self.blocks = [list(b) for b in blocks]
+        self.params = [p for b in self.blocks for p in b]  # slots in block order: a block is a slice
         self.slot = {id(p): i for i, p in enumerate(self.params)}
+        self.block_of = {id(p): b for b, ps in enumerate(self.blocks) for p in ps}
+        self.lo = [0]
+        for b in self.blocks:
+            self.lo.append(self.lo[-1] + len(b))
         self.cuda = device.type == "cuda"
         self.device = device
         n = len(self.params)
         if self.cuda:
             self._ref = torch.zeros(n, dtype=torch.int64, device=device)
-            self._idx = {}  # slots -> their index tensor on the device
+            self._now = torch.zeros(n, dtype=torch.int64, device=device)
         else:
             self._ref = [0] * n
         self._noted = [False] * n
-        self._groups = {}  # ((id, address, bytes) of each parameter) -> (native group, the tensors)
+        self._groups = {}  # block -> (its spans, native group, the tensors it reads)
 
-    def __contains__(self, p) -> bool:
-        return id(p) in self.slot
+    def _compute(self, b, out):
+        """Enqueues block b's fingerprints into ``out`` (its slice of a device int64 tensor) on the
+        current stream."""
+        ps = self.blocks[b]
+        key = tuple((local(p).data_ptr(), local(p).numel() * local(p).element_size()) for p in ps)
+        entry = self._groups.get(b)
+        if entry is None or entry[0] != key:
+            group = native().CudaFingerprintGroup(list(key), self.device.index)
+            entry = self._groups[b] = (key, group, [local(p).detach() for p in ps])
+        entry[1].compute(out.data_ptr(), torch.cuda.current_stream(self.device).cuda_stream)
 
-    def _spans(self, ps):
-        return tuple((id(p), local(p).data_ptr(), local(p).numel() * local(p).element_size()) for p in ps)
-
-    def _compute(self, ps, out):
-        """Enqueues the fingerprints of ``ps`` into ``out`` (a device int64 tensor of len(ps)) on the
-        current stream. The group records addresses: a parameter whose storage changed gets a new one."""
-        key = self._spans(ps)
-        entry = self._groups.get(key)
-        if entry is None:
-            if len(self._groups) > 4 * len(self.params) + 64:  # storage replaced many times over
-                self._groups.clear()
-            group = native().CudaFingerprintGroup([(a, n) for _, a, n in key], self.device.index)
-            entry = self._groups[key] = (group, [local(p).detach() for p in ps])
-        stream = torch.cuda.current_stream(self.device)
-        entry[0].compute(out.data_ptr(), stream.cuda_stream)
-
-    def _index(self, slots):
-        key = tuple(slots)
-        idx = self._idx.get(key)
-        if idx is None:
-            if len(self._idx) > 256:
-                self._idx.clear()
-            idx = self._idx[key] = torch.tensor(slots, device=self.device)
-        return idx
+    @staticmethod
+    def _host(p) -> int:
+        w = local(p)
+        return native().fingerprint(w.data_ptr(), w.numel() * w.element_size())
 
     def note(self, params) -> None:
         """The weights of ``params`` (those watched) are as the optimizer wrote them: their fingerprints
@@ -82,40 +77,37 @@ class WeightWatch:
         ps = [p for p in params if id(p) in self.slot]
         if not ps:
             return
-        slots = [self.slot[id(p)] for p in ps]
         with torch._C.DisableTorchFunction():  # not an operation of the loop's (the fence passes it)
             if self.cuda:
-                lo = slots[0]
-                if slots == list(range(lo, lo + len(slots))):
-                    self._compute(ps, self._ref[lo:lo + len(slots)])
-                else:
-                    out = torch.empty(len(ps), dtype=torch.int64, device=self.device)
-                    self._compute(ps, out)
-                    self._ref.index_copy_(0, self._index(slots), out)
+                ids = {id(p) for p in ps}
+                for b in sorted({self.block_of[id(p)] for p in ps}):
+                    lo, hi = self.lo[b], self.lo[b + 1]
+                    if all(id(q) in ids for q in self.blocks[b]):
+                        self._compute(b, self._ref[lo:hi])
+                    else:  # part of a block: its new fingerprints, the others' references kept
+                        self._compute(b, self._now[lo:hi])
+                        for q in self.blocks[b]:
+                            if id(q) in ids:
+                                i = self.slot[id(q)]
+                                self._ref[i:i + 1].copy_(self._now[i:i + 1])
             else:
-                for p, i in zip(ps, slots):
-                    w = local(p)
-                    self._ref[i] = native().fingerprint(w.data_ptr(), w.numel() * w.element_size())
-        for i in slots:
-            self._noted[i] = True
+                for p in ps:
+                    self._ref[self.slot[id(p)]] = self._host(p)
+        for p in ps:
+            self._noted[self.slot[id(p)]] = True
 
-    def written(self, params) -> list:
-        """Those of ``params`` (watched, with a reference, and nothing of the optimizer's writing
-        them now) whose weights differ from the reference."""
-        ps = [p for p in params if id(p) in self.slot and self._noted[self.slot[id(p)]]]
-        if not ps:
+    def written(self, quiet) -> list:
+        """The watched parameters of blocks ``quiet`` (nothing of the optimizer's writing their weights
+        now) whose weights differ from the reference."""
+        quiet = [b for b in quiet if self.blocks[b]]
+        if not quiet:
             return []
-        slots = [self.slot[id(p)] for p in ps]
         with torch._C.DisableTorchFunction():
             if self.cuda:
-                idx = self._index(slots)
-                now = torch.empty(len(ps), dtype=torch.int64, device=self.device)
-                self._compute(ps, now)
-                changed = (now != self._ref.index_select(0, idx)).nonzero().flatten().tolist()  # one sync
-                return [ps[j] for j in changed]
-            out = []
-            for p, i in zip(ps, slots):
-                w = local(p)
-                if native().fingerprint(w.data_ptr(), w.numel() * w.element_size()) != self._ref[i]:
-                    out.append(p)
-            return out
+                for b in quiet:
+                    self._compute(b, self._now[self.lo[b]:self.lo[b + 1]])
+                hits = (self._now != self._ref).nonzero().flatten().tolist()  # one synchronisation
+                wanted = set(quiet)
+                return [self.params[i] for i in hits if self._noted[i] and self.block_of[id(self.params[i])] in wanted]
+            return [p for b in quiet for p in self.blocks[b]
+                    if self._noted[self.slot[id(p)]] and self._host(p) != self._ref[self.slot[id(p)]]]
