@@ -12,19 +12,7 @@ import torch
 from .. import _checks
 from . import state_dicts
 from .engine import Engine
-from .settings import check_flags, check_group_values, settings, validate_hparams
-
-
-def _view(path, doc):
-    """A read-only attribute of the optimizer that is the engine's ``path`` (dotted)."""
-    names = path.split(".")
-
-    def get(self):
-        obj = self._engine
-        for name in names:
-            obj = getattr(obj, name)
-        return obj
-    return property(get, doc=doc)
+from .settings import SETTINGS_VIEWS, check_flags, check_group_values, settings, validate_hparams, view
 
 
 class HybridAdamW(torch.optim.Optimizer):
@@ -127,20 +115,20 @@ class HybridAdamW(torch.optim.Optimizer):
     # -- the views ------------------------------------------------------------------------------------
 
     def __getattr__(self, name):  # the settings read as attributes (_SETTINGS_VIEWS)
-        if name in _SETTINGS_VIEWS:
+        if name in SETTINGS_VIEWS:
             return getattr(self.__dict__["_settings"], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    bound = _view("bound", "Whether the state exists (it is created at the first ``step()``, as torch's "
+    bound = view("bound", "Whether the state exists (it is created at the first ``step()``, as torch's "
                   "optimizers do, for the device and dtype the parameters have then).")
-    device = _view("store.device", "The parameters' device, once the state exists.")
-    scheduler = _view("planner.scheduler", "The native ``KSplitScheduler`` (for inspection: ``costs()``, "
+    device = view("store.device", "The parameters' device, once the state exists.")
+    scheduler = view("planner.scheduler", "The native ``KSplitScheduler`` (for inspection: ``costs()``, "
                       "``predict(k)``), or None: it exists on CUDA with a model, from the first step on.")
-    gpu_memory_limit = _view("planner.gpu_memory_limit", "The GPU memory the planner budgets within (bytes).")
-    timeline = _view("timeline", "The recorded iterations (``trace=True``), from the first step on.")
-    speculation_counts = _view("speculation_counts", "Speculated block updates so far: adopted and redone.")
-    state_format = _view("settings.state_format", "The format of m and v: 'fp32', 'bf16', '8bit' (at construction).")
-    last_grad_norm = _view("intake.last_grad_norm", "The last step's global gradient norm before clipping "
+    gpu_memory_limit = view("planner.gpu_memory_limit", "The GPU memory the planner budgets within (bytes).")
+    timeline = view("timeline", "The recorded iterations (``trace=True``), from the first step on.")
+    speculation_counts = view("speculation_counts", "Speculated block updates so far: adopted and redone.")
+    state_format = view("settings.state_format", "The format of m and v: 'fp32', 'bf16', '8bit' (at construction).")
+    last_grad_norm = view("intake.last_grad_norm", "The last step's global gradient norm before clipping "
                            "(when clipping), else None.")
 
     @property
@@ -305,6 +293,3 @@ class HybridAdamW(torch.optim.Optimizer):
         state_dicts.apply_groups(groups, self.param_groups, self.defaults)
         state_dicts.run_hooks(self._optimizer_load_state_dict_post_hooks, self)
 
-
-_SETTINGS_VIEWS = frozenset(("max_grad_norm", "release_grads", "accumulation_steps", "auto", "gpu_blocks",
-                             "schedule_every", "speculate", "host_memory_limit", "fence", "overlap"))

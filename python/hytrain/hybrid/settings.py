@@ -188,3 +188,21 @@ def check_state_value(i, key, val, shape) -> None:
                          f"expected {tuple(shape)}{hint}")
     if not torch.is_floating_point(val):
         raise TypeError(f"parameter {i}: state {key!r} must be floating point, got {val.dtype}")
+
+
+def view(path, doc):
+    """A read-only attribute of HybridAdamW that is its engine's ``path`` (dotted)."""
+    names = path.split(".")
+
+    def get(self):
+        obj = self._engine
+        for name in names:
+            obj = getattr(obj, name)
+        return obj
+    return property(get, doc=doc)
+
+
+# The settings HybridAdamW reads as attributes (opt.fence, opt.max_grad_norm...).
+SETTINGS_VIEWS = frozenset(("max_grad_norm", "release_grads", "accumulation_steps", "auto", "gpu_blocks",
+                            "schedule_every", "speculate", "host_memory_limit", "fence", "overlap",
+                            "watch_writes"))
