@@ -397,6 +397,52 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(tmp_path):
     assert f"at step {last}" in more.stdout
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+@pytest.mark.parametrize("to", ["launcher", "every_process"])
+def test_sigusr1_saves_and_goes_on_then_sighup_saves_and_stops(tmp_path, to):
+    """Slurm's early warning (``--signal=USR1@120``) to the launcher or to every process of the job:
+    every rank saves at the end of the same step and training goes on; a hang-up then stops the run
+    as SIGTERM does (exit 128 + SIGHUP), saved."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
+                             "--eval-every", "0", "--out", str(out), *FAST], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+
+    def send(signum):
+        targets = [proc.pid] if to == "launcher" else [proc.pid, *_descendants(proc.pid)]
+        for pid in targets:
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
+
+    def steps_done():
+        m = out / "metrics.jsonl"
+        return len(m.read_text().splitlines()) if m.exists() else 0
+
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and steps_done() < 2:
+            time.sleep(0.1)
+        send(signal.SIGUSR1)
+        while time.monotonic() < deadline and proc.poll() is None and not (out / "checkpoints" / "latest").exists():
+            time.sleep(0.1)
+        saved = int((out / "checkpoints" / "latest").read_text().split("_")[1])
+        at = steps_done()
+        while time.monotonic() < deadline and proc.poll() is None and steps_done() < at + 2:
+            time.sleep(0.1)
+        assert proc.poll() is None and steps_done() >= at + 2  # still training
+        send(signal.SIGHUP)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGHUP, stdout[-3000:] + stderr[-6000:]
+    assert "SIGUSR1" in stdout and "stopped by signal" in stdout
+    last = metrics(out)[-1]["step"]
+    assert saved < last and int((out / "checkpoints" / "latest").read_text().split("_")[1]) == last
+
+
 def _one_error_line(stderr: str, *words) -> str:
     """The launcher's stderr holds exactly one error line (no rank's traceback, no torchrun report)."""
     lines = [ln for ln in stderr.splitlines() if "error" in ln.lower() or "Traceback" in ln]

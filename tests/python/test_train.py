@@ -490,6 +490,65 @@ def test_of_runs_racing_for_a_stale_lock_exactly_one_takes_it(tmp_path):
         assert got == ["held"] + ["refused"] * 7, (attempt, got)
 
 
+def _wait_steps(out, n, p, timeout=120):
+    deadline = time.time() + timeout
+    path = os.path.join(out, "metrics.jsonl")
+    while time.time() < deadline and p.poll() is None:
+        if os.path.exists(path) and len(open(path).read().splitlines()) >= n:
+            return len(open(path).read().splitlines())
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {n} steps in {timeout} s")
+
+
+def test_sigusr1_saves_and_goes_on_and_sighup_stops_saved(tmp_path):
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", "100000", "--eval-every", "0",
+                          "--out", out, *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_steps(out, 2, p)
+        p.send_signal(signal.SIGUSR1)
+        deadline = time.time() + 60
+        while time.time() < deadline and not os.path.exists(os.path.join(out, "checkpoints", "latest")):
+            time.sleep(0.1)
+        saved = ckpt.verify(ckpt.resolve(out, "latest"))["step"]
+        _wait_steps(out, saved + 2, p)  # training went on
+        p.send_signal(signal.SIGHUP)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGHUP, stderr
+    assert f"SIGUSR1 (a scheduler's warning): saving at step {saved}" in stdout
+    last = metrics(out)[-1]["step"]
+    assert saved < last and ckpt.verify(ckpt.resolve(out, "latest"))["step"] == last
+
+
+def test_a_sigusr1_before_the_first_step_is_kept_for_it(tmp_path):
+    """A warning that comes while the model is built is not lost (nor the process, by the signal's
+    default action): the first step saves."""
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", "3", "--eval-every", "0",
+                          "--out", out, *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not os.path.exists(os.path.join(out, "config.json")) and p.poll() is None:
+        time.sleep(0.02)
+    p.send_signal(signal.SIGUSR1)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr
+    assert "SIGUSR1" in stdout
+
+
+def test_a_closed_stderr_does_not_stop_training(tmp_path):
+    out = tmp_path / "run"
+    fast = [a for a in FAST if a != "--no-progress"]  # the progress bar writes to stderr
+    cmd = (f"{sys.executable} -m hytrain train --steps 6 --eval-every 2 --out {out} {' '.join(fast)} "
+           "2>&1 >/dev/null | head -c 1")
+    r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert metrics(str(out))[-1]["step"] == 6
+    assert ckpt.resolve(out, "latest").name == "step_00000006"
+
+
 def test_a_closed_stdout_does_not_stop_training(tmp_path):
     out = tmp_path / "run"
     cmd = (f"{sys.executable} -m hytrain train --steps 6 --eval-every 2 --out {out} {' '.join(FAST)} | head -c 1")

@@ -77,6 +77,47 @@ class _Say:
                 pass
 
 
+class SafeStderr:
+    """Standard error for the progress bar: once it is closed (``2>&1 | head``, a dead log pipe) the bar
+    writes nowhere, the loss goes to stdout (if it is still open) once, and training goes on."""
+
+    def __init__(self, say):
+        self.say, self.broken = say, False
+
+    def write(self, text):
+        if self.broken:
+            return len(text)
+        try:
+            return sys.stderr.write(text)
+        except (BrokenPipeError, OSError, ValueError) as e:
+            self._close(e)
+            return len(text)
+
+    def flush(self):
+        if not self.broken:
+            try:
+                sys.stderr.flush()
+            except (BrokenPipeError, OSError, ValueError) as e:
+                self._close(e)
+
+    def _close(self, e):
+        self.broken = True
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 -- for the rest of the run (warnings, exit)
+        self.say(f"hytrain train: standard error is closed ({type(e).__name__}); training goes on, the "
+                 "progress bar is dropped (see metrics.jsonl)", flush=True)
+
+
+# Scheduler signals in the training loop: each one is acted on at the end of the current step, by
+# every rank at the same step. SIGTERM, SIGINT and SIGHUP save and stop (exit 128 + N); SIGUSR1 --
+# Slurm's early warning (--signal=USR1@120) -- saves and goes on.
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_early = {"save": False}  # a SIGUSR1 before the loop: saved at the first step
+
+
+def _save_later(_signum, _frame):
+    _early["save"] = True
+
+
 def lr_lambda(args):
     def f(step):
         if step < args.warmup:
@@ -105,7 +146,11 @@ def run(args) -> int:
     # SIGTERM outside the training loop (which finishes its step and saves instead): building the
     # model, or writing the trace and pictures after the last checkpoint. The run ends there, its
     # lock released, with the status a signal gives.
-    held = signal.signal(signal.SIGTERM, _stop_now) if threading.current_thread() is threading.main_thread() else None
+    main_thread = threading.current_thread() is threading.main_thread()
+    held = {s: signal.signal(s, _stop_now) for s in (signal.SIGTERM, signal.SIGHUP)} if main_thread else {}
+    if main_thread:
+        _early["save"] = False
+        held[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, _save_later)
     try:
         return _run(args, ranks, say, out)
     except _Stopped as e:
@@ -121,8 +166,8 @@ def run(args) -> int:
     finally:
         if lock is not None:
             lock.release()
-        if held is not None:
-            signal.signal(signal.SIGTERM, held)
+        for s, h in held.items():
+            signal.signal(s, h)
 
 
 class _Stopped(BaseException):
@@ -245,16 +290,19 @@ def _run(args, ranks, say, out) -> int:
     say(f"hytrain train: {args.model} ({n_params / 1e6:.2f} M parameters, {dtype}) on {where}, "
         f"k={opt.gpu_blocks}, data {desc}", flush=True)
 
-    stop = {"signal": None}
+    stop = {"signal": None, "save": _early["save"]}
 
     def on_signal(signum, _frame):
-        stop["signal"] = signum  # finish the step, save, exit
+        if signum == signal.SIGUSR1:
+            stop["save"] = True  # finish the step, save, go on
+        else:
+            stop["signal"] = signum  # finish the step, save, exit
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, on_signal) for s in (*STOPPING, signal.SIGUSR1)}
     metrics = Metrics(out, resumed_at=start if resume_dir is not None else None) if ranks.main else None
     power = Power(device)
     bar = None if args.no_progress or not ranks.main else tqdm(total=args.steps, initial=start, unit="step",
-                                                               dynamic_ncols=True)
+                                                               dynamic_ncols=True, file=SafeStderr(say))
     tokens_per_step = args.batch_size * args.seq_len
     history, t_start = [], time.perf_counter()
     step = start
@@ -274,10 +322,12 @@ def _run(args, ranks, say, out) -> int:
             # step time and whether it was signalled to stop: the ranks stop at the same step).
             mine = [float(loss.detach()), float(sched_stats.get("k", 0)),
                     float(sched_stats.get("gpu_wait_frac", math.nan)), time.perf_counter() - t0,
-                    float(stop["signal"] or 0)]
+                    float(stop["signal"] or 0), float(stop["save"])]
+            stop["save"] = False
             every = ranks.gather(mine, device)
             loss_v = sum(r[0] for r in every) / ranks.world
             stopping = any(r[4] for r in every)
+            asked = any(r[5] for r in every) and not stopping  # SIGUSR1 on some rank: save now, go on
             step += 1
             dt = time.perf_counter() - t0
             rec = {"step": step, "loss": loss_v, "lr": sched.get_last_lr()[0], "step_s": dt,
@@ -308,7 +358,10 @@ def _run(args, ranks, say, out) -> int:
             elif "val_loss" in rec:
                 say(f"step {step}: loss {loss_v:.4f} val {rec['val_loss']:.4f} "
                     f"{rec['tokens_per_s']:.0f} tokens/s", flush=True)
-            if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping:
+            if asked:
+                say(f"\nhytrain train: SIGUSR1 (a scheduler's warning): saving at step {step}; training goes on",
+                    flush=True)
+            if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping or asked:
                 if ranks.distributed or sharded_ckpt:
                     dist_checkpoint.save(out, step, model, opt, {"scheduler": sched.state_dict(), **config},
                                          keep=args.keep, since=since)

@@ -30,6 +30,27 @@ class PeerFailure(RuntimeError):
 LAUNCHED = "HYTRAIN_LAUNCHER"
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc; none where it cannot be read)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
+        if len(fields) > 1 and fields[1] == str(pid):
+            out.append(int(name))
+    return out
+
+
 def stop_when_orphaned(what: str, interval_s: float = 1.0) -> None:
     """SIGTERM to this process once its parent has gone (it was reparented): the ranks when their
     torchrun agent is killed by SIGKILL (torchrun starts each rank in a session of its own, so a kill
@@ -190,13 +211,14 @@ def launch(args, argv: list[str]) -> int:
     forwarded = []
 
     def forward(signum, _frame):  # a scheduler signals the launcher: every rank must hear it
-        forwarded.append(signum)
+        if signum != signal.SIGUSR1:
+            forwarded.append(signum)  # (SIGUSR1 saves and goes on: not a stop)
         try:
             child.send_signal(signum)  # torchrun passes it to the ranks and waits for them
         except OSError:
             pass
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
     try:
         while True:
             try:

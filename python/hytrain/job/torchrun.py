@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import sys
 
 
@@ -51,6 +53,16 @@ def describe(rank: int, failure) -> tuple[str, int]:
             "without a message"), int(failure.exitcode)
 
 
+def _pass_to_ranks(signum, _frame):
+    from .ranks import children
+
+    for pid in children(os.getpid()):
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -61,6 +73,9 @@ def main(argv: list[str]) -> int:
     from .ranks import stop_when_orphaned
 
     stop_when_orphaned("the hytrain train --nproc launcher")  # torchrun passes SIGTERM on to the ranks
+    # SIGUSR1 (a scheduler's warning, to the launcher or to every process): the agent passes it to its
+    # ranks, which save at the end of the step and go on; torch's agent would die of it (default action).
+    signal.signal(signal.SIGUSR1, _pass_to_ranks)
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
