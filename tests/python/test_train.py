@@ -662,3 +662,16 @@ def test_a_full_disk_leaves_no_write_probe(tmp_path, capsys, monkeypatch):
     assert main(["--out", str(out), *FAST]) == 2
     assert "cannot write to the output directory" in capsys.readouterr().err
     assert list(out.iterdir()) == []
+
+
+def test_resume_auto_starts_fresh_then_continues(tmp_path):
+    """A batch script a scheduler requeues runs one command: ``--resume auto`` starts afresh where --out
+    has no checkpoint and continues from the last one where it has."""
+    out = str(tmp_path / "run")
+    first = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "2", "--eval-every", "0", "--out",
+                            out, "--resume", "auto", *FAST], capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stderr
+    again = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "4", "--eval-every", "0", "--out",
+                            out, "--resume", "auto", *FAST], capture_output=True, text=True, timeout=180)
+    assert again.returncode == 0, again.stderr
+    assert "at step 2" in again.stdout and [r["step"] for r in metrics(out)] == [1, 2, 3, 4]

@@ -189,6 +189,8 @@ def _run(args, ranks, say, out) -> int:
                           f"number of processes ({ranks.world})")
     dtype = DTYPES[args.precision or ("bf16" if device.type == "cuda" else "fp32")]
     resume = args.resume
+    if resume == "auto":  # a requeued job: the last checkpoint where there is one, else a fresh start
+        resume = "latest" if ckpt.complete_checkpoints(out) else None
     restart = ranks.restarted(device) if ranks.distributed else int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and (out / "checkpoints" / "latest").is_file():
         resume = "latest"  # torchrun restarted the group after a failure: go on from the last checkpoint

@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--eval-batches", type=int, default=8)
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on signals)")
     a("--keep", type=int, default=2, help="checkpoints kept")
-    a("--resume", default=None, help="a checkpoint directory, or 'latest' in --out")
+    a("--resume", default=None, help="a checkpoint directory, 'latest' in --out, or 'auto' (latest where "
+      "--out has a checkpoint, else a fresh start: for a job a scheduler requeues)")
     a("--out", default="runs/default", help="output directory")
     a("--seed", type=int, default=0)
     a("--max-data-bytes", type=int, default=24 << 20, help="cap on the corpus read into memory")
