@@ -580,6 +580,25 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path, capsys, extra, toml, mes
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 
+@pytest.mark.parametrize("name, content, message", [
+    ("c.yaml", b"lr: [1e-3\nsteps: 3\n", "not valid YAML at line"),
+    ("c.yml", b"lr:\tbad: :\n", "not valid YAML"),
+    ("c.toml", b"lr = = 3\n", "not valid TOML"),
+    ("c.toml", b"lr = 1e-3 # caf\xe9\n", "not UTF-8 text"),
+    ("c.yaml", b"\xff\xfe\x00l\x00r", "not UTF-8 text"),
+    ("dir", None, "is a directory"),
+])
+def test_bad_config_files_are_one_line_with_exit_2(tmp_path, capsys, name, content, message):
+    cfg = tmp_path / name
+    if content is None:
+        cfg.mkdir()
+    else:
+        cfg.write_bytes(content)
+    assert main(["--config", str(cfg), "--out", str(tmp_path / "x"), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("error, words", [
     ('OSError(errno.ENOSPC, "No space left on device", str(f))', "No space left on device"),
     # torch.save's own words when the disk fills under its zip writer (not an OSError)

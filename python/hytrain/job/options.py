@@ -79,20 +79,33 @@ def resolve_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.config:
         path = Path(args.config)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory; --config names a TOML or YAML file")
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); save the config as UTF-8") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         if path.suffix in (".yaml", ".yml"):
             try:
                 import yaml
             except ImportError:
                 raise ConfigError("YAML config files need PyYAML (pip install pyyaml); or use TOML") from None
-            data = yaml.safe_load(path.read_text()) or {}
+            try:
+                data = yaml.safe_load(text) or {}
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
         else:
             import tomllib
             try:
-                data = tomllib.loads(path.read_text())
+                data = tomllib.loads(text)
             except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"{path}: {e}") from None
+                raise ConfigError(f"{path}: not valid TOML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a table of options")
         known = {a.dest: a for a in p._actions if a.dest not in ("help", "config")}
