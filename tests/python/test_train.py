@@ -694,3 +694,20 @@ def test_resume_auto_starts_fresh_then_continues(tmp_path):
                             out, "--resume", "auto", *FAST], capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stderr
     assert "at step 2" in again.stdout and [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("flags", [["--lr", "1e9", "--warmup", "0"], ["--weight-decay", "3e3"]],
+                         ids=["lr", "weight_decay"])
+def test_a_diverging_run_is_one_line_and_keeps_its_last_good_checkpoint(tmp_path, flags):
+    out = str(tmp_path / "run")
+    r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "40", "--eval-every", "0",
+                        "--save-every", "1", "--out", out, *FAST, *flags], capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "training diverged at step" in lines[0] and "lower --lr" in lines[0], r.stderr
+    if "no checkpoint was saved" not in lines[0]:
+        saved = ckpt.verify(ckpt.resolve(out, "latest"))["step"]
+        assert f"step_{saved:08d}" in lines[0]
+        diverged = int(lines[0].split("training diverged at step ")[1].split(":")[0])
+        assert saved < diverged

@@ -178,6 +178,17 @@ class _Stopped(BaseException):
         self.signum = signum
 
 
+def _diverged(step, what, args, out) -> ConfigError:
+    """A run whose loss or gradients stopped being finite: one line (exit 2), what to lower, and the
+    checkpoint a resume would start from (nothing non-finite was saved: the check comes before the save)."""
+    try:
+        last = f"; the last good checkpoint is {ckpt.resolve(out, 'latest')}"
+    except Exception:  # noqa: BLE001 -- none saved yet
+        last = "; no checkpoint was saved before it"
+    return ConfigError(f"training diverged at step {step}: {what}; lower --lr (now {args.lr:g}) or "
+                       f"--weight-decay (now {args.weight_decay:g}), or raise --warmup (now {args.warmup}){last}")
+
+
 def _stop_now(signum, _frame):
     raise _Stopped(signum)
 
@@ -316,7 +327,12 @@ def _run(args, ranks, say, out) -> int:
             b = b.to(device, non_blocking=True)
             loss = model(b[:, :-1], b[:, 1:])
             loss.backward()
-            opt.step()
+            try:
+                opt.step()
+            except RuntimeError as e:  # a non-finite gradient norm: the step was refused, nothing applied
+                if "non-finite" not in str(e):
+                    raise
+                raise _diverged(step + 1, "its gradients are not finite", args, out) from None
             opt.zero_grad()
             sched.step()
             sched_stats = opt.schedule_stats()
@@ -343,7 +359,7 @@ def _run(args, ranks, say, out) -> int:
                 rec["gpu_wait_frac_ranks"] = [None if math.isnan(r[2]) else r[2] for r in every]
                 rec["step_s_ranks"] = [r[3] for r in every]
             if not math.isfinite(loss_v):
-                raise RuntimeError(f"the loss became {loss_v} at step {step}; lower --lr")
+                raise _diverged(step, f"the loss became {loss_v}", args, out)
             if step % args.eval_every == 0 if args.eval_every else False:
                 rec["val_loss"] = evaluate(model, val_data, args, device, ranks)
             if step == args.steps and "val_loss" not in rec:
