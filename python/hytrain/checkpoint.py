@@ -206,7 +206,7 @@ def publish(root: Path, tmp: Path, final: Path, keep: int, since: int | None = N
     os.replace(pointer, root / "latest")
     fsync(root)
     done = _step_dirs(root)
-    for old in done[:-keep] if keep > 0 else []:
+    for old in _pruned(done, final, keep):
         if old != final:  # renamed first: a kill while removing leaves no half checkpoint under its name
             trash = root / f".{old.name}.trash"
             try:
@@ -215,6 +215,41 @@ def publish(root: Path, tmp: Path, final: Path, keep: int, since: int | None = N
                 continue
     sweep(root)
     return final
+
+
+_VERIFIED = {}  # checkpoint path -> the (name, size, mtime) of its files when it last verified
+
+
+def _verifies(path: Path) -> bool:
+    """Whether checkpoint ``path`` verifies (:func:`verify`), hashed once per process while its files
+    keep their sizes and times."""
+    try:
+        seal = tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).iterdir()))
+    except OSError:
+        return False
+    if _VERIFIED.get(str(path)) == seal:
+        return True
+    try:
+        verify(path)
+    except (CheckpointError, OSError, ValueError) as e:
+        notice(f"hytrain: {path.name} does not verify ({e}); not counted in --keep, and left in place "
+               "(hytrain verify names what is wrong; remove it when done)")
+        return False
+    _VERIFIED[str(path)] = seal
+    return True
+
+
+def _pruned(done: list, final: Path, keep: int) -> list:
+    """What pruning removes: the good checkpoints older than the newest ``keep`` that verify (the one
+    just written is good by construction). A damaged one is not counted, and not removed either: what
+    is left of it is the user's to inspect."""
+    if keep <= 0:
+        return []
+    kept, damaged = [], []
+    for d in reversed(done):
+        if len(kept) < keep:
+            (kept if d == final or _verifies(d) else damaged).append(d)
+    return [d for d in done if d not in kept and d not in damaged]
 
 
 def sweep(root: Path) -> None:

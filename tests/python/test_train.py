@@ -711,3 +711,20 @@ def test_a_diverging_run_is_one_line_and_keeps_its_last_good_checkpoint(tmp_path
         assert f"step_{saved:08d}" in lines[0]
         diverged = int(lines[0].split("training diverged at step ")[1].split(":")[0])
         assert saved < diverged
+
+
+def test_pruning_keeps_the_newest_checkpoints_that_verify(tmp_path):
+    """--keep counts only checkpoints that verify: a damaged one among the newest is not kept in place
+    of an older good one."""
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "3", "--eval-every", "0", "--save-every",
+                        "1", "--keep", "3", "--out", str(out), *FAST], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    done = ckpt.complete_checkpoints(out)
+    assert [d.name for d in done] == ["step_00000001", "step_00000002", "step_00000003"]
+    victim = max((f for f in done[1].iterdir() if f.name != "meta.json"), key=lambda f: f.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte, size unchanged
+    victim.write_bytes(bytes(data))
+    assert ckpt._pruned(done, done[2], keep=2) == []  # good step 1 stays; the damaged step 2 is left alone
+    assert ckpt._pruned(done, done[2], keep=1) == [done[0], done[1]]  # (older than the newest good one)
