@@ -3,6 +3,7 @@ checkpoints are refused, a kill in the middle of a save never harms the last goo
 and exits cleanly, and bad options fail before training with a clear message."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -728,3 +729,34 @@ def test_pruning_keeps_the_newest_checkpoints_that_verify(tmp_path):
     victim.write_bytes(bytes(data))
     assert ckpt._pruned(done, done[2], keep=2) == []  # good step 1 stays; the damaged step 2 is left alone
     assert ckpt._pruned(done, done[2], keep=1) == [done[0], done[1]]  # (older than the newest good one)
+
+
+def test_a_resume_takes_changed_options_and_refuses_fixed_ones(tmp_path):
+    """--lr, --weight-decay, --steps... given on a resume take effect from the resume point, said once,
+    and are what config.json records; options not given are the checkpoint's (not the defaults); a
+    model-shaping option that differs is refused in one line."""
+    out = str(tmp_path / "run")
+
+    def job(*extra):
+        return subprocess.run([sys.executable, "-m", "hytrain", "train", "--eval-every", "0", "--out", out, *FAST,
+                               *extra], capture_output=True, text=True, timeout=180)
+
+    assert job("--steps", "6", "--save-every", "3", "--lr", "2e-3", "--warmup", "2").returncode == 0
+    r = job("--steps", "8", "--resume", "latest", "--lr", "1e-2", "--weight-decay", "0.05")
+    assert r.returncode == 0, r.stderr
+    assert "from step 7: --lr 0.002 -> 0.01, --weight-decay 0.1 -> 0.05, --steps 6 -> 8" in r.stdout
+    rows = metrics(out)
+    warm, steps = 2, 8  # the schedule of the resumed run: warm-up 2 (the checkpoint's), 8 steps, peak 1e-2
+    frac = (7 - warm) / (steps - warm)
+    want = 1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    assert rows[6]["step"] == 7 and rows[6]["lr"] == pytest.approx(want, rel=1e-6)
+    options = json.loads((tmp_path / "run" / "config.json").read_text())["options"]
+    assert options["lr"] == 1e-2 and options["weight_decay"] == 0.05 and options["warmup"] == 2
+    r = job("--steps", "9", "--resume", "latest")  # nothing given: the checkpoint's values, not the defaults
+    assert r.returncode == 0, r.stderr
+    frac = (9 - warm) / (9 - warm)
+    assert metrics(out)[-1]["lr"] == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))), rel=1e-6)
+    bad = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "10", "--resume", "latest", "--out",
+                          out, "--seq-len", "32", *[a for a in FAST if a not in ("--seq-len", "64")]],
+                         capture_output=True, text=True, timeout=180)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--seq-len 32 differs" in bad.stderr, bad.stderr

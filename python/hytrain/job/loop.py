@@ -37,7 +37,7 @@ from .data import batch_at, load_corpus
 from .metrics import Metrics, Power, evaluate, recorded
 from .models import build_model
 from .lock import RunLock
-from .options import DTYPES, ConfigError, add_arguments, resolve_options
+from .options import DTYPES, ConfigError, add_arguments, resolve_options, resumed_options
 from .ranks import LAUNCHED, PeerFailure, Ranks, as_peer_failure, launch, report_failure, under_torchrun
 
 
@@ -229,6 +229,11 @@ def _run(args, ranks, say, out) -> int:
                 ckpt.verify(resume_dir)  # a corrupted checkpoint is refused before anything is built
             except ckpt.CheckpointError as e:
                 raise _naming_older(e, out, resume_dir) from None
+    changes = []
+    if resume_dir is not None:  # the checkpoint's options, where this command line does not change them
+        meta = ckpt.read_meta(resume_dir)
+        saved = (meta.get("config") or meta.get("extra") or {}).get("options") or {}
+        changes = resumed_options(args, saved)
     saved_format = ckpt.read_meta(resume_dir).get("state_format", "fp32") if resume_dir is not None else None
     asked_format = args.state_format
     args.state_format = asked_format or saved_format or "fp32"  # a resumed run keeps its format unless told
@@ -289,6 +294,16 @@ def _run(args, ranks, say, out) -> int:
         else:
             start = ckpt.load(resume_dir, model, opt, sched)
         say(f"resumed from {resume_dir} at step {start}", flush=True)
+        if changes:  # from the resume point on: the schedule's peak and shape, the decay, the rest as read
+            for g in opt.param_groups:
+                g["weight_decay"] = args.weight_decay
+            sched.base_lrs = [args.lr for _ in opt.param_groups]
+            factor = lr_lambda(args)(sched.last_epoch)
+            for g in opt.param_groups:
+                g["lr"] = args.lr * factor
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
+            say("hytrain train: from step " + str(start + 1) + ": " + ", ".join(
+                f"{flag} {before} -> {now}" for flag, before, now in changes), flush=True)
         if asked_format is not None and saved_format != asked_format:  # say what changes
             say(f"hytrain train: the checkpoint's optimizer states are {saved_format}; they continue as "
                 f"{asked_format}, as --state-format {asked_format} asks (leave it out to keep {saved_format})",

@@ -118,8 +118,49 @@ def resolve_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
             _check_config_type(path, key, value, known[key])
         p.set_defaults(**defaults)
         args = p.parse_args(argv)
+    args.given = sorted(_flags_given(p, argv) | (set(defaults) if args.config else set()))
     check_options(args)
     return args
+
+
+def _flags_given(p: argparse.ArgumentParser, argv) -> set:
+    """The options the command line sets (whatever their value), by a parse without defaults."""
+    saved = [(a, a.default) for a in p._actions]
+    try:
+        for a, _ in saved:
+            a.default = argparse.SUPPRESS
+        return set(vars(p.parse_args(argv))) - {"help"}
+    finally:
+        for a, d in saved:
+            a.default = d
+
+
+# A resume: what may change under a checkpoint (from the resume point on), and what may not.
+CHANGEABLE = ("lr", "warmup", "weight_decay", "max_grad_norm", "steps", "eval_every", "save_every", "keep",
+              "workers")
+FIXED = ("model", "seq_len", "precision", "batch_size")
+KEPT = ("data", "max_data_bytes", "seed", "gpu_blocks", "speculate", "gpu_memory_limit", "pin_limit")
+
+
+def resumed_options(args, saved: dict) -> list:
+    """The options of a resumed run: those the command line (or its config) does not give are the
+    checkpoint's; a given one of ``FIXED`` that differs is refused (one line); returns the
+    (name, before, now) of the ``CHANGEABLE`` ones that change."""
+    given, changes = set(getattr(args, "given", ())), []
+    for key in (*CHANGEABLE, *FIXED, *KEPT):
+        if key not in saved:
+            continue
+        now, before = getattr(args, key, None), saved[key]
+        if key not in given:
+            setattr(args, key, before)
+        elif now != before:
+            flag = "--" + key.replace("_", "-")
+            if key in FIXED:
+                raise ConfigError(f"{flag} {now} differs from the checkpoint's {before}: it cannot change under a "
+                                  f"checkpoint (leave {flag} out to resume, or start a new run with another --out)")
+            if key in CHANGEABLE:
+                changes.append((flag, before, now))
+    return changes
 
 
 def _check_config_type(path, key, value, action) -> None:
