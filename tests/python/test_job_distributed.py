@@ -443,6 +443,45 @@ def test_sigusr1_saves_and_goes_on_then_sighup_saves_and_stops(tmp_path, to):
     assert saved < last and int((out / "checkpoints" / "latest").read_text().split("_")[1]) == last
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_sigterm_to_one_rank_is_a_clean_stop_not_a_failure(tmp_path):
+    """A signal that reaches one rank only: every rank saves after the same step and stops, and the
+    launcher says no rank failed (exit 128 + N, no error line)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
+                             "--eval-every", "0", "--out", str(out), *FAST], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            m = out / "metrics.jsonl"
+            if m.exists() and len(m.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.1)
+        rank1 = [p for p in _descendants(proc.pid) if _is_worker(p) and _rank_of(p) == "1"]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stdout[-3000:] + stderr[-6000:]
+    assert "error" not in stderr.lower(), stderr[-3000:]
+    last = metrics(out)[-1]["step"]
+    assert int((out / "checkpoints" / "latest").read_text().split("_")[1]) == last
+
+
+def _rank_of(pid):
+    try:
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return None
+    for item in env:
+        if item.startswith(b"RANK="):
+            return item[5:].decode()
+    return None
+
+
 def _one_error_line(stderr: str, *words) -> str:
     """The launcher's stderr holds exactly one error line (no rank's traceback, no torchrun report)."""
     lines = [ln for ln in stderr.splitlines() if "error" in ln.lower() or "Traceback" in ln]

@@ -38,7 +38,7 @@ from .metrics import Metrics, Power, evaluate, recorded
 from .models import build_model
 from .lock import RunLock
 from .options import DTYPES, ConfigError, add_arguments, resolve_options, resumed_options
-from .ranks import LAUNCHED, PeerFailure, Ranks, as_peer_failure, launch, report_failure, under_torchrun
+from .ranks import LAUNCHED, PeerFailure, Ranks, as_peer_failure, launch, report_failure, tell_launcher, under_torchrun
 
 
 def pick_device(spec: str) -> torch.device:
@@ -420,7 +420,11 @@ def _run(args, ranks, say, out) -> int:
     say(json.dumps(summary), flush=True)
     ranks.close()
     # A stop by signal is not a finished run: 128 + the signal's number, as a shell reports it, so
-    # that a scheduler requeues it (--resume latest continues).
+    # that a scheduler requeues it (--resume latest continues). Under the --nproc launcher each rank
+    # tells it the stop was clean (saved), which it then does not report as a failure.
+    if stopped and ranks.distributed:
+        tell_launcher(f"hytrain train: stopped by signal {stopped} after step {step}; checkpoint saved",
+                      "stopped", ranks.rank)
     return 128 + stopped if stopped else 0
 
 

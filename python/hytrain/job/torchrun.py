@@ -30,7 +30,7 @@ def first_failure(failures: dict) -> tuple[int, object]:
     user = [(r, f) for r, f in failures.items() if _report(f).get("kind") == "user"]
     if user:
         return min(user, key=lambda item: item[0])
-    own = [(r, f) for r, f in failures.items() if _report(f) and _report(f).get("kind") != "peer"]
+    own = [(r, f) for r, f in failures.items() if _report(f) and _report(f).get("kind") not in ("peer", "stopped")]
     killed = [(r, f) for r, f in failures.items() if f.exitcode < 0]
     for pool in (own, killed, list(failures.items())):
         if pool:
@@ -79,6 +79,13 @@ def main(argv: list[str]) -> int:
     try:
         run(parse_args(argv))
     except ChildFailedError as e:
+        # Every rank stopped by a signal after the checkpoint they saved together (rank 0 said so), or
+        # was stopped by the agent once a peer had (a rank's "stopped" comes after the collective save):
+        # a clean stop, not an error.
+        stopped = [f for f in e.failures.values() if _report(f).get("kind") == "stopped"]
+        if stopped and all(_report(f).get("kind") == "stopped" or f.exitcode == -signal.SIGTERM
+                           for f in e.failures.values()):
+            return int(stopped[0].exitcode)
         rank, failure = first_failure(e.failures)
         text, code = describe(rank, failure)
         others = len(e.failures) - 1
