@@ -274,11 +274,24 @@ def test_random_sequences_as_torch(with_model, dtype):
     check()
 
 
-# What the fuzzer found, kept as named cases.
-REGRESSIONS = {}
+# What the fuzzer found, kept as named cases: (operations, parameter dtype).
+B, S = ("backward", 0), ("step", 0)
+REGRESSIONS = {
+    # A counter reset (a load without a master) forgot an earlier write to the weights.
+    "weight_write_then_counter_reset": ([B, S, ("data_write", 0), ("step_reset", 0), S], torch.bfloat16),
+    # Reloading the optimizer's own state dict (with its masters) after a weight write undid the write.
+    "weight_write_then_reload": ([B, S, ("data_write", 0), ("reload", 0), S], torch.bfloat16),
+    # A parameter frozen with its gradient still there: torch steps it; add_param_group raised.
+    "frozen_with_a_gradient_then_new_group": ([B, ("freeze", 0), ("add_group", 0), S], torch.float32),
+    # After add_param_group, optimizer.state held nothing until the next step: a clear() was lost.
+    "new_group_then_clear": ([B, S, ("add_group", 0), ("clear", 0), ("read_state", 0), B, S], torch.float32),
+    "new_group_then_empty_entry": ([B, S, ("add_group", 0), ("empty_entry", 0), ("read_state", 0), B, S],
+                                   torch.float32),
+}
 
 
 @pytest.mark.parametrize("name", sorted(REGRESSIONS))
 @pytest.mark.parametrize("with_model", [False, True], ids=["plain", "model"])
 def test_regression(name, with_model):
-    run(REGRESSIONS[name], with_model)
+    ops, dtype = REGRESSIONS[name]
+    run(ops, with_model, dtype)
