@@ -6,6 +6,7 @@ launcher's options checked before anything starts."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -469,6 +470,35 @@ def test_sigterm_to_one_rank_is_a_clean_stop_not_a_failure(tmp_path):
     assert "error" not in stderr.lower(), stderr[-3000:]
     last = metrics(out)[-1]["step"]
     assert int((out / "checkpoints" / "latest").read_text().split("_")[1]) == last
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
+def test_a_hung_rank_is_named_as_such(tmp_path):
+    """A rank that stops answering (SIGSTOP: alive, not dying) is reported as hung past --timeout, by
+    the rank that waited for it, in one line with its own exit status (124), not as a rank killed by
+    the agent's SIGKILL afterwards."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
+                             "--eval-every", "0", "--timeout", "5", "--out", str(out), *FAST],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            m = out / "metrics.jsonl"
+            if m.exists() and len(m.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.1)
+        rank1 = [p for p in _descendants(proc.pid) if _is_worker(p) and _rank_of(p) == "1"]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGSTOP)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 124, stdout[-3000:] + stderr[-6000:]
+    lines = [ln for ln in stderr.splitlines() if "error" in ln]
+    assert len(lines) == 1 and "rank(s) 1 hung" in lines[0] and "waited past --timeout" in lines[0], stderr
+    assert re.search(r"step \d+", lines[0]) and "SIGKILL" not in stderr
 
 
 def _rank_of(pid):

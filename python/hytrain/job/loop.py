@@ -112,6 +112,7 @@ class SafeStderr:
 # Slurm's early warning (--signal=USR1@120) -- saves and goes on.
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _early = {"save": False}  # a SIGUSR1 before the loop: saved at the first step
+_at = {"step": 0}  # the last step the loop finished (a hung peer is reported with the next one)
 
 
 def _save_later(_signum, _frame):
@@ -162,6 +163,8 @@ def run(args) -> int:
         peer = as_peer_failure(e, ranks.rank) if ranks.distributed else None
         if peer is None or peer is e:
             raise
+        if peer.hung:  # which step: the one the loop was in
+            peer = PeerFailure(f"{peer} in step {_at['step'] + 1}", hung=True)
         raise peer from e
     finally:
         if lock is not None:
@@ -338,6 +341,7 @@ def _run(args, ranks, say, out) -> int:
     try:
         while step < args.steps:
             t0 = time.perf_counter()
+            _at["step"] = step
             b = ranks.rows(batch_at(train_data, step, args.batch_size, args.seq_len, args.seed))
             b = b.to(device, non_blocking=True)
             loss = model(b[:, :-1], b[:, 1:])
@@ -357,7 +361,7 @@ def _run(args, ranks, say, out) -> int:
                     float(sched_stats.get("gpu_wait_frac", math.nan)), time.perf_counter() - t0,
                     float(stop["signal"] or 0), float(stop["save"])]
             stop["save"] = False
-            every = ranks.gather(mine, device)
+            every = ranks.gather(mine, device, f"all-gather of step {step + 1}")
             loss_v = sum(r[0] for r in every) / ranks.world
             stopping = any(r[4] for r in every)
             asked = any(r[5] for r in every) and not stopping  # SIGUSR1 on some rank: save now, go on
@@ -495,8 +499,8 @@ def main(argv=None) -> int:
         return run(args)
     except (ConfigError, ckpt.CheckpointError) as e:
         return _failed(2, f"hytrain train: error: {e}", "user")
-    except PeerFailure as e:
-        return _failed(1, f"hytrain train: error: {e}", "peer")
+    except PeerFailure as e:  # a hung peer has its own status (124, as timeout(1) gives)
+        return _failed(124 if e.hung else 1, f"hytrain train: error: {e}", "hung" if e.hung else "peer")
     except native().PoolExhaustedError as e:
         return _failed(2, f"hytrain train: error: {e} (lower the model size or raise --pin-limit)", "user")
     except CapacityError as e:

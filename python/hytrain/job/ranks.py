@@ -22,7 +22,17 @@ from .options import ConfigError
 
 
 class PeerFailure(RuntimeError):
-    """A collective of the job failed: another rank died, or hung past ``--timeout``."""
+    """A collective of the job failed: another rank died, or hung past ``--timeout`` (``hung``: the
+    collective timed out, so the peers were alive but did not come)."""
+
+    def __init__(self, message, hung=False):
+        super().__init__(message)
+        self.hung = hung
+
+
+def _timed_out(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}".lower()
+    return "timed out" in text or "timeout" in type(e).__name__.lower() or "deadline" in text
 
 
 # Set by ``hytrain train --nproc`` for its ranks: a failure goes to torchrun's error file, and the
@@ -87,6 +97,10 @@ def as_peer_failure(e: BaseException, rank: int) -> PeerFailure | None:
     dist_error = getattr(dist, "DistError", ())
     if isinstance(e, dist_error) or (isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_SIGNS)):
         first = (str(e).strip().splitlines() or [""])[0][:200]
+        if _timed_out(e):
+            return PeerFailure(f"rank {rank} waited past --timeout in a collective for a peer that did not "
+                               f"come (hung: stopped, deadlocked or swapping; {type(e).__name__}: {first[:160]})",
+                               hung=True)
         return PeerFailure(f"rank {rank}: the process group failed -- a peer process died or hung past "
                            f"--timeout ({type(e).__name__}: {first})")
     return None
@@ -125,6 +139,10 @@ def _collective(what, fn, rank):
         return fn()
     except Exception as e:  # gloo and NCCL raise several kinds when a peer is gone or times out
         first = (str(e).strip().splitlines() or [""])[0]
+        if _timed_out(e):
+            raise PeerFailure(f"rank {rank} waited past --timeout in the {what} for a peer that did not come "
+                              f"(hung: stopped, deadlocked or swapping; {type(e).__name__}: {first[:160]})",
+                              hung=True) from e
         raise PeerFailure(f"rank {rank}: the {what} with the other ranks failed -- a peer process died or "
                           f"hung past --timeout ({type(e).__name__}: {first}); with --max-restarts, torchrun "
                           "restarts the group from the latest checkpoint") from e
@@ -307,7 +325,7 @@ class Ranks:
         mine = float(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
         return self.total(mine, device) > 0
 
-    def gather(self, values: list[float], device) -> list[list[float]]:
+    def gather(self, values: list[float], device, what="step's all-gather") -> list[list[float]]:
         """Every rank's values (one small all-gather); ``[values]`` in a plain job."""
         if not self.distributed:
             return [list(values)]
@@ -315,7 +333,7 @@ class Ranks:
 
         mine = torch.tensor(values, dtype=torch.float64, device=device)
         out = [torch.empty_like(mine) for _ in range(self.world)]
-        _collective("step's all-gather", lambda: dist.all_gather(out, mine, group=self.group), self.rank)
+        _collective(what, lambda: dist.all_gather(out, mine, group=self.group), self.rank)
         return [t.tolist() for t in out]
 
     def total(self, value: float, device) -> float:

@@ -30,7 +30,8 @@ def first_failure(failures: dict) -> tuple[int, object]:
     user = [(r, f) for r, f in failures.items() if _report(f).get("kind") == "user"]
     if user:
         return min(user, key=lambda item: item[0])
-    own = [(r, f) for r, f in failures.items() if _report(f) and _report(f).get("kind") not in ("peer", "stopped")]
+    own = [(r, f) for r, f in failures.items()
+           if _report(f) and _report(f).get("kind") not in ("peer", "hung", "stopped")]
     killed = [(r, f) for r, f in failures.items() if f.exitcode < 0]
     for pool in (own, killed, list(failures.items())):
         if pool:
@@ -86,6 +87,13 @@ def main(argv: list[str]) -> int:
         if stopped and all(_report(f).get("kind") == "stopped" or f.exitcode == -signal.SIGTERM
                            for f in e.failures.values()):
             return int(stopped[0].exitcode)
+        hung = [(r, f) for r, f in sorted(e.failures.items()) if _report(f).get("kind") == "hung"]
+        if hung:  # a rank timed out waiting: the ranks the agent then had to kill are the hung ones
+            gone = [r for r, f in sorted(e.failures.items()) if not _report(f) and f.exitcode < 0]
+            who = f"rank(s) {', '.join(map(str, gone))} hung, " if gone else ""
+            print(f"hytrain train: error: {who}{_report(hung[0][1]).get('line', '').split('error: ', 1)[-1]}",
+                  file=sys.stderr, flush=True)
+            return 124
         rank, failure = first_failure(e.failures)
         text, code = describe(rank, failure)
         others = len(e.failures) - 1
