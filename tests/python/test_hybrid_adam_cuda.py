@@ -283,6 +283,8 @@ def test_cuda_state_between_backward_and_step_is_the_state_before(amsgrad, dcp):
     # with the reference rolled back the same way (its masters are torch's parameters), must go on
     # as the reference, speculated blocks too (their results, computed from the state before, are
     # not adopted).
+    # The model's weights are rolled back with it, as a rollback does (a master loaded alone, under
+    # weights it does not round to, gives way to them: test_script_paths_cuda.py).
     # Masters are compared by their mean difference per parameter, right after the load: a few
     # elements whose gradients are near eps differ by up to an update from the first steps on.
     # (Adopted copy shadows were 4e-3 to 6e-3 off here; a correct step is about 2e-5 off.)
@@ -297,6 +299,7 @@ def test_cuda_state_between_backward_and_step_is_the_state_before(amsgrad, dcp):
             saved, ref_saved = copy.deepcopy(opt.state_dict()), copy.deepcopy(ref.opt.state_dict())
             saved_sharded = copy.deepcopy(opt.sharded_state_dict())
             ref_masters = [m.detach().clone() for m in ref.master]
+            weights = [{k: v.clone() for k, v in m.state_dict().items()} for m in (model, ref_model)]
         before = copy.deepcopy(opt.state_dict()) if i == 7 else None
         buffers = opt.sharded_state_dict() if i == 7 and dcp else None
         for m, o, out in ((model, opt, losses), (ref_model, ref, ref_losses)):
@@ -306,6 +309,7 @@ def test_cuda_state_between_backward_and_step_is_the_state_before(amsgrad, dcp):
                 speculated = opt._engine.rt.in_phase(hytrain.native().BlockPhase.speculated)
                 assert speculated, "nothing speculated"
                 assert {float(opt.state[p]["step"]) for p in model.parameters()} == {7.0}
+                model.load_state_dict(weights[0])
                 if dcp:
                     for b in speculated:
                         opt._engine.launcher.pipeline.wait_updated(b)
@@ -322,6 +326,7 @@ def test_cuda_state_between_backward_and_step_is_the_state_before(amsgrad, dcp):
                         assert torch.equal(sharded["state"][key]["step"], during["state"][key]["step"]), key
                     opt.load_state_dict(copy.deepcopy(saved))
             elif before is not None:
+                ref_model.load_state_dict(weights[1])
                 ref.opt.load_state_dict(copy.deepcopy(ref_saved))
                 with torch.no_grad():
                     for mine, old in zip(ref.master, ref_masters):
@@ -424,6 +429,49 @@ def run_pair(k, *, max_grad_norm=None, steps=STEPS, lr=3e-3, k_schedule=None, ch
     assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
     assert losses[-1] < losses[0]
     return opt, released
+
+
+def _small_gpu(monkeypatch, room):
+    """The planner sees at most ``room`` bytes free on the GPU (within the limit and on the device)."""
+    from hytrain.hybrid.planner import Planner
+
+    real = Planner._free
+
+    def capped(self, *, device=False):
+        allocated, free, limit = real(self, device=device)
+        return allocated, min(free, room), limit
+
+    monkeypatch.setattr(Planner, "_free", capped)
+
+
+@pytest.mark.parametrize("k", ["auto", 0, 2])
+def test_cuda_gradients_that_do_not_fit_leave_in_the_first_backward(monkeypatch, k):
+    """The first backward's gradients do not fit beside what is on the GPU (as a 20 B model's on an
+    80 GB card): the state is made at its first gradient, and each block's gradients leave the GPU
+    during that backward as in later ones; training follows the reference."""
+    _small_gpu(monkeypatch, 256 << 20)
+    opt, released = run_pair(k, max_grad_norm=1.0, steps=8, check_released=True)
+    assert opt._engine.bound_early
+    assert all(released), released  # the first step's gradients too were released during backward
+
+
+def test_cuda_gradients_kept_to_step_that_do_not_fit_are_refused_before_the_state(monkeypatch):
+    """Where something keeps every gradient to step() (here release_grads=False), gradients that do
+    not fit are refused at the first one, naming the bytes and the cause, before any of the state
+    is allocated; the optimizer then trains once there is room."""
+    model, ref_model = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, release_grads=False)
+    x = cuda_batches(1)[0][0]
+    _small_gpu(monkeypatch, 256 << 20)
+    with pytest.raises(hytrain.CapacityError, match=r"the first backward would keep every block's gradients on the "
+                       r"GPU until step\(\) \(release_grads=False\): .* more of them, but 256\.00 MiB"):
+        model(x, x).backward()
+    assert not opt.bound and len(opt.state) == 0
+    monkeypatch.undo()
+    model.zero_grad()
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1)
+    data = cuda_batches(6)
+    assert_close_models(model, ref_model, train(model, opt, data), train(ref_model, ref, data), torch.bfloat16)
 
 
 @pytest.mark.parametrize("release_grads", [True, False])

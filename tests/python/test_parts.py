@@ -13,7 +13,7 @@ from hytrain._native import native
 from hytrain.blocks import detect_blocks
 from hytrain.hybrid.intake import GradientIntake
 from hytrain.hybrid.plan import BlockPlan
-from hytrain.hybrid.planner import Planner, first_split
+from hytrain.hybrid.planner import Planner, first_backward, first_split
 from hytrain.hybrid.settings import settings
 from hytrain.hybrid.store import StateStore
 from hytrain.models import LlamaConfig, LlamaModel
@@ -283,6 +283,44 @@ def test_the_first_split_defers_what_fits_once_the_gradients_are_released():
     assert first_split(states, [2 * G] * 8, free=2 * G, steady=40 * G, margin=2 * G) == (0, 3)
     # Exact fits count: 3 x 3 GiB in 9 GiB.
     assert first_split(states, grads, free=11 * G, steady=11 * G, margin=2 * G) == (3, 3)
+
+
+def test_the_first_backward_keeps_hands_off_or_refuses_by_the_bytes():
+    """Decided at the first backward's first gradient: the gradients still to come stay to step()
+    where they fit beside a 1 GiB margin; else the state is made at once (blocks below the host's
+    floor on the GPU, beside one block's gradients in flight) and they leave block by block; else,
+    where the device itself has room (a limit below it governs the states), they stay; else refused."""
+    G = 1 << 30
+    kw = dict(floor_states=0, transient=G, hands_off=True)
+    assert first_backward(40 * G, 41 * G, device_free=41 * G, **kw) == "keep"
+    assert first_backward(40 * G, 40 * G, device_free=40 * G, **kw) == "hand off"  # the margin counts
+    assert first_backward(40 * G, 39 * G, device_free=39 * G, **dict(kw, floor_states=38 * G)) == "hand off"
+    assert first_backward(40 * G, 39 * G, device_free=39 * G, **dict(kw, floor_states=38 * G + 1)) == "refuse"
+    assert first_backward(40 * G, 39 * G, device_free=39 * G, **dict(kw, hands_off=False)) == "refuse"
+    # A limit below what is allocated already: the state has no room in it, the device has for the
+    # gradients, which autograd allocates whatever the limit.
+    assert first_backward(40 * G, 0, device_free=41 * G, **kw) == "keep"
+    assert first_backward(40 * G, 0, device_free=40 * G, **kw) == "refuse"
+
+
+def test_the_first_backward_refusal_names_the_bytes_and_the_cause(monkeypatch):
+    """Fake budgets: 3 GiB of gradients to come, 2 GiB free. Kept to step() (here by release_grads=False):
+    refused naming both sides and the cause; handed off: refused where the host's floor does not fit
+    beside the gradients in flight, allowed where it does."""
+    model = LlamaModel(CFG)
+    opt = hytrain.HybridAdamW(model.parameters(), model=model, release_grads=False)
+    planner, G = opt._engine.planner, 1 << 30
+    n = sum(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(planner, "_free", lambda device=False: (5 * G, 2 * G + n - 3 * G, 80 * G))
+    with pytest.raises(hytrain.CapacityError, match=r"the first backward would keep every block's gradients on the "
+                       r"GPU until step\(\) \(release_grads=False\): .* more of them, but .* free beside the 5\.00 GiB"):
+        planner.first_backward(0, hands_off=False, why_kept="release_grads=False")
+    opt._engine.store.prepare()
+    transient = planner._transient()  # room for exactly the gradients in flight
+    monkeypatch.setattr(planner, "_free", lambda device=False: (5 * G, transient, 80 * G))
+    with pytest.raises(hytrain.CapacityError, match=r"so the first 2 blocks must keep theirs on the GPU"):
+        planner.first_backward(2, hands_off=True, why_kept="")
+    assert planner.first_backward(0, hands_off=True, why_kept="") is True
 
 
 def test_states_come_back_to_the_host_only_where_it_has_room(monkeypatch):

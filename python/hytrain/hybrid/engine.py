@@ -88,6 +88,8 @@ class Engine:
         self.launcher = Launcher(plan, settings, self.rt, self.store, self.intake, self.fence, self.groups)
         self.speculation_counts = self.launcher.counts  # speculated block updates, so far
         self.planner = Planner(plan, settings, self.rt, self.store)
+        self.bound_early = False  # the state was made in the first backward (see _first_gradient)
+        self._first_seen = False  # the first backward's first gradient has been looked at
 
     @property
     def bound(self) -> bool:
@@ -95,10 +97,11 @@ class Engine:
 
     # -- creation and teardown --------------------------------------------------------------------------
 
-    def bind(self, scaled=False):
+    def bind(self, scaled=False, early=False):
         """Creates the state, the native engine and pipeline, forward hooks and the planner for the
-        device and dtype the parameters have now (``scaled``: a GradScaler drives the first step).
-        On failure nothing is left half made."""
+        device and dtype the parameters have now (``scaled``: a GradScaler drives the first step;
+        ``early``: made in the first backward, see :meth:`_first_gradient`). On failure nothing is
+        left half made."""
         s, store = self.settings, self.store
         pending = None
         try:
@@ -112,7 +115,7 @@ class Engine:
             for p in pending or ():
                 del self._state[p]
             k, later = self.planner.initial_k(store.host_floor(), self.shard_group, scaled=scaled,
-                                              defer=not pending)
+                                              defer=not pending, early=early)
             store.create(self.groups, k, later)
             self.loss_scaling = any(p.dtype == torch.float16 for p in self.plan.params)
             self.timeline = Timeline(store.device if store.cuda else None) if s.trace else None
@@ -124,6 +127,7 @@ class Engine:
             if pending:
                 store.load_entries(store.checked_entries(pending), reset_missing=False,
                                    sharded=self.shard_group is not None)
+            self.bound_early = early
         except BaseException:  # nothing half made: the parts as before the first step
             self._unbind()
             self._state.update(pending or {})
@@ -227,13 +231,38 @@ class Engine:
         """On CUDA after the first step, without loss scaling: each block's gradients leave the GPU
         during backward; the updates wait for step(), or run speculatively beside the state and are
         checked there."""
-        return self.store.cuda and self.settings.overlap and self.steps > 0 and not self.loss_scaling
+        return (self.store.cuda and self.settings.overlap and (self.steps > 0 or self.bound_early)
+                and not self.loss_scaling)
 
     def speculation_allowed(self) -> bool:
         """Whether the next backward may speculate: clipping on CUDA, and the last step did not clip."""
         return self.settings.speculate is not False and self.early_handoff() and not self.last_clipped
 
+    def _first_gradient(self) -> None:
+        """The first backward's first gradient, on CUDA: where the gradients still to come do not
+        fit on the GPU beside what is there, the state is made now, so that each block's gradients
+        leave the GPU during this backward as in later ones and the first step needs no more GPU
+        memory than the steady state; where that cannot be, a CapacityError before anything of the
+        state is allocated. (Sharded parameters hold a rank's shards of the gradients: not checked.)"""
+        self._first_seen = True
+        store, s = self.store, self.settings
+        try:
+            store.prepare()
+        except (RuntimeError, ValueError):
+            return  # refused at step(), where the state is made
+        if not store.cuda or self.shard_group is not None:
+            return
+        kept = [why for why, yes in (
+            ("release_grads=False", not s.release_grads), ("overlap=False", not s.overlap),
+            (f"accumulation_steps={s.accumulation_steps}", s.accumulation_steps > 1),
+            ("fp16 parameters: loss scaling", any(p.dtype == torch.float16 for p in self.plan.params)),
+        ) if yes]
+        if self.planner.first_backward(store.host_floor(), hands_off=not kept, why_kept=", ".join(kept)):
+            self.bind(early=True)
+
     def _arrived(self, b, complete):
+        if not self.bound and not self._first_seen:
+            self._first_gradient()
         if not self.bound:  # the first backward: only its memory is measured (planner.initial_k)
             if complete:
                 self.planner.sample_first(b)

@@ -42,6 +42,25 @@ def first_split(state_bytes, grads, *, free, steady, margin) -> tuple[int, int]:
     return k, later
 
 
+def first_backward(to_come, free, *, device_free, floor_states, transient, hands_off) -> str:
+    """What the first backward does, decided at its first gradient (bytes on the GPU): "keep" --
+    the gradients still ``to_come`` fit in ``free`` (within the run's limit) beside a 1 GiB margin,
+    so every block's stay to step(), where the state is made with the first backward measured;
+    "hand off" -- they do not, but the state can be made now (``hands_off``: nothing keeps the
+    gradients to step()) with the blocks below the host's floor on the GPU (``floor_states``) beside
+    one block's gradients in flight (``transient``), so that each block's gradients leave the GPU as
+    in later backwards; "keep" again where the device itself has room (``device_free``: a limit
+    below what autograd allocates anyway governs the states, not the gradients); "refuse" otherwise."""
+    margin = 1 << 30
+    if to_come + margin <= free:
+        return "keep"
+    if hands_off and floor_states + transient <= free:
+        return "hand off"
+    if to_come + margin <= device_free:
+        return "keep"
+    return "refuse"
+
+
 class Planner:
 
     def __init__(self, plan, settings, rt, store):
@@ -58,7 +77,7 @@ class Planner:
         self._first_samples = []  # (block, GPU bytes in use) as each block completed in the first backward
         self.first_k = None  # (k, later) of the first step (initial_k)
 
-    def initial_k(self, floor, shard_group, *, scaled=False, defer=False) -> tuple[int, int]:
+    def initial_k(self, floor, shard_group, *, scaled=False, defer=False, early=False) -> tuple[int, int]:
         """(k, later) for the state about to be created, at the first step, before any block has
         been measured. Fixed k: the k asked for, twice. Auto: k, the leading blocks the GPU holds
         now, while this step's gradients are all still allocated; and ``later`` >= k, as many as it
@@ -67,18 +86,17 @@ class Planner:
         measured); with it, blocks k..later-1 get their states on the GPU in the first step, once
         the gradients of the others are released, and none on the host. Never below the host's
         ``floor``; a floor the GPU cannot hold is refused here, before anything is allocated, naming
-        the bytes on each side. ``scaled``: loss scaling (the gradients are kept to step())."""
+        the bytes on each side. ``scaled``: loss scaling (the gradients are kept to step()).
+        ``early``: made during the first backward (:meth:`first_backward`), before anything is
+        measured: k is the floor, and the scheduler moves it from there."""
         store, s = self.store, self.settings
         if not store.cuda:
             return 0, 0
         state_bytes = self.plan.sizes()[2]
-        device = store.device
-        allocated = torch.cuda.memory_allocated(device)
-        peak = max(torch.cuda.max_memory_allocated(device), allocated)
-        free, _ = torch.cuda.mem_get_info(device)
-        free += torch.cuda.memory_reserved(device) - allocated  # the allocator's unused reserve
-        limit = self.gpu_limit()
-        free = max(0, min(free, limit - allocated))  # free now, within the process's limit
+        allocated, free, limit = self._free()
+        peak = max(torch.cuda.max_memory_allocated(store.device), allocated)
+        if early:  # bound in the first backward: gradients in flight one block at a time, as later
+            free = max(0, free - self._transient())
         if not s.auto:
             k = s.gpu_blocks
             if k < floor:
@@ -92,6 +110,11 @@ class Planner:
                     f"but {format_bytes(max(free, 0))} of its memory is free: lower gpu_blocks, or use "
                     "gpu_blocks='auto' (it keeps on the GPU what fits beside the activations)")
             return k, k
+        if early:
+            if sum(state_bytes[:floor]) > free:
+                raise store.gpu_refusal(floor, free)
+            self.first_k = (floor, floor)
+            return self.first_k
         released = s.release_grads and s.overlap and not scaled
         peak = self._steady_peak(peak, released=released)
         margin = (1 << 30) + limit // 20  # the scheduler's margin (_budget)
@@ -113,6 +136,47 @@ class Planner:
             raise store.gpu_refusal(floor, free + (sum(grads) - sum(grads[k:floor]) if grads else 0))
         self.first_k = (k, max(k, later))
         return self.first_k
+
+    def _free(self, *, device=False) -> tuple[int, int, int]:
+        """(allocated, free, limit): GPU bytes allocated now, free within the process's limit (the
+        allocator's unused reserve counted as free; ``device``: within the device only), and that limit."""
+        dev = self.store.device
+        allocated = torch.cuda.memory_allocated(dev)
+        free, _ = torch.cuda.mem_get_info(dev)
+        free += torch.cuda.memory_reserved(dev) - allocated
+        limit = self.gpu_limit()
+        return allocated, max(0, free if device else min(free, limit - allocated)), limit
+
+    def _transient(self) -> int:
+        """The gradients in flight at once when blocks hand them off during backward: the largest
+        block's, twice (one landing on the host while the next accumulates)."""
+        return 2 * max((sum(local(p).numel() * p.element_size() for p in blk) for blk in self.plan.blocks),
+                       default=0)
+
+    def first_backward(self, floor, *, hands_off, why_kept) -> bool:
+        """At the first gradient of the first backward, on CUDA (see :func:`first_backward`): False
+        where the gradients still to come fit (the state is made at step(), as usual); True where
+        they do not but the state can be made now, each block's gradients then leaving the GPU as
+        in later backwards; otherwise :class:`CapacityError`, before anything of the state is
+        allocated, naming the bytes on each side (``why_kept``: what keeps the gradients to step())."""
+        sizes = self.plan.sizes()[2]
+        to_come = sum(local(p).numel() * p.element_size() for p in self.plan.params
+                      if p.requires_grad and p.grad is None)
+        allocated, free, _ = self._free()
+        device_free = self._free(device=True)[1]
+        decision = first_backward(to_come, free, device_free=device_free,
+                                  floor_states=sum(sizes[:floor]), transient=self._transient(), hands_off=hands_off)
+        if decision == "keep":
+            return False
+        if decision == "hand off":
+            return True
+        if not hands_off:
+            raise CapacityError(
+                f"the first backward would keep every block's gradients on the GPU until step() ({why_kept}): "
+                f"{format_bytes(to_come)} more of them, but {format_bytes(device_free)} of GPU memory is free beside "
+                f"the {format_bytes(allocated)} in use (weights, activations): without that, each block's "
+                "gradients leave the GPU as backward produces them; else use a larger GPU or a smaller model")
+        raise self.store.gpu_refusal(floor, free - self._transient())
 
     def sample_first(self, b) -> None:
         """The first backward, block b's gradients complete: the GPU memory in use (a host-side
