@@ -1,6 +1,8 @@
-"""The job's data: a corpus read as bytes (the Python standard library's own sources by default, or a
-text file or directory), split into train and validation by a hash of each file's name, and the batch
-of each step as a function of (seed, step) alone, so that a resumed run sees the same batches."""
+"""The job's data. Plain text (the Python standard library's own sources by default, or a text file or
+directory) is read whole, up to ``--max-data-bytes``, split into train and validation by a hash of each
+file's name, and the batch of each step is a function of (seed, step) alone, so that a resumed run sees
+the same batches. Everything else (JSON lines, C4's gzip shards, Parquet, Arrow, saved datasets,
+instruction data) is streamed by corpus.py, and resumed from the cursor kept in the checkpoint."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .corpus import ByteTokenizer, formats, open_corpus
 from .options import ConfigError
 
 
@@ -58,3 +61,96 @@ def batch_at(data: torch.Tensor, step: int, batch: int, seq: int, seed: int) -> 
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=g)
     return torch.stack([data[s:s + seq + 1] for s in starts.tolist()]).long()
+
+
+def _as_tokens(data: torch.Tensor, tokenizer) -> torch.Tensor:
+    """Bytes as the tokenizer's ids (the bytes themselves for the byte tokenizer)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return data
+    ids = tokenizer.encode(bytes(data.tolist()).decode("utf-8", errors="replace"))
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+class InMemory:
+    """A corpus of plain text read whole (``--max-data-bytes`` at most): each step's global batch is
+    a function of (seed, step) -- random windows -- so a resumed run sees the same batches."""
+
+    kind = "text"
+    wait_seconds = 0.0
+
+    def __init__(self, spec, tokenizer, *, batch, seq_len, seed, max_bytes):
+        train, val, self.description = load_corpus(spec, max_bytes)
+        self._train, self._val = _as_tokens(train, tokenizer), _as_tokens(val, tokenizer)
+        self._batch, self._seq, self._seed = batch, seq_len, seed
+        shortest = min(len(self._train), len(self._val))
+        if seq_len + 1 > shortest:
+            raise ConfigError(f"--seq-len {seq_len} is longer than the data allows: a sequence needs {seq_len + 1} "
+                              f"tokens, the {'validation' if len(self._val) < len(self._train) else 'training'} split "
+                              f"has {shortest} (--data {spec}, --max-data-bytes {max_bytes})")
+
+    def batch(self, step):
+        return batch_at(self._train, step, self._batch, self._seq, self._seed), None
+
+    def validation(self, n):
+        return [(batch_at(self._val, i, self._batch, self._seq, seed=12345), None) for i in range(n)]
+
+    def cursor(self):
+        return None
+
+    def close(self):
+        pass
+
+
+class Streamed:
+    """A corpus streamed from its files (corpus.py), the global batch of each step the next
+    ``batch`` rows of one stream that every rank reads alike (each keeps its own rows), so the
+    rows do not depend on the number of processes; ``cursor()`` is where a resume goes on."""
+
+    def __init__(self, corpus, *, batch, cursor=None):
+        self.corpus, self.kind, self.description = corpus, corpus.kind, corpus.description
+        self._batch = batch
+        self._stream = corpus.train_stream(cursor)
+
+    @property
+    def wait_seconds(self):
+        return self._stream.wait_seconds
+
+    def batch(self, step):
+        return self._stream.take(self._batch)
+
+    def validation(self, n):
+        rows = self.corpus.validation(n * self._batch)
+        if len(rows) < self._batch:
+            raise ConfigError(f"the validation split gives {len(rows)} rows of {rows[0][0].numel()} tokens, fewer "
+                              f"than one batch (--batch-size {self._batch}): pass --val-data with more data")
+        return [(torch.stack([r[0] for r in rows[i:i + self._batch]]), torch.stack([r[1] for r in rows[i:i + self._batch]]))
+                for i in range(0, len(rows) - self._batch + 1, self._batch)]
+
+    def cursor(self):
+        return self._stream.cursor()
+
+    def close(self):
+        self._stream.close()
+
+
+def open_data(args, tokenizer, cursor=None):
+    """The job's data: the embedded corpus and plain text in memory; JSON lines, gzip shards,
+    Parquet, Arrow and saved datasets streamed (``--data-kind``, ``--text-field``, ``--val-data``)."""
+    streamed = args.data != "stdlib" and (args.val_data or args.data_kind not in ("auto", "text")
+                                          or formats(args.data) != {"text"})
+    if not streamed:
+        return InMemory(args.data, tokenizer, batch=args.batch_size, seq_len=args.seq_len, seed=args.seed,
+                        max_bytes=args.max_data_bytes)
+    corpus = open_corpus(args.data, tokenizer, seq_len=args.seq_len, text_field=args.text_field, kind=args.data_kind,
+                         val_spec=args.val_data, seed=args.seed)
+    return Streamed(corpus, batch=args.batch_size, cursor=cursor)
+
+
+def inputs_and_targets(tokens, mask, ranks, device):
+    """This rank's rows of a global batch as the model's (inputs, targets): targets that carry no loss
+    (prompts, padding) are -100, which cross-entropy ignores."""
+    b = ranks.rows(tokens).to(device, non_blocking=True)
+    targets = b[:, 1:]
+    if mask is not None:
+        targets = targets.masked_fill(~ranks.rows(mask).to(device, non_blocking=True), -100)
+    return b[:, :-1], targets

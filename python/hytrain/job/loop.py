@@ -33,11 +33,12 @@ from .._native import native
 from ..blocks import detect_blocks
 from ..hybrid import HybridAdamW
 from ..pool import CapacityError, PinnedPool, parse_bytes
-from .data import batch_at, load_corpus
+from .corpus import ByteTokenizer
+from .data import inputs_and_targets, open_data
 from .metrics import Metrics, Power, evaluate, recorded
-from .models import build_model
+from .models import build_model, job_tokenizer
 from .lock import RunLock
-from .options import DTYPES, ConfigError, add_arguments, resolve_options, resumed_options
+from .options import DATA_OPTIONS, DTYPES, ConfigError, add_arguments, resolve_options, resumed_options
 from .ranks import LAUNCHED, PeerFailure, Ranks, as_peer_failure, launch, report_failure, tell_launcher, under_torchrun
 
 
@@ -232,27 +233,32 @@ def _run(args, ranks, say, out) -> int:
                 ckpt.verify(resume_dir)  # a corrupted checkpoint is refused before anything is built
             except ckpt.CheckpointError as e:
                 raise _naming_older(e, out, resume_dir) from None
-    changes = []
+    changes, cursor = [], None
     if resume_dir is not None:  # the checkpoint's options, where this command line does not change them
         meta = ckpt.read_meta(resume_dir)
-        saved = (meta.get("config") or meta.get("extra") or {}).get("options") or {}
+        saved_config = meta.get("config") or meta.get("extra") or {}
+        saved = saved_config.get("options") or {}
         changes = resumed_options(args, saved)
+        cursor = saved_config.get("data_cursor")
+        if cursor is not None and any(saved.get(key) != getattr(args, key) for key in DATA_OPTIONS):
+            say(f"hytrain train: the data options differ from the checkpoint's: {args.data} is read from its "
+                "beginning", flush=True)
+            cursor = None
     saved_format = ckpt.read_meta(resume_dir).get("state_format", "fp32") if resume_dir is not None else None
     asked_format = args.state_format
     args.state_format = asked_format or saved_format or "fp32"  # a resumed run keeps its format unless told
-    train_data, val_data, desc = load_corpus(args.data, args.max_data_bytes)
-    shortest = min(len(train_data), len(val_data))
-    if args.seq_len + 1 > shortest:
-        raise ConfigError(f"--seq-len {args.seq_len} is longer than the data allows: a sequence needs "
-                          f"{args.seq_len + 1} bytes, the {'validation' if len(val_data) < len(train_data) else 'training'} "
-                          f"split has {shortest} (--data {args.data}, --max-data-bytes {args.max_data_bytes})")
-    model, n_params, model_cfg = build_model(args, device, dtype)
+    tokenizer = job_tokenizer(args)
+    data = open_data(args, tokenizer, cursor)
+    val_batches = data.validation(args.eval_batches)
+    model, n_params, model_cfg, sharded = build_model(args, device, dtype, shard=lambda m: ranks.shard(m, device))
     limit = model_cfg.get("max_position_embeddings")
     if isinstance(limit, int) and args.seq_len > limit:
         raise ConfigError(f"--seq-len {args.seq_len} is longer than {args.model}'s context ({limit} positions)")
     vocab = model_cfg.get("vocab_size", 256)
-    if vocab < 256:
-        raise ConfigError(f"the model's vocabulary ({vocab}) is smaller than the byte alphabet (256)")
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError(f"the tokenizer's vocabulary ({tokenizer.vocab_size} tokens"
+                          f"{', bytes' if isinstance(tokenizer, ByteTokenizer) else ''}) does not fit the model's "
+                          f"embedding ({vocab} rows)")
     state_bytes = n_params * (16 if device.type == "cuda" else 12) // ranks.world + (256 << 20)
     pool = None
     if args.pin_limit is not None:
@@ -265,7 +271,8 @@ def _run(args, ranks, say, out) -> int:
     k = args.gpu_blocks if device.type == "cuda" else 0
     if k != "auto":
         k = min(k, len(detect_blocks(model, list(model.parameters()))))
-    ranks.shard(model, device)
+    if not sharded:
+        ranks.shard(model, device)
     limit = parse_bytes("gpu_memory_limit", args.gpu_memory_limit) if args.gpu_memory_limit else None
     opt = HybridAdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                       max_grad_norm=args.max_grad_norm or None, model=model, pool=pool,
@@ -319,7 +326,7 @@ def _run(args, ranks, say, out) -> int:
         (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
     where = f"{ranks.world} processes ({device.type}, FSDP2)" if ranks.distributed else str(device)
     say(f"hytrain train: {args.model} ({n_params / 1e6:.2f} M parameters, {dtype}) on {where}, "
-        f"k={opt.gpu_blocks}, data {desc}", flush=True)
+        f"k={opt.gpu_blocks}, data {data.description}", flush=True)
 
     stop = {"signal": None, "save": _early["save"]}
 
@@ -342,9 +349,10 @@ def _run(args, ranks, say, out) -> int:
         while step < args.steps:
             t0 = time.perf_counter()
             _at["step"] = step
-            b = ranks.rows(batch_at(train_data, step, args.batch_size, args.seq_len, args.seed))
-            b = b.to(device, non_blocking=True)
-            loss = model(b[:, :-1], b[:, 1:])
+            waited = data.wait_seconds
+            tokens, mask = data.batch(step)
+            waited = data.wait_seconds - waited
+            loss = model(*inputs_and_targets(tokens, mask, ranks, device))
             loss.backward()
             try:
                 opt.step()
@@ -368,7 +376,7 @@ def _run(args, ranks, say, out) -> int:
             step += 1
             dt = time.perf_counter() - t0
             rec = {"step": step, "loss": loss_v, "lr": sched.get_last_lr()[0], "step_s": dt,
-                   "tokens_per_s": tokens_per_step / dt, **power.sample()}
+                   "tokens_per_s": tokens_per_step / dt, "data_wait_frac": waited / dt, **power.sample()}
             if opt.last_grad_norm is not None:
                 rec["grad_norm"] = opt.last_grad_norm
             rec.update({key: sched_stats[key] for key in ("k", "gpu_wait_frac", "predicted_iter_s", "alloc_retries")
@@ -380,9 +388,9 @@ def _run(args, ranks, say, out) -> int:
             if not math.isfinite(loss_v):
                 raise _diverged(step, f"the loss became {loss_v}", args, out)
             if step % args.eval_every == 0 if args.eval_every else False:
-                rec["val_loss"] = evaluate(model, val_data, args, device, ranks)
+                rec["val_loss"] = evaluate(model, val_batches, device, ranks)
             if step == args.steps and "val_loss" not in rec:
-                rec["val_loss"] = evaluate(model, val_data, args, device, ranks)
+                rec["val_loss"] = evaluate(model, val_batches, device, ranks)
             if metrics is not None:
                 metrics.write(rec)
             history.append(rec)
@@ -399,6 +407,7 @@ def _run(args, ranks, say, out) -> int:
                 say(f"\nhytrain train: SIGUSR1 (a scheduler's warning): saving at step {step}; training goes on",
                     flush=True)
             if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping or asked:
+                config["data_cursor"] = data.cursor()  # where a resume reads on
                 if ranks.distributed or sharded_ckpt:
                     dist_checkpoint.save(out, step, model, opt, {"scheduler": sched.state_dict(), **config},
                                          keep=args.keep, since=since)
@@ -412,6 +421,7 @@ def _run(args, ranks, say, out) -> int:
                     f"(resume with --resume latest --out {out}); exit status {128 + stopped}", flush=True)
                 break
     finally:
+        data.close()
         for s, h in old.items():
             signal.signal(s, h)
         if bar is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .data import batch_at
+from .data import inputs_and_targets
 
 
 class Power:
@@ -173,12 +173,12 @@ def recorded(path: Path) -> list[dict]:
 
 
 @torch.no_grad()
-def evaluate(model, val, args, device, ranks) -> float:
-    """The validation loss over ``--eval-batches`` fixed batches (each rank its rows of each)."""
+def evaluate(model, batches, device, ranks) -> float:
+    """The validation loss over fixed global batches (each rank its rows of each)."""
     model.eval()
     total = 0.0
-    for i in range(args.eval_batches):
-        b = ranks.rows(batch_at(val, i, args.batch_size, args.seq_len, seed=12345)).to(device)
-        total += float(model(b[:, :-1], b[:, 1:]))
+    with torch.no_grad():
+        for tokens, mask in batches:
+            total += float(model(*inputs_and_targets(tokens, mask, ranks, device)))
     model.train()
-    return ranks.total(total, device) / ranks.world / args.eval_batches
+    return ranks.total(total, device) / ranks.world / len(batches)

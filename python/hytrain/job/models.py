@@ -1,56 +1,37 @@
-"""The job's model: a preset of the project's decoder, or a transformers causal LM by name or path,
-built on the device in the training dtype."""
+"""The job's model and tokenizer: a preset of the project's decoder (bytes as tokens), or a transformers
+causal LM from a directory or the local Hugging Face cache, its weights read from its checkpoint into
+the training dtype on the device (hf.py), with its own tokenizer."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-from urllib.parse import urlparse
 
 import torch
 
 from ..models import LlamaConfig, LlamaModel
 from ..models.presets import PRESETS, CausalLM
+from .corpus import ByteTokenizer, HFTokenizer
+from .hf import load_causal_lm, load_tokenizer, model_dir
 from .options import ConfigError
 
 
-def _hub_reachable(timeout_s=3.0) -> bool:
-    """Whether the Hugging Face hub answers a TCP connection (a machine without network says no at
-    once, instead of transformers' retries)."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        return False
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+def model_path(args):
+    """None for a preset; else the transformers model's directory (a path, or a name in the local
+    Hugging Face cache: nothing is downloaded)."""
+    if args.model in PRESETS:
+        return None
     try:
-        socket.create_connection((host, 443), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
+        return model_dir(args.model)
+    except ConfigError as e:
+        raise ConfigError(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a transformers "
+                          f"model: {e}") from None
 
 
-def _hf_config(name):
-    """A transformers config from a path or the local cache, else from the hub when it can be reached;
-    otherwise refused at once."""
-    from transformers import AutoConfig
-
-    def refuse(e, where):
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--model {name!r} is neither a preset ({', '.join(PRESETS)}) nor a transformers "
-                          f"model {where}: {first}") from None
-
-    try:
-        return AutoConfig.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as e:
-        if not _hub_reachable():
-            refuse(e, "found locally or in the Hugging Face cache (and the hub cannot be reached)")
-    try:
-        return AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as e:
-        refuse(e, "on the hub")
-
-
-def build_model(args, device, dtype):
-    """(model, parameter count, config as a dict)."""
+def build_model(args, device, dtype, shard=None):
+    """(model, parameter count, config as a dict, whether ``shard`` was applied). A transformers
+    model's weights come from its checkpoint (``--init pretrained``), read straight into ``dtype`` on
+    ``device`` shard by shard; sharded (``shard``: FSDP2 over the ranks) before they are read, each
+    rank reading its own part only."""
     if args.model in PRESETS:
         cfg = LlamaConfig(**PRESETS[args.model], max_seq_len=max(args.seq_len, 256))
         torch.manual_seed(args.seed)
@@ -58,13 +39,21 @@ def build_model(args, device, dtype):
             probe = LlamaModel(cfg)
         n = sum(p.numel() for p in probe.parameters())
         model = LlamaModel(cfg, checkpointing=args.activation_checkpointing).to(device=device, dtype=dtype)
-        return model, n, dataclasses.asdict(cfg)
-    from transformers import AutoModelForCausalLM
-
-    hf_cfg = _hf_config(args.model)
-    torch.manual_seed(args.seed)
-    inner = AutoModelForCausalLM.from_config(hf_cfg).to(device=device, dtype=dtype)
+        return model, n, dataclasses.asdict(cfg), False
+    pretrained = args.init == "pretrained"
+    inner, cfg = load_causal_lm(str(model_path(args)), device=device, dtype=dtype, init=args.init, seed=args.seed,
+                                shard=shard if pretrained else None)
     if args.activation_checkpointing:
         inner.gradient_checkpointing_enable()
     model = CausalLM(inner)
-    return model, sum(p.numel() for p in model.parameters()), hf_cfg.to_dict()
+    n = sum(p.numel() for p in model.parameters())  # (a sharded parameter's numel is its whole one)
+    return model, n, cfg, bool(pretrained and shard)
+
+
+def job_tokenizer(args):
+    """The tokenizer the data is read with: ``--tokenizer``, else a transformers model's own, else
+    bytes (the presets)."""
+    if args.tokenizer:
+        return HFTokenizer(load_tokenizer(args.tokenizer))
+    where = model_path(args)
+    return ByteTokenizer() if where is None else HFTokenizer(load_tokenizer(str(where)))

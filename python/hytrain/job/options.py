@@ -26,7 +26,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--config", help="TOML (or YAML, with PyYAML installed) file of the options below; flags win")
     a("--model", default="tiny", help=f"preset ({', '.join(PRESETS)}) or a transformers model name/path")
-    a("--data", default="stdlib", help="'stdlib' (the embedded corpus) or a text file or directory")
+    a("--init", choices=("pretrained", "random"), default="pretrained",
+      help="a transformers model's weights: its checkpoint's (safetensors), or random from its config")
+    a("--tokenizer", default=None,
+      help="tokenizer directory (default: the transformers model's own; bytes for the presets)")
+    a("--data", default="stdlib",
+      help="'stdlib' (the embedded corpus), text files or directories (read whole), or JSON lines, gzip "
+           "JSONL shards, Parquet, Arrow or a datasets.save_to_disk directory (streamed); comma-separated")
+    a("--data-kind", choices=("auto", "text", "prompt", "chat"), default="auto",
+      help="text (packed, EOS between documents), prompt (prompt/response or instruction/input/output "
+           "records) or chat (messages, the tokenizer's chat template): loss on the responses only, one "
+           "example per sequence, padded; auto: from the first record")
+    a("--text-field", default="text", help="the field of JSON/Parquet records that holds the text")
+    a("--val-data", default=None, help="validation data (default: a held-out part of --data)")
+    a("--export", action=argparse.BooleanOptionalAction, default=True,
+      help="write a Hugging Face model directory (config, safetensors, tokenizer) to OUT/model at the end")
     a("--batch-size", type=int, default=16, help="sequences per step")
     a("--seq-len", type=int, default=128, help="tokens per sequence")
     a("--steps", type=int, default=400, help="optimizer steps in total (a resumed run continues to it)")
@@ -138,8 +152,12 @@ def _flags_given(p: argparse.ArgumentParser, argv) -> set:
 # A resume: what may change under a checkpoint (from the resume point on), and what may not.
 CHANGEABLE = ("lr", "warmup", "weight_decay", "max_grad_norm", "steps", "eval_every", "save_every", "keep",
               "workers")
-FIXED = ("model", "seq_len", "precision", "batch_size")
-KEPT = ("data", "max_data_bytes", "seed", "gpu_blocks", "speculate", "gpu_memory_limit", "pin_limit")
+FIXED = ("model", "seq_len", "precision", "batch_size", "tokenizer")
+KEPT = ("data", "data_kind", "text_field", "val_data", "max_data_bytes", "seed", "gpu_blocks", "speculate",
+        "gpu_memory_limit", "pin_limit", "init", "export")
+
+# What decides the rows a data cursor points into: another value reads the data from its beginning.
+DATA_OPTIONS = ("data", "data_kind", "text_field", "val_data", "seq_len", "tokenizer", "seed")
 
 
 def resumed_options(args, saved: dict) -> list:
