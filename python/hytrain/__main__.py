@@ -124,6 +124,22 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """A run's checkpoint as a Hugging Face model directory (``from_pretrained`` loads it)."""
+    from .checkpoint import CheckpointError
+    from .job.hf import export_run, parameter_count
+    from .job.options import ConfigError
+
+    try:
+        out = export_run(args.run, args.to, checkpoint=args.checkpoint)
+        n = parameter_count(out)
+    except (ConfigError, CheckpointError) as e:
+        print(f"hytrain export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{out}: a Hugging Face model directory of {n / 1e6:.2f} M parameters")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hytrain", description="hytrain: CPU+GPU training engine")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -138,6 +154,13 @@ def main(argv=None) -> int:
                               "manifest and every file's size and SHA-256; exit 2 if anything is wrong")
     p_verify.add_argument("path", help="a checkpoint directory, or a run's --out (its newest checkpoint)")
     p_verify.set_defaults(fn=cmd_verify)
+    p_export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory "
+                              "(config, safetensors, tokenizer) that transformers' from_pretrained loads")
+    p_export.add_argument("run", help="the run's directory (its --out)")
+    p_export.add_argument("--to", required=True, help="the directory to write (new, or empty)")
+    p_export.add_argument("--checkpoint", default="latest",
+                          help="latest (the default), a checkpoint's name (step_N) in the run, or its path")
+    p_export.set_defaults(fn=cmd_export)
     sub.add_parser("train", help="train a model (embedded default: a tiny Llama on the Python stdlib "
                    "sources); see hytrain train --help", add_help=False)
     argv = sys.argv[1:] if argv is None else list(argv)

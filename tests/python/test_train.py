@@ -359,15 +359,17 @@ def test_toml_config_and_flags(tmp_path):
 
 
 def test_a_transformers_model_by_config_directory(tmp_path):
-    # Any causal LM transformers can build from a config (a hub name or a local directory): here a
-    # two-layer Llama from a config.json, so nothing is downloaded. It trains, saves and resumes.
+    # Any causal LM transformers can build from a config (a local directory or the local cache), with
+    # random weights (--init random): here a two-layer Llama from a config.json alone, read as bytes
+    # (--tokenizer bytes). It trains, saves and resumes.
     transformers = pytest.importorskip("transformers")
     cfg_dir = tmp_path / "tiny-llama"
     transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                              tie_word_embeddings=False).save_pretrained(cfg_dir)
     out = str(tmp_path / "run")
-    args = ["--model", str(cfg_dir), "--eval-every", "0", "--lr", "3e-3", "--out", out, *FAST]
+    args = ["--model", str(cfg_dir), "--init", "random", "--tokenizer", "bytes", "--eval-every", "0", "--lr", "3e-3",
+            "--out", out, *FAST]
     assert main(["--steps", "16", *args]) == 0
     rows = metrics(out)
     assert rows[-1]["loss"] < rows[0]["loss"]

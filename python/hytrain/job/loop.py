@@ -16,6 +16,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import signal
 import sys
 import threading
@@ -33,10 +34,10 @@ from .._native import native
 from ..blocks import detect_blocks
 from ..hybrid import HybridAdamW
 from ..pool import CapacityError, PinnedPool, parse_bytes
-from .corpus import ByteTokenizer
 from .data import inputs_and_targets, open_data
 from .metrics import Metrics, Power, evaluate, recorded
-from .models import build_model, job_tokenizer
+from .hf import export_model
+from .models import build_model, check_fit, job_tokenizer, model_path
 from .lock import RunLock
 from .options import DATA_OPTIONS, DTYPES, ConfigError, add_arguments, resolve_options, resumed_options
 from .ranks import LAUNCHED, PeerFailure, Ranks, as_peer_failure, launch, report_failure, tell_launcher, under_torchrun
@@ -248,17 +249,10 @@ def _run(args, ranks, say, out) -> int:
     asked_format = args.state_format
     args.state_format = asked_format or saved_format or "fp32"  # a resumed run keeps its format unless told
     tokenizer = job_tokenizer(args)
+    check_fit(args, tokenizer)
     data = open_data(args, tokenizer, cursor)
     val_batches = data.validation(args.eval_batches)
     model, n_params, model_cfg, sharded = build_model(args, device, dtype, shard=lambda m: ranks.shard(m, device))
-    limit = model_cfg.get("max_position_embeddings")
-    if isinstance(limit, int) and args.seq_len > limit:
-        raise ConfigError(f"--seq-len {args.seq_len} is longer than {args.model}'s context ({limit} positions)")
-    vocab = model_cfg.get("vocab_size", 256)
-    if vocab < tokenizer.vocab_size:
-        raise ConfigError(f"the tokenizer's vocabulary ({tokenizer.vocab_size} tokens"
-                          f"{', bytes' if isinstance(tokenizer, ByteTokenizer) else ''}) does not fit the model's "
-                          f"embedding ({vocab} rows)")
     state_bytes = n_params * (16 if device.type == "cuda" else 12) // ranks.world + (256 << 20)
     pool = None
     if args.pin_limit is not None:
@@ -429,8 +423,9 @@ def _run(args, ranks, say, out) -> int:
         if metrics is not None:
             metrics.close()
     energy = ranks.total(power.total_j(), device)  # every GPU of the job
-    summary = finish(out, opt, history, n_params, tokens_per_step, time.perf_counter() - t_start, energy, device,
-                     ranks)
+    elapsed = time.perf_counter() - t_start
+    exported = export_at_end(model, out, args, ranks) if args.export and not stopped and step == args.steps else None
+    summary = finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks, exported)
     say(json.dumps(summary), flush=True)
     ranks.close()
     # A stop by signal is not a finished run: 128 + the signal's number, as a shell reports it, so
@@ -442,7 +437,27 @@ def _run(args, ranks, say, out) -> int:
     return 128 + stopped if stopped else 0
 
 
-def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks) -> dict | None:
+def export_at_end(model, out, args, ranks) -> Path:
+    """The trained model as a Hugging Face model directory, ``OUT/model`` (config, safetensors shards,
+    the tokenizer's files): written beside an earlier one (a resumed run's), then put in its place."""
+    where = model_path(args)
+    tokenizer = args.tokenizer if args.tokenizer not in (None, "bytes") else (str(where) if where else None)
+    if args.tokenizer == "bytes":
+        tokenizer = None
+    target, fresh, old = out / "model", out / ".model-new", out / ".model-old"
+    if ranks.main:
+        for d in (fresh, old):
+            shutil.rmtree(d, ignore_errors=True)
+    export_model(model, fresh, tokenizer_dir=tokenizer)
+    if ranks.main:
+        if target.exists():
+            os.rename(target, old)
+        os.rename(fresh, target)
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks, exported=None) -> dict | None:
     """Traces (rank 0's as trace.json, the others' beside it), pictures and summary.json (rank 0)."""
     if not ranks.main:
         opt.export_trace(out / f"trace.rank{ranks.rank}.json")
@@ -465,6 +480,8 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
                "final_loss": history[-1]["loss"] if history else None,
                "final_val_loss": vals[-1] if vals else None, "tokens": tokens,
                "tokens_per_s": tokens / elapsed if elapsed > 0 else None, "trace": str(trace), **pictures}
+    if exported is not None:
+        summary["model_dir"] = str(exported)  # AutoModelForCausalLM.from_pretrained loads it
     # Where the optimizer's state lived at the end, and the process's peaks.
     placed = opt.residency()
     summary.update(k=len(placed["gpu"]), state_format=opt.state_format, state_host_gb=placed["host_bytes"] / 1e9,

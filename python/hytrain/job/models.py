@@ -5,6 +5,7 @@ the training dtype on the device (hf.py), with its own tokenizer."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import torch
 
@@ -50,9 +51,32 @@ def build_model(args, device, dtype, shard=None):
     return model, n, cfg, bool(pretrained and shard)
 
 
+def check_fit(args, tokenizer) -> None:
+    """Before anything is read or built: the sequence length within the model's positions, and the
+    tokenizer's vocabulary within its embedding (from the config alone)."""
+    where = model_path(args)
+    if where is None:
+        vocab, limit = PRESETS[args.model]["vocab_size"], None
+    else:
+        try:
+            cfg = json.loads((where / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{where / 'config.json'} cannot be read: {e}") from None
+        cfg = cfg.get("text_config", cfg)  # (multimodal configs nest the language model's)
+        vocab, limit = cfg.get("vocab_size"), cfg.get("max_position_embeddings")
+    if isinstance(limit, int) and args.seq_len > limit:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than {args.model}'s context ({limit} positions)")
+    if isinstance(vocab, int) and vocab < tokenizer.vocab_size:
+        raise ConfigError(f"the tokenizer's vocabulary ({tokenizer.vocab_size} tokens"
+                          f"{', bytes' if isinstance(tokenizer, ByteTokenizer) else ''}) does not fit the model's "
+                          f"embedding ({vocab} rows)")
+
+
 def job_tokenizer(args):
-    """The tokenizer the data is read with: ``--tokenizer``, else a transformers model's own, else
-    bytes (the presets)."""
+    """The tokenizer the data is read with: ``--tokenizer`` (a directory, or ``bytes``), else a
+    transformers model's own, else bytes (the presets)."""
+    if args.tokenizer == "bytes":
+        return ByteTokenizer()
     if args.tokenizer:
         return HFTokenizer(load_tokenizer(args.tokenizer))
     where = model_path(args)

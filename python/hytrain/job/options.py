@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--init", choices=("pretrained", "random"), default="pretrained",
       help="a transformers model's weights: its checkpoint's (safetensors), or random from its config")
     a("--tokenizer", default=None,
-      help="tokenizer directory (default: the transformers model's own; bytes for the presets)")
+      help="tokenizer directory, or 'bytes' (default: the transformers model's own; bytes for the presets)")
     a("--data", default="stdlib",
       help="'stdlib' (the embedded corpus), text files or directories (read whole), or JSON lines, gzip "
            "JSONL shards, Parquet, Arrow or a datasets.save_to_disk directory (streamed); comma-separated")
