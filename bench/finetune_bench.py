@@ -10,7 +10,8 @@ text. Per size, one `hytrain train` process, timed from the command's start:
   total_s        the whole command (with --export: writing OUT/model, a Hugging Face directory, at the end)
 
 Shapes (transformers LlamaForCausalLM, untied, vocab 32000): 7b hidden 4096 x 32 layers, 13b hidden 5120
-x 40 layers. Micro-batch --batch-size x --seq-len tokens, activation checkpointing on.
+x 40 layers. Micro-batch --batch-size x --seq-len tokens, activation checkpointing on; --keep 0 (no
+checkpoint: a 7 B model's with fp32 states is 94 GB, more than the GPU machine's disk holds).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def run_job(model: Path, data: Path, out: Path, args, size: str) -> dict:
     cmd = [sys.executable, "-m", "hytrain", "train", "--model", str(model), "--data", str(data),
            "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
            "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--activation-checkpointing",
-           "--lr", "1e-5", "--out", str(out), "--state-format", args.state_format[size],
+           "--lr", "1e-5", "--out", str(out), "--state-format", args.state_format[size], "--keep", "0",
            "--export" if args.export else "--no-export"]
     metrics = out / "metrics.jsonl"
     t0 = time.perf_counter()

@@ -137,12 +137,14 @@ def test_a_resume_of_two_processes_reads_on_where_they_stopped(made, tmp_path):
 
 
 def test_the_model_written_at_the_end_loads_and_gives_the_final_validation_loss(made, tmp_path):
+    # (--keep 0: no checkpoint, as for a fine-tune whose optimizer state is not wanted afterwards.)
     from transformers import AutoModelForCausalLM
 
     model_dir, shards, _ = made
     out = tmp_path / "run"
     assert main(["--model", str(model_dir), "--data", str(shards), "--steps", "3", "--eval-every", "0",
-                 "--out", str(out), *FAST]) == 0
+                 "--keep", "0", "--out", str(out), *FAST]) == 0
+    assert not any((out / "checkpoints").glob("step_*"))  # --keep 0: the model directory alone
     final = [r for r in metrics(out) if "val_loss" in r][-1]["val_loss"]
     exported = AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32)
     tok = HFTokenizer.load(out / "model")  # the tokenizer files went with it

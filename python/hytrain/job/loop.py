@@ -277,7 +277,7 @@ def _run(args, ranks, say, out) -> int:
                       # only through the model's forward and the checkpoints, which wait for the
                       # updates: the fence for every other path (1-4 % on L3B) is not needed.
                       release_grads=True, fence=False, state_format=args.state_format)
-    if ranks.main:  # the newest checkpoint is written before the oldest is pruned: keep + 1 at once
+    if ranks.main and args.keep:  # the newest checkpoint is written before the oldest is pruned: keep + 1 at once
         each = ckpt.state_bytes(model, opt)
         root = out / "checkpoints"
         ckpt.sweep(root)  # what a killed save or prune left
@@ -400,7 +400,8 @@ def _run(args, ranks, say, out) -> int:
             if asked:
                 say(f"\nhytrain train: SIGUSR1 (a scheduler's warning): saving at step {step}; training goes on",
                     flush=True)
-            if (args.save_every and step % args.save_every == 0) or step == args.steps or stopping or asked:
+            if args.keep and ((args.save_every and step % args.save_every == 0) or step == args.steps or stopping
+                              or asked):
                 config["data_cursor"] = data.cursor()  # where a resume reads on
                 if ranks.distributed or sharded_ckpt:
                     dist_checkpoint.save(out, step, model, opt, {"scheduler": sched.state_dict(), **config},
@@ -411,8 +412,9 @@ def _run(args, ranks, say, out) -> int:
             if stopping:
                 stopped = int(max(r[4] for r in every))
                 by = stop["signal"] if stop["signal"] else f"{stopped} (sent to another rank)"
-                say(f"\nstopped by signal {by} after step {step}; checkpoint saved "
-                    f"(resume with --resume latest --out {out}); exit status {128 + stopped}", flush=True)
+                saved = (f"checkpoint saved (resume with --resume latest --out {out})" if args.keep else
+                         "no checkpoint (--keep 0)")
+                say(f"\nstopped by signal {by} after step {step}; {saved}; exit status {128 + stopped}", flush=True)
                 break
     finally:
         data.close()

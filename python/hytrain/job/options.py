@@ -66,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--eval-every", type=int, default=100, help="validation every N steps (and at the end)")
     a("--eval-batches", type=int, default=8)
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on signals)")
-    a("--keep", type=int, default=2, help="checkpoints kept")
+    a("--keep", type=int, default=2,
+      help="checkpoints kept (0: none are written; what remains is the model directory written at the end)")
     a("--resume", default=None, help="a checkpoint directory, 'latest' in --out, or 'auto' (latest where "
       "--out has a checkpoint, else a fresh start: for a job a scheduler requeues)")
     a("--out", default="runs/default", help="output directory")
@@ -216,9 +217,9 @@ def check_options(args) -> None:
         if not isinstance(v, int) or v < lo:
             raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
 
-    for name in ("batch_size", "seq_len", "steps", "eval_batches", "keep"):
+    for name in ("batch_size", "seq_len", "steps", "eval_batches"):
         positive(name)
-    for name in ("warmup", "workers", "eval_every", "save_every", "seed", "max_restarts"):
+    for name in ("warmup", "workers", "eval_every", "save_every", "seed", "max_restarts", "keep"):
         positive(name, 0)
     if not (args.timeout > 0 and math.isfinite(args.timeout)):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
