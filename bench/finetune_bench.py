@@ -17,6 +17,7 @@ checkpoint: a 7 B model's with fp32 states is 94 GB, more than the GPU machine's
 from __future__ import annotations
 
 import argparse
+import gc
 import gzip
 import json
 import os
@@ -68,6 +69,9 @@ def make_model(where: Path, size: str, device: str) -> float:
     model.config.dtype = torch.bfloat16
     model.save_pretrained(where, max_shard_size="5GB")
     del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the job is another process: this one gives the GPU back
     return time.perf_counter() - t0
 
 
