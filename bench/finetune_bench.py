@@ -95,6 +95,7 @@ def run_job(model: Path, data: Path, out: Path, args, size: str) -> dict:
            "--eval-every", "0", "--eval-batches", "1", "--no-progress", "--activation-checkpointing",
            "--lr", "1e-5", "--out", str(out), "--state-format", args.state_format[size], "--keep", "0",
            "--export" if args.export else "--no-export"]
+    subprocess.run(["rm", "-rf", str(out)], check=True)  # a fresh run, nothing of an earlier one
     metrics = out / "metrics.jsonl"
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
