@@ -762,3 +762,21 @@ def test_a_resume_takes_changed_options_and_refuses_fixed_ones(tmp_path):
                           out, "--seq-len", "32", *[a for a in FAST if a not in ("--seq-len", "64")]],
                          capture_output=True, text=True, timeout=180)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--seq-len 32 differs" in bad.stderr, bad.stderr
+
+
+def test_fp16_weights_train_with_dynamic_loss_scaling_and_resume_with_the_scale(tmp_path, monkeypatch):
+    # --precision fp16: torch's GradScaler drives HybridAdamW (a step whose gradients overflow is
+    # skipped and the scale halves); the scale goes into the checkpoint and a resume goes on with it.
+    # A GradScaler starting at 2^30 overflows fp16 gradients at once: the first steps are skipped.
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda device: real(device, init_scale=2.0 ** 30))
+    args = ["--precision", "fp16", "--eval-every", "0", "--save-every", "4", *FAST]
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    assert main(["--steps", "8", "--out", whole, *args]) == 0
+    assert main(["--steps", "4", "--out", part, *args]) == 0
+    assert main(["--steps", "8", "--out", part, "--resume", "latest", *args]) == 0
+    rows = metrics(whole)
+    scales = [r["loss_scale"] for r in rows]
+    assert scales[0] == 2.0 ** 29 and scales[-1] < 2.0 ** 29, scales  # backed off, then held
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert [(r["loss"], r["loss_scale"]) for r in metrics(part)] == [(r["loss"], r["loss_scale"]) for r in rows]

@@ -286,6 +286,9 @@ def _run(args, ranks, say, out) -> int:
                         f"--keep {args.keep} ({args.keep + 1} checkpoints of about {each / 1e9:.3f} GB at once, "
                         f"{have / 1e9:.3f} GB of them on disk already)")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
+    # fp16 weights: dynamic loss scaling (torch's GradScaler, which hands HybridAdamW the scale and the
+    # overflow flag: a step whose gradients overflowed is skipped, and the scale backs off).
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     start = 0
     if resume_dir is not None:
         if sharded_ckpt:
@@ -297,6 +300,8 @@ def _run(args, ranks, say, out) -> int:
             start = info["step"]
         else:
             start = ckpt.load(resume_dir, model, opt, sched)
+        if scaler is not None and saved_config.get("grad_scaler"):
+            scaler.load_state_dict(saved_config["grad_scaler"])
         say(f"resumed from {resume_dir} at step {start}", flush=True)
         if changes:  # from the resume point on: the schedule's peak and shape, the decay, the rest as read
             for g in opt.param_groups:
@@ -347,9 +352,13 @@ def _run(args, ranks, say, out) -> int:
             tokens, mask = data.batch(step)
             waited = data.wait_seconds - waited
             loss = model(*inputs_and_targets(tokens, mask, ranks, device))
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             try:
-                opt.step()
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
             except RuntimeError as e:  # a non-finite gradient norm: the step was refused, nothing applied
                 if "non-finite" not in str(e):
                     raise
@@ -373,6 +382,8 @@ def _run(args, ranks, say, out) -> int:
                    "tokens_per_s": tokens_per_step / dt, "data_wait_frac": waited / dt, **power.sample()}
             if opt.last_grad_norm is not None:
                 rec["grad_norm"] = opt.last_grad_norm
+            if scaler is not None:
+                rec["loss_scale"] = scaler.get_scale()  # halved after a step skipped for an overflow
             rec.update({key: sched_stats[key] for key in ("k", "gpu_wait_frac", "predicted_iter_s", "alloc_retries")
                         if key in sched_stats})
             if ranks.distributed:
@@ -403,6 +414,8 @@ def _run(args, ranks, say, out) -> int:
             if args.keep and ((args.save_every and step % args.save_every == 0) or step == args.steps or stopping
                               or asked):
                 config["data_cursor"] = data.cursor()  # where a resume reads on
+                if scaler is not None:
+                    config["grad_scaler"] = scaler.state_dict()
                 if ranks.distributed or sharded_ckpt:
                     dist_checkpoint.save(out, step, model, opt, {"scheduler": sched.state_dict(), **config},
                                          keep=args.keep, since=since)
