@@ -347,7 +347,7 @@ def test_clipping_refuses_a_non_finite_norm_and_keeps_the_state():
 
 
 def test_a_state_the_host_cannot_hold_is_refused_before_anything_is_allocated(monkeypatch):
-    from hytrain.hybrid import store
+    from hytrain.hybrid import budgets
 
     assert hytrain.pool.available_memory_bytes() > 0  # this machine tells
     model, _ = pair()
@@ -358,7 +358,7 @@ def test_a_state_the_host_cannot_hold_is_refused_before_anything_is_allocated(mo
     per = 8 + (4 if next(model.parameters()).dtype != torch.float32 else 0)  # m, v (and an fp32 master)
     exact = sum(p.numel() for p in model.parameters()) * per
     assert exact <= need <= exact + 256 * 3 * len(list(model.parameters()))  # each tensor rounded to 256 bytes
-    monkeypatch.setattr(store, "available_memory_bytes", lambda: need - 1)
+    monkeypatch.setattr(budgets, "available_memory_bytes", lambda: need - 1)
     weights = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(hytrain.CapacityError, match=r"of \d+ parameters needs \d+\.\d\d MiB of pinned host memory .* is \d+\.\d\d MiB"):
         opt.step()
@@ -366,15 +366,15 @@ def test_a_state_the_host_cannot_hold_is_refused_before_anything_is_allocated(mo
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     # The host keeps a margin beside the state (1 GiB, and 5 % of what is available or a tenth of
     # the memory in all): exactly enough is need plus that.
-    monkeypatch.setattr(store, "memory_total_bytes", lambda: 40 << 30)
-    assert store.host_margin(80 << 30) == (1 << 30) + (4 << 30) == store.host_margin(20 << 30)
-    assert store.host_margin(200 << 30) == (1 << 30) + (10 << 30)
+    monkeypatch.setattr(budgets, "memory_total_bytes", lambda: 40 << 30)
+    assert budgets.host_margin(80 << 30) == (1 << 30) + (4 << 30) == budgets.host_margin(20 << 30)
+    assert budgets.host_margin(200 << 30) == (1 << 30) + (10 << 30)
     enough = need + (5 << 30) - 2
-    while enough - store.host_margin(enough) < need:
+    while enough - budgets.host_margin(enough) < need:
         enough += 1
-    monkeypatch.setattr(store, "available_memory_bytes", lambda: enough - 1)
+    monkeypatch.setattr(budgets, "available_memory_bytes", lambda: enough - 1)
     with pytest.raises(hytrain.CapacityError):
         opt.step()
-    monkeypatch.setattr(store, "available_memory_bytes", lambda: enough)
+    monkeypatch.setattr(budgets, "available_memory_bytes", lambda: enough)
     opt.step()  # exactly enough
     assert opt.bound

@@ -43,9 +43,9 @@ def assert_placement(opt):
             for key, t in opt.state[p].items():
                 if key != "step":
                     assert t.is_cuda == (b in gpu), (b, key, t.device)
-    shadows = sum(t.numel() * t.element_size() for sh in store.shadow.values() for t in sh.values())
+    shadows = sum(t.numel() * t.element_size() for sh in store.shadows.entries.values() for t in sh.values())
     assert store.pool.stats()["in_use"] >= sum(host_bytes[b] for b in range(len(host_bytes)) if b not in gpu) + shadows
-    assert store.pool.stats()["in_use"] <= sum(host_bytes[b] + 1024 for b in range(len(host_bytes)) if b not in gpu) + shadows + 1024 * len(store.shadow)
+    assert store.pool.stats()["in_use"] <= sum(host_bytes[b] + 1024 for b in range(len(host_bytes)) if b not in gpu) + shadows + 1024 * len(store.shadows.entries)
 
 
 # ---- the native pipeline -----------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_cuda_speculation_in_place_with_undo_records(capacity, monkeypatch):
     # adopted and is redone. Every third step clips (redone from the record). Either way the run
     # follows the reference, and a state_dict() between backward and step() is the state before.
     if capacity == 0:
-        monkeypatch.setattr(hytrain.hybrid.store, "undo_capacity", lambda n: 0)
+        monkeypatch.setattr(hytrain.hybrid.shadows, "undo_capacity", lambda n: 0)
     model, ref_model, opt, ref = _speculating_pair()
     losses, ref_losses = [], []
     for i, (x,) in enumerate(cuda_batches(3 * STEPS)):
@@ -265,7 +265,7 @@ def test_cuda_speculation_in_place_with_undo_records(capacity, monkeypatch):
         assert_placement(opt)
     opt.synchronize()
     store = opt._engine.store
-    assert store.shadow and all("codes" in sh for sh in store.shadow.values())
+    assert store.shadows.entries and all("codes" in sh for sh in store.shadows.entries.values())
     assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
     counts = opt.speculation_counts
     assert counts["redone"] > 0, counts
@@ -787,7 +787,7 @@ def test_cuda_the_host_floor_keeps_what_the_host_cannot_hold_on_the_gpu():
 
 
 def test_cuda_a_state_neither_side_can_hold_is_refused_naming_both(monkeypatch):
-    from hytrain.hybrid import store as store_module
+    from hytrain.hybrid import budgets
 
     model, _ = pair()
     opt = hytrain.HybridAdamW(model.parameters(), model=model, workers=1)
@@ -795,7 +795,7 @@ def test_cuda_a_state_neither_side_can_hold_is_refused_naming_both(monkeypatch):
     model(x, x).backward()
     total = torch.cuda.mem_get_info()[1]
     allocated = torch.cuda.memory_allocated
-    monkeypatch.setattr(store_module, "available_memory_bytes", lambda: 0)  # the host holds nothing
+    monkeypatch.setattr(budgets, "available_memory_bytes", lambda: 0)  # the host holds nothing
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, total))  # a full GPU,
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: allocated(device))  # no reserve
     with pytest.raises(hytrain.CapacityError, match=r"needs \d+\.\d\d MiB of pinned host memory .* available to this "

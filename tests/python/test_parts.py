@@ -86,20 +86,20 @@ def test_the_state_store_from_parameters_and_a_pool():
     assert store.sync_groups(groups) is False and store.sync_groups(groups) is False
     groups[0]["lr"] = 2e-3
     assert store.sync_groups(groups) is True  # the table had other values
-    store.note_weight_versions()  # as Engine.bind does once the state is made
+    store.writes.note()  # as Engine.bind does once the state is made
     entry = {"exp_avg": torch.full((7,), 0.5), "exp_avg_sq": torch.full((7,), 0.25), "step": torch.tensor(3.0)}
     store.load_entries({params[1]: entry}, reset_missing=True)
     assert torch.equal(bf16["exp_avg"], entry["exp_avg"]) and float(bf16["step"]) == 3.0
     assert float(fp32["step"]) == 0.0 and not fp32["exp_avg"].any()
     with torch.no_grad():
         params[1].add_(1)
-    assert store.written_weights() == [params[1]]
-    store.refresh_masters([params[1]])
-    assert torch.equal(bf16["master"], params[1].detach().float()) and store.written_weights() == []
+    assert store.writes.written() == [params[1]]
+    store.writes.refresh([params[1]])
+    assert torch.equal(bf16["master"], params[1].detach().float()) and store.writes.written() == []
     params[0].data = params[0].data.double()
     with pytest.raises(RuntimeError, match="Moving or casting"):
         store.check_bound(params[0])
-    assert store.allocate_shadows(1) and store.has_shadows(1) and not store.has_shadows(0)
+    assert store.shadows.allocate(1) and store.shadows.has(1) and not store.shadows.has(0)
     store.clear()
     assert not state and store.bound is None
 
@@ -326,7 +326,7 @@ def test_the_first_backward_refusal_names_the_bytes_and_the_cause(monkeypatch):
 def test_states_come_back_to_the_host_only_where_it_has_room(monkeypatch):
     """A lower k brings states back to the host: those that do not fit beside the host's margin
     (the pool's free blocks counted) stay on the GPU, the lowest first, so k rises past them."""
-    from hytrain.hybrid import store as store_module
+    from hytrain.hybrid import budgets
 
     params = [nn.Parameter(torch.randn(1000)) for _ in range(4)]
     groups = groups_of(params, foreach=None, capturable=False, differentiable=False, fused=None)
@@ -343,10 +343,10 @@ def test_states_come_back_to_the_host_only_where_it_has_room(monkeypatch):
     per_block = store.block_host_bytes()[0]
     stats = store.pool.stats()
     free = stats["reserved"] - stats["in_use"]
-    monkeypatch.setattr(store_module, "host_margin", lambda available: 1000)
-    monkeypatch.setattr(store_module, "available_memory_bytes", lambda: 2 * per_block - free + 1000)
+    monkeypatch.setattr(budgets, "host_margin", lambda available: 1000)
+    monkeypatch.setattr(budgets, "available_memory_bytes", lambda: 2 * per_block - free + 1000)
     assert store.host_fit(0) == 2 and store.host_fit(2) == 2 and store.host_fit(3) == 3
-    monkeypatch.setattr(store_module, "available_memory_bytes", lambda: 2 * per_block - free + 999)
+    monkeypatch.setattr(budgets, "available_memory_bytes", lambda: 2 * per_block - free + 999)
     assert store.host_fit(0) == 3
-    monkeypatch.setattr(store_module, "available_memory_bytes", lambda: None)  # the system does not tell
+    monkeypatch.setattr(budgets, "available_memory_bytes", lambda: None)  # the system does not tell
     assert store.host_fit(0) == 0

@@ -69,3 +69,95 @@ def test_the_optimizer_face_is_thin():
     base = torch.optim.SGD([torch.nn.Parameter(torch.randn(2))], lr=0.1)
     own = set(vars(opt)) - set(vars(base)) - {"grad_scale", "found_inf"}
     assert len(own) <= 15, sorted(own)
+
+
+def test_no_module_is_over_600_lines():
+    sizes = {f.relative_to(PACKAGE): len(f.read_text().splitlines()) for f in _modules()}
+    over = sorted(f"{f}: {n} lines" for f, n in sizes.items() if n > 600)
+    assert not over, "modules over 600 lines:\n" + "\n".join(over)
+
+
+def _module_name(f) -> str:
+    parts = list(f.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(trees, *, in_functions) -> dict:
+    """Module -> the hytrain modules it imports: at module level (what runs on import, class bodies
+    included), or ``in_functions`` only. Relative imports are resolved; ``from pkg import name``
+    counts the submodule where ``name`` is one, else the package."""
+    names = {_module_name(f): f for f in trees}
+    out = {m: set() for m in names}
+
+    def target(name):
+        while name and name not in names:
+            name = name.rpartition(".")[0]
+        return name
+
+    for f, tree in trees.items():
+        mod = _module_name(f)
+        here = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
+
+        def visit(node, in_function):
+            for child in ast.iter_child_nodes(node):
+                inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                if isinstance(child, (ast.Import, ast.ImportFrom)) and inside == in_functions:
+                    if isinstance(child, ast.Import):
+                        found = [target(a.name) for a in child.names]
+                    else:
+                        base = child.module or ""
+                        if child.level:
+                            parent = here[:len(here) - child.level + 1]
+                            base = ".".join(parent + ([child.module] if child.module else []))
+                        found = [target(f"{base}.{a.name}") if f"{base}.{a.name}" in names else target(base)
+                                 for a in child.names]
+                    out[mod].update(t for t in found if t and t != mod)
+                visit(child, inside)
+
+        visit(tree, False)
+    return out
+
+
+def _cycles(graph) -> list:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def connect(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_no_import_cycle_through_module_level_imports():
+    graph = _imports(_modules(), in_functions=False)
+    # The walk resolves relative imports (``from . import budgets``, ``from ..pool import ...``).
+    assert {"hytrain.hybrid.budgets", "hytrain.pool"} <= graph["hytrain.hybrid.store"]
+    assert "hytrain.job.processes" in graph["hytrain.job.torchrun"]
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles through module-level imports:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_walk_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []

@@ -659,9 +659,9 @@ def test_an_unknown_model_is_refused_at_once_without_a_network(tmp_path, capsys,
 
 
 def test_a_model_the_host_cannot_hold_is_one_line(tmp_path, capsys, monkeypatch):
-    from hytrain.hybrid import store
+    from hytrain.hybrid import budgets
 
-    monkeypatch.setattr(store, "available_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(budgets, "available_memory_bytes", lambda: 1 << 20)
     assert main(["--steps", "2", "--out", str(tmp_path / "x"), *FAST]) == 2
     err = capsys.readouterr().err
     assert "of pinned host memory" in err and "1.00 MiB" in err and err.count("\n") == 1, err

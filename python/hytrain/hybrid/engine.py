@@ -123,7 +123,7 @@ class Engine:
             measured = s.model is not None and self._install_forward_hooks(s.model)
             self.planner.start(measured=measured, pipeline=self.launcher.pipeline)
             self.launcher.meter = self.planner.meter
-            store.note_weight_versions(sharded=self.shard_group is not None)
+            store.writes.note(sharded=self.shard_group is not None)
             if pending:
                 store.load_entries(store.checked_entries(pending), reset_missing=False,
                                    sharded=self.shard_group is not None)
@@ -279,7 +279,7 @@ class Engine:
             if self.early_handoff():
                 start = self.planner.spec_from
                 spec = (not self.rt.on_gpu(b) and start is not None and b >= start and not self.last_clipped
-                        and self.store.has_shadows(b))
+                        and self.store.shadows.has(b))
                 self.launcher.hand_off(b, spec)
         self.launcher.release_landed()
 
@@ -423,14 +423,14 @@ class Engine:
     def _follow_weight_writes(self) -> set:
         """Weights the loop wrote since the last step (a rollback with ``model.load_state_dict``, a
         ``.data`` write) are what the next update starts from, as with torch's optimizers, and so are
-        weights that a master loaded since does not round to: see StateStore.refresh_masters.
+        weights that a master loaded since does not round to: see WeightWrites.refresh.
         Returns the blocks whose speculative pass read a master changed here (redone in step())."""
-        written = self.store.written_weights(sharded=self.shard_group is not None)
+        written = self.store.writes.written(sharded=self.shard_group is not None)
         if not written:
             return set()
         speculated = set(self.rt.in_phase(native().BlockPhase.speculated))
         self.synchronize()  # nothing in flight reads the masters being refreshed
-        changed = self.store.refresh_masters(written)
+        changed = self.store.writes.refresh(written)
         return {self.plan.block_of[id(p)] for p in changed} & speculated
 
     # -- waits ----------------------------------------------------------------------------------------
@@ -530,7 +530,7 @@ class Engine:
         store, gpu = self.store, set(self.rt.resident())
         on_host = store.block_host_bytes()
         on_gpu = self.plan.sizes()[2]
-        return {"gpu": sorted(gpu), "moving": store.moving(), "floor": store.floor,
+        return {"gpu": sorted(gpu), "moving": store.residency.moving(), "floor": store.floor,
                 "host_bytes": sum(n for b, n in enumerate(on_host) if b not in gpu),
                 "gpu_bytes": sum(n for b, n in enumerate(on_gpu) if b in gpu),
-                "shadow_bytes": store.shadow_bytes()}
+                "shadow_bytes": store.shadows.total_bytes()}

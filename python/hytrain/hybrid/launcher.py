@@ -63,7 +63,7 @@ class Launcher:
         release = self.settings.release_grads
         if self.rt.on_gpu(b):
             for p, g in pairs:
-                self.store.dev[id(p)]["grad"].copy_(g)
+                self.store.residency.dev[id(p)]["grad"].copy_(g)
             self.rt.hold(b, self.plan.handles(p for p, _ in pairs))
             if release:
                 for p, _ in pairs:
@@ -104,7 +104,7 @@ class Launcher:
         elif pairs:
             if b in self._unchecked:  # its last pass is checked before a new one reads the state
                 self.wait_blocks([b])
-            store.migration_done(b, host=True)  # states that came down from the GPU have landed
+            store.residency.migration_done(b, host=True)  # states that came down from the GPU have landed
             self.pipeline.stage(b, store.table, handles, [g.data_ptr() for _, g in pairs],
                                 [local(p).data_ptr() for p, _ in pairs], float(grad_scale), self._stream(),
                                 hold=hold, speculative=speculative, count=not (hold or speculative))
@@ -158,10 +158,10 @@ class Launcher:
         """pairs: (parameter, gradient), or (parameter, None) when the gradient is already in the
         parameter's update buffer (early hand-off)."""
         store = self.store
-        store.migration_done(b, host=False)  # states that went up: the compute stream waits for them
+        store.residency.migration_done(b, host=False)  # states that went up: the compute stream waits for them
         groups = {}
         for p, g in pairs:
-            d = store.dev[id(p)]
+            d = store.residency.dev[id(p)]
             if g is not None:
                 d["grad"].copy_(g)
             st = store.state[p]
@@ -174,13 +174,13 @@ class Launcher:
             start.record(torch.cuda.current_stream(store.device))
         for (gi, dtype, step), ps in groups.items():
             group = self.groups[gi]
-            fused, built = store.fused(ps, gi, dtype, bool(group["amsgrad"]))
+            fused, built = store.residency.fused(ps, gi, dtype, bool(group["amsgrad"]))
             first = first or built  # building the group's tables is not the update's cost: not measured
             sign = -1.0 if group.get("maximize", False) else 1.0  # maximize: ascend
             fused.step(step=step, lr=float(group["lr"]), betas=tuple(float(x) for x in group["betas"]),
                        eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
                        grad_scale=sign * float(grad_scale))
-            store.note_weight_versions(ps, sharded=self.sharded)  # written on this stream: see writes.py
+            store.writes.note(ps, sharded=self.sharded)  # written on this stream: see writes.py
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(store.device))
@@ -205,7 +205,7 @@ class Launcher:
             ps = self.plan.of_handles(rt.handed(b))
             for p in ps:
                 local(p).copy_(self.store.state[p]["master"], non_blocking=True)  # the weights are its rounding
-            self.store.note_weight_versions(ps, sharded=sharded)
+            self.store.writes.note(ps, sharded=sharded)
             self._uncount(b)
             rt.drop(b)
 
@@ -324,7 +324,7 @@ class Launcher:
                     self.engine.wait(b)
                 # The weights as this update wrote them, before any operation of the loop's can touch
                 # them (on the stream that reads them next): see writes.py.
-                self.store.note_weight_versions(self.plan.blocks[b], sharded=self.sharded)
+                self.store.writes.note(self.plan.blocks[b], sharded=self.sharded)
             finally:
                 self._unchecked.pop(b, None)
                 self._alive.pop(b, None)

@@ -357,10 +357,10 @@ class Planner:
             return
         store = self.store
         plan = store.shadow_plan(start)
-        missing = [b for b in plan if not store.has_shadows(b)]
-        store.reserve_shadows(missing)
+        missing = [b for b in plan if not store.shadows.has(b)]
+        store.shadows.reserve(missing)
         for b in plan:
-            if b in missing and not store.allocate_shadows(b):
+            if b in missing and not store.shadows.allocate(b):
                 break  # the pool's capacity: speculation starts above this block
             self.spec_from = b
         if missing:

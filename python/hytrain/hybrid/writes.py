@@ -2,7 +2,7 @@
 
 torch's AdamW steps from whatever the weights are; HybridAdamW steps from an fp32 master beside
 them, so a write to the bf16/fp16 (or CUDA fp32) weights must reach the master before the next update.
-Two witnesses, both read at ``step()`` (``StateStore.written_weights``):
+Two witnesses, both read at ``step()`` (``WeightWrites.written``):
 
 * the version counter and address of each parameter: writes through the parameter itself (in-place
   operations, ``copy_``, a detached view, ``model.load_state_dict``) and storage replaced
@@ -111,3 +111,80 @@ class WeightWatch:
                 return [self.params[i] for i in hits if self._noted[i] and self.block_of[id(self.params[i])] in wanted]
             return [p for b in quiet for p in self.blocks[b]
                     if self._noted[self.slot[id(p)]] and self._host(p) != self._ref[self.slot[id(p)]]]
+
+
+class WeightWrites:
+    """The weights as the optimizer last wrote them, per parameter with a master: the address and
+    version counter of each, the masters loaded since (``loaded_masters``: checked against the
+    weights at the next step) and their fingerprints (``watch``: a WeightWatch, or None).
+    ``state``: the optimizer's state dict (whose masters :meth:`refresh` writes)."""
+
+    def __init__(self, plan, rt, state, watch=None):
+        self.plan, self.rt, self.state, self.watch = plan, rt, state, watch
+        self._versions = {}  # id(p) -> (address, version) of the weights after our last write
+        self.loaded_masters = set()  # ids of parameters whose master was loaded since the last step
+
+    def rebind(self, state) -> None:
+        """``optimizer.state`` is another dict now (see ``StateStore.rebind``)."""
+        self.state = state
+
+    def note(self, params=None, *, sharded=False):
+        """The weights as the optimizer wrote them: their version counters -- our own updates write
+        them without counting (copies and kernels on their memory), so a counter that moved later
+        means the loop wrote the weights (``model.load_state_dict``, an in-place edit) -- and their
+        fingerprints, for writes that leave the counter alone (``p.data``). Not for FSDP2 shards
+        (``sharded``), whose storage FSDP2 manages itself."""
+        if sharded:
+            return
+        params = self.plan.params if params is None else params
+        for p in params:
+            if "master" in self.state[p]:
+                self._versions[id(p)] = (local(p).data_ptr(), local(p)._version)
+        if self.watch is not None:
+            self.watch.note(params)
+
+    def masters_loaded(self, params) -> None:
+        """These parameters' masters were loaded: checked against their weights at the next step."""
+        self.loaded_masters.update(id(p) for p in params)
+
+    def written(self, *, sharded=False) -> list:
+        """The parameters whose weights the loop wrote since :meth:`note`, of the blocks whose
+        weights no pass of the optimizer is writing now."""
+        if sharded:
+            return []
+        out = []
+        for p in self.plan.params:
+            seen = self._versions.get(id(p))
+            w = local(p)
+            if seen is not None and seen != (w.data_ptr(), w._version):
+                out.append(p)
+        # Blocks whose weights a pass of the optimizer may be writing now are not compared: those in
+        # flight, speculated ones included (their speculative weights are copied in during backward).
+        rt, phases = self.rt, native().BlockPhase
+        quiet = [b for b in range(len(self.plan)) if not rt.in_flight(b) or rt.phase(b) == phases.held]
+        if self.loaded_masters:  # masters loaded since: checked against the weights
+            seen = {id(p) for p in out}
+            out += [p for b in quiet for p in self.plan.blocks[b] if id(p) in self.loaded_masters and id(p) not in seen]
+        if self.watch is not None:
+            seen = {id(p) for p in out}
+            out += [p for p in self.watch.written(quiet) if id(p) not in seen]
+        return out
+
+    def refresh(self, params) -> list:
+        """The weights are what the next update starts from, as with torch's optimizers; the fp32
+        master (on the host, or on the GPU for a resident block) only adds the precision below their
+        rounding. So each element whose weight is not its master's rounding (written by the loop, or a
+        master loaded that the weights do not match) takes the weight's value; the others keep their
+        master. Returns the parameters whose master changed (nothing in flight may read them)."""
+        changed = []
+        with torch.no_grad():
+            for p in params:
+                m, w = self.state[p]["master"], local(p).detach()
+                w = w.to(m.device, non_blocking=False) if w.device != m.device else w
+                differs = w != m.to(w.dtype)  # (NaN weights always differ: the master becomes NaN)
+                if bool(differs.any()):
+                    m.copy_(torch.where(differs, w.to(m.dtype), m))
+                    changed.append(p)
+        self.loaded_masters.difference_update(id(p) for p in params)
+        self.note(params)
+        return changed

@@ -19,6 +19,8 @@ import torch
 
 from ..blocks import repeated_layers
 from .options import ConfigError
+from .processes import stop_when_orphaned
+from .torchrun import error_file_payload
 
 
 class PeerFailure(RuntimeError):
@@ -38,47 +40,6 @@ def _timed_out(e: BaseException) -> bool:
 # Set by ``hytrain train --nproc`` for its ranks: a failure goes to torchrun's error file, and the
 # launcher prints the first one once (``hytrain.job.torchrun``).
 LAUNCHED = "HYTRAIN_LAUNCHER"
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc; none where it cannot be read)."""
-    out = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return out
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
-        if len(fields) > 1 and fields[1] == str(pid):
-            out.append(int(name))
-    return out
-
-
-def stop_when_orphaned(what: str, interval_s: float = 1.0) -> None:
-    """SIGTERM to this process once its parent has gone (it was reparented): the ranks when their
-    torchrun agent is killed by SIGKILL (torchrun starts each rank in a session of its own, so a kill
-    of the job's process group misses them: they went on training, unseen, holding the lock and the
-    GPUs), and the agent when the ``--nproc`` launcher is. The SIGTERM takes the way a scheduler's stop
-    takes: the ranks finish the step together, save a checkpoint, release the lock and exit."""
-    import threading
-
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(interval_s)
-        print(f"hytrain train: {what} (pid {parent}) is gone; stopping (pid {os.getpid()})", file=sys.stderr,
-              flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="hytrain-orphan-watch", daemon=True).start()
 
 
 # What gloo and NCCL say when a peer process is gone or a collective timed out.
@@ -111,8 +72,6 @@ def tell_launcher(line: str, kind: str, rank: int, callstack: str = "") -> bool:
     torchrun's error file, for the launcher to print once. Returns whether this rank should print it
     as well: outside that launcher, or while torchrun has restarts left (the group goes on, so the
     launcher would say nothing), where rank 0 speaks for a user's error and every rank for its own."""
-    from .torchrun import error_file_payload
-
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not (path and os.environ.get(LAUNCHED)):
         return True

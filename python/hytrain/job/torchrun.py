@@ -12,6 +12,8 @@ import os
 import signal
 import sys
 
+from .processes import children, stop_when_orphaned
+
 
 def _report(failure) -> dict:
     data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
@@ -55,8 +57,6 @@ def describe(rank: int, failure) -> tuple[str, int]:
 
 
 def _pass_to_ranks(signum, _frame):
-    from .ranks import children
-
     for pid in children(os.getpid()):
         try:
             os.kill(pid, signum)
@@ -71,8 +71,6 @@ def main(argv: list[str]) -> int:
 
     # The agent's own report of each failed rank: replaced by the one line below.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    from .ranks import stop_when_orphaned
-
     stop_when_orphaned("the hytrain train --nproc launcher")  # torchrun passes SIGTERM on to the ranks
     # SIGUSR1 (a scheduler's warning, to the launcher or to every process): the agent passes it to its
     # ranks, which save at the end of the step and go on; torch's agent would die of it (default action).

@@ -1,0 +1,161 @@
+"""Speculation shadows: what a speculative pass of an offloaded block writes instead of its state.
+For each parameter either a second host state (master, m, v, and weight staging), registered in the
+native ``ParamTable`` as its shadow slots -- adopted by swapping it with the state -- or, for fp32
+states without amsgrad, an undo record (3 bytes a parameter of distances, an escape list and two
+counters, see the native adamw.h) of a pass that updates the state in place. Shadows are taken from
+the pinned pool within the host's headroom, from the last block down, and given back when a block
+goes to the GPU or the host needs the room for states coming back."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks
+from .._native import native
+from . import budgets
+from .common import STATE_KEYS, like, local
+
+STATE_AND_MASTER = ("master", *STATE_KEYS)
+
+
+def undo_capacity(n) -> int:
+    """The escape entries of a parameter's undo record (the native adamw.h's rule)."""
+    return native().undo_capacity(n)
+
+
+class Shadows:
+    """``entries``: id(p) -> the parameter's shadow (spare host master/exp_avg/exp_avg_sq
+    [/max_exp_avg_sq], or an undo record: codes/escapes/counters; and ``copy``, the weight staging
+    of a bf16/fp16 parameter), registered in ``table``; allocated from ``pool``. ``state``: the
+    optimizer's state dict (the state a shadow stands beside)."""
+
+    def __init__(self, plan, settings, rt, state, pool, table):
+        self.plan, self.settings, self.rt, self.state, self.pool, self.table = plan, settings, rt, state, pool, table
+        self.entries = {}
+
+    def rebind(self, state) -> None:
+        """``optimizer.state`` is another dict now (see ``StateStore.rebind``)."""
+        self.state = state
+
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for sh in self.entries.values() for t in sh.values())
+
+    def has(self, b) -> bool:
+        return all(id(p) in self.entries for p in self.plan.blocks[b])
+
+    def _need(self, b) -> int:
+        return 0 if self.has(b) else sum(self._tensor_bytes(b))
+
+    def _records(self, p) -> bool:
+        """Whether parameter p speculates with an undo record (fp32 states without amsgrad; see the
+        native adamw.h) rather than a copy of its state."""
+        n = local(p).numel()
+        return (self.settings.state_dtype == torch.float32 and not self.plan.amsgrad(p) and 0 < n < 2 ** 32)
+
+    def _tensor_bytes(self, b) -> list[int]:
+        """The pool bytes of block b's shadows: undo records (3 bytes a parameter, the escape list and
+        the weight staging), or copies of the state where records do not apply."""
+        out = []
+        for p in self.plan.blocks[b]:
+            n = local(p).numel()
+            if not n:
+                continue
+            if self._records(p):
+                sizes = [3 * n, 16 * undo_capacity(n), 16]
+                if p.dtype != torch.float32:
+                    sizes.append(p.element_size() * n)
+            else:
+                st = self.state[p]
+                sizes = [st[key].numel() * st[key].element_size() for key in STATE_AND_MASTER if key in st]
+                if p.dtype != torch.float32:
+                    sizes.append(p.element_size() * n)
+            out += budgets.in_pool(self.settings, sizes)
+        return out
+
+    def _set(self, p, sh):
+        self.entries[id(p)] = sh
+        copy = sh.get("copy")
+        if "codes" in sh:
+            n, codes = local(p).numel(), sh["codes"].data_ptr()
+            self.table.set_record(self.plan.index(p), codes, codes + n, codes + 2 * n, sh["escapes"].data_ptr(),
+                                  sh["escapes"].numel() // 4, sh["counters"].data_ptr(),
+                                  copy.data_ptr() if copy is not None else 0)
+            return
+        self.table.set_shadow(self.plan.index(p), sh["master"].data_ptr(), sh["exp_avg"].data_ptr(),
+                              sh["exp_avg_sq"].data_ptr(), _checks.address(sh.get("max_exp_avg_sq")),
+                              copy.data_ptr() if copy is not None else 0)
+
+    def drop(self, p):
+        if self.entries.pop(id(p), None) is not None:
+            self.table.clear_shadow(self.plan.index(p))
+
+    def drop_all(self, wait) -> None:
+        """Every block's shadows go, once the passes that may read or write them (``wait``: waits
+        for blocks' updates in flight) have finished."""
+        holding = [b for b in range(len(self.plan)) if any(id(p) in self.entries for p in self.plan.blocks[b])]
+        wait([b for b in holding if self.rt.in_flight(b)])  # their passes may read or write the shadows
+        for b in holding:
+            for p in self.plan.blocks[b]:
+                self.drop(p)
+
+    def reserve(self, blocks) -> None:
+        """Page-locks, on many threads at once, the memory these blocks' shadows are about to take
+        beyond what the pool's free blocks already hold (slabs of the pool's size, into which the
+        shadows are carved); ``StateStore.trimmed`` gives back what they leave."""
+        if not blocks or not self.pool.page_locked:
+            return
+        stats = self.pool.stats()
+        short = sum(n for b in blocks for n in self._tensor_bytes(b)) - (stats["reserved"] - stats["in_use"])
+        if short > 0:
+            slab = self.pool.slab_bytes
+            self.pool.reserve_for([slab] * -(-short // slab))
+
+    def allocate(self, b) -> bool:
+        """Block b's own shadows from the pool; False (and none) where its capacity is reached."""
+        try:
+            for p in self.plan.blocks[b]:
+                st = self.state[p]
+                n = local(p).numel()
+                if self._records(p):
+                    sh = {"codes": self.pool.empty((3 * n,), torch.int8),
+                          "escapes": self.pool.empty((4 * undo_capacity(n),), torch.int32),
+                          "counters": self.pool.zeros((2,), torch.int64)}
+                else:
+                    sh = {key: like(self.pool.empty(st[key].shape, st[key].dtype), local(p))
+                          for key in STATE_AND_MASTER if key in st}
+                if p.dtype != torch.float32:
+                    sh["copy"] = like(self.pool.empty(local(p).shape, p.dtype), local(p))
+                self._set(p, sh)
+        except MemoryError:
+            for p in self.plan.blocks[b]:
+                self.drop(p)
+            return False
+        return True
+
+    def plan_from(self, lowest_start, free_left):
+        """From the last block down to ``lowest_start``: each offloaded block that has, or can get,
+        shadows within the host headroom (what ``host_memory_limit`` and the pool leave); stops at
+        the first that cannot (the native BlockRuntime.plan_shadows). ``free_left()`` gives back the
+        host memory of states that went to the GPU where their copies have read it, and tells whether
+        some is still waiting for them."""
+        rt, n = self.rt, len(self.plan)
+        has = [self.has(b) for b in range(n)]
+        need = [0 if has[b] else self._need(b) for b in range(n)]
+        room = 0
+        # Host headroom, read only if some block needs memory, and only once the host memory of
+        # states that went to the GPU has been given back (their copies may still read it).
+        leaving = free_left()
+        if not all(has[max(0, lowest_start):]) and not leaving:
+            room = budgets.shadow_room(self.pool, self.settings)
+        return rt.plan_shadows(lowest_start, has, need, max(0, room))
+
+    def swap(self, p, st) -> bool:
+        """Parameter p's shadow becomes its state (``st``: its entry in ``optimizer.state``) and the
+        old state its shadow; False for an undo record (updated in place: that is the state already)."""
+        sh = self.entries[id(p)]
+        if "codes" in sh:
+            return False
+        for key in STATE_AND_MASTER:
+            if key in st:
+                st[key], sh[key] = sh[key], st[key]
+        return True
