@@ -24,7 +24,7 @@ parameter or of its shard through the view's base. What it does not see: work on
 (the mode stack is per thread), code under ``torch._C.DisableTorchFunction``, a view of a view made
 before ``step()``, and raw memory access (``data_ptr()`` handed to other libraries).
 ``HybridAdamW(fence=False)`` drops it where the loop is known to touch parameters only through the
-model's forward (see ``docs/architecture.md`` for what it costs).
+model's forward (see ``docs/performance.md``, "The fence", for what it costs).
 """
 
 from __future__ import annotations
