@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hytrain.job import corpus as corpus_module
-from hytrain.job.corpus import ByteTokenizer, HFTokenizer, open_corpus
+from hytrain.job.corpus import open_corpus
+from hytrain.job.tokenizers import ByteTokenizer, HFTokenizer
 from hytrain.job.options import ConfigError
 
 WORDS = "the cat dog sat on a mat and ran far away quickly over hill river stone tree é 木".split()

@@ -19,7 +19,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from hytrain.job import main  # noqa: E402
-from hytrain.job.corpus import HFTokenizer, open_corpus  # noqa: E402
+from hytrain.job.corpus import open_corpus  # noqa: E402
+from hytrain.job.tokenizers import HFTokenizer  # noqa: E402
 
 FAST = ["--batch-size", "4", "--seq-len", "48", "--no-progress", "--device", "cpu", "--workers", "1",
         "--eval-batches", "2", "--lr", "1e-3"]  # (all in the warm-up: the schedule does not depend on --steps)

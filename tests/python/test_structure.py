@@ -71,10 +71,11 @@ def test_the_optimizer_face_is_thin():
     assert len(own) <= 15, sorted(own)
 
 
-def test_no_module_is_over_600_lines():
+def test_no_module_is_over_about_500_lines():
+    # A module that outgrows this holds more than one thing: split it along what its parts own.
     sizes = {f.relative_to(PACKAGE): len(f.read_text().splitlines()) for f in _modules()}
-    over = sorted(f"{f}: {n} lines" for f, n in sizes.items() if n > 600)
-    assert not over, "modules over 600 lines:\n" + "\n".join(over)
+    over = sorted(f"{f}: {n} lines" for f, n in sizes.items() if n > 520)
+    assert not over, "modules over 520 lines:\n" + "\n".join(over)
 
 
 def _module_name(f) -> str:

@@ -18,35 +18,16 @@ import weakref
 import torch
 
 from .._native import native
-from ..blocks import repeated_layers
 from ..pool import CapacityError
 from ..trace import Timeline
 from . import collectives
 from .fence import Fence
+from .hooks import forward_hooks
 from .intake import GradientIntake
 from .launcher import Launcher
 from .plan import BlockPlan
 from .planner import Planner
 from .store import StateStore
-
-
-class _Hook:
-    """A module hook calling ``engine.name(*args)`` through a weak reference (nothing once the engine
-    is gone). Under torch.compile it runs as it is, outside the graph (a graph break). A copy of the
-    module (``copy.deepcopy``, ``torch.save``/``torch.load``) gets a hook that does nothing: the copy's
-    parameters are not the optimizer's."""
-
-    def __init__(self, ref, name, *args):
-        self.ref, self.name, self.args = ref, name, args
-
-    @torch.compiler.disable
-    def __call__(self, *_):
-        engine = self.ref() if self.ref is not None else None
-        if engine is not None:
-            getattr(engine, self.name)(*self.args)
-
-    def __reduce__(self):
-        return (_Hook, (None, self.name))
 
 
 def _in_backward() -> bool:
@@ -120,7 +101,11 @@ class Engine:
             self.loss_scaling = any(p.dtype == torch.float16 for p in self.plan.params)
             self.timeline = Timeline(store.device if store.cuda else None) if s.trace else None
             self.launcher.start(self.timeline)
-            measured = s.model is not None and self._install_forward_hooks(s.model)
+            if s.model is not None:
+                self._model_hooks, measured = forward_hooks(weakref.ref(self), self.plan, s.model,
+                                                            sharded=self.shard_group is not None)
+            else:
+                measured = False
             self.planner.start(measured=measured, pipeline=self.launcher.pipeline)
             self.launcher.meter = self.planner.meter
             store.writes.note(sharded=self.shard_group is not None)
@@ -183,47 +168,6 @@ class Engine:
         hooks, self._model_hooks = self._model_hooks, []
         for h in hooks:
             h.remove()
-
-    def _install_forward_hooks(self, model) -> bool:
-        """Just-in-time waits: head blocks (and optimizer parameters outside the model) before the
-        model's forward, each repeated layer's blocks before that layer, tail blocks after the last
-        layer (before anything after it can use them). And the model's ``state_dict()`` (a checkpoint
-        save outside any forward) waits for every update in flight. A compiled model (torch.compile)
-        waits for every block at its entrance: hooks inside a compiled graph are not reliably run.
-        Whatever these hooks do not cover, the fence does (fence.py). Returns whether each layer
-        waits for its own blocks (and can be measured)."""
-        ref, plan = weakref.ref(self), self.plan
-        inner = getattr(model, "_orig_mod", model)
-        self._model_hooks.append(inner.register_state_dict_pre_hook(_Hook(ref, "synchronize")))
-        layers = None if plan.compiled else repeated_layers(inner)
-        n = len(plan)
-        if layers is None:
-            everything = list(range(n))
-            self._model_hooks.append(model.register_forward_pre_hook(
-                _Hook(ref, "before_forward", everything, everything[:1]), prepend=True))
-            return not plan.compiled
-        layer_ids = [sorted({plan.block_of[id(p)] for p in child.parameters() if id(p) in plan.block_of})
-                     for child in layers]
-        in_layers = {b for ids in layer_ids for b in ids}
-        first_layer = min(in_layers) if in_layers else n
-        head = [b for b in range(n) if b not in in_layers and b < first_layer]
-        tail = [b for b in range(n) if b not in in_layers and b > first_layer]
-        model_params = {id(p) for p in model.parameters()}
-        outside = [b for b in tail if not any(id(p) in model_params for p in plan.blocks[b])]
-        tail = [b for b in tail if b not in outside]
-        if self.shard_group is not None:
-            # FSDP2 all-gathers a unit's shards in its own pre-forward hook: the waits run before it
-            # (prepend), and the tail, which belongs to the root's unit, is waited for with the head.
-            head, tail = head + tail, []
-        self._model_hooks.append(model.register_forward_pre_hook(
-            _Hook(ref, "before_forward", head + outside, head), prepend=True))
-        for child, ids in zip(layers, layer_ids):
-            self._model_hooks.append(child.register_forward_pre_hook(
-                _Hook(ref, "before_forward", ids, ids), prepend=True))
-        if tail:
-            self._model_hooks.append(layers[len(layers) - 1].register_forward_hook(
-                _Hook(ref, "before_forward", tail, tail)))
-        return True
 
     # -- during backward and forward --------------------------------------------------------------------
 

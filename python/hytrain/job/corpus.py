@@ -35,84 +35,14 @@ from pathlib import Path
 
 import torch
 
-from .options import ConfigError
+from .options import ConfigError, first_line
+from .tokenizers import ByteTokenizer
 
 KINDS = ("auto", "text", "prompt", "chat")
 TEXT_PIECE = 1 << 18      # characters of a plain-text file tokenized at once
 TOKENIZE_BATCH = 64       # records per encode_batch call
 ROWS_BATCH = 256          # Parquet/Arrow rows converted to Python at once
 CHUNK_TOKENS = 1 << 15    # tokens per read-ahead chunk of rows
-
-
-def _one_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids 0-255: the preset models' alphabet. No special tokens."""
-    vocab_size = 256
-    eos_id = None
-    bos_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_batch(self, texts) -> list[list[int]]:
-        return [list(t.encode("utf-8")) for t in texts]
-
-
-class HFTokenizer:
-    """A transformers tokenizer, used without adding special tokens (the corpus places BOS/EOS)."""
-
-    def __init__(self, tok):
-        self.tok = tok
-        self.eos_id = tok.eos_token_id
-        self.bos_id = tok.bos_token_id
-        self.vocab_size = len(tok)
-
-    @classmethod
-    def load(cls, path) -> HFTokenizer:
-        from transformers import AutoTokenizer
-
-        if not Path(path).is_dir():
-            raise ConfigError(f"no tokenizer at {path}: not a directory")
-        try:
-            return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"no tokenizer at {path}: {_one_line(e)}") from None
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tok, "chat_template", None))
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
-
-    def encode_batch(self, texts) -> list[list[int]]:
-        return self.tok(list(texts), add_special_tokens=False)["input_ids"]
-
-    def chat(self, messages) -> tuple[list[int], list[int]]:
-        """(ids, mask): the conversation through the chat template, mask 1 on the assistant's turns.
-        Rendering it one message at a time finds each turn's text without template support for masks;
-        the assistant's header (the generation prompt) is not masked in, its end-of-turn is."""
-        def render(msgs, prompt=False):
-            return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
-
-        texts, flags, done = [], [], ""
-        for i, m in enumerate(messages):
-            parts = [(render(messages[:i], True), 0)] if m.get("role") == "assistant" else []
-            for text, flag in parts + [(render(messages[:i + 1]), int(m.get("role") == "assistant"))]:
-                if not text.startswith(done):
-                    raise ConfigError("the tokenizer's chat template does not render a conversation one message "
-                                      "after another; the assistant's turns cannot be found for the loss mask")
-                texts.append(text[len(done):])
-                flags.append(flag)
-                done = text
-        ids, mask = [], []
-        for part, flag in zip(self.encode_batch(texts), flags):
-            ids += part
-            mask += [flag] * len(part)
-        return ids, mask
 
 
 # ---- files
@@ -189,7 +119,7 @@ def _find(spec: str) -> tuple[list[_Source], list[_Source]]:
             with open(s.path, "rb") as f:
                 empty = not f.read(1)
         except OSError as e:
-            raise ConfigError(f"{s.path} cannot be read: {e.strerror or _one_line(e)}") from None
+            raise ConfigError(f"{s.path} cannot be read: {e.strerror or first_line(e)}") from None
         if empty or s.fmt == "binary":
             raise ConfigError(f"{s.path} is {'empty' if empty else 'not text, JSON lines, Parquet or Arrow'}")
     return train, held
@@ -218,7 +148,7 @@ def _read(source: _Source, start: int, columns):
                 try:
                     record = json.loads(line)
                 except ValueError as e:
-                    raise ConfigError(f"{source.path}: line {index + 1} is not valid JSON ({_one_line(e)})") from None
+                    raise ConfigError(f"{source.path}: line {index + 1} is not valid JSON ({first_line(e)})") from None
                 if not isinstance(record, dict):
                     raise ConfigError(f"{source.path}: line {index + 1} is not a JSON object (one object per line "
                                       f"is expected, not a JSON array)")
@@ -276,7 +206,7 @@ def _checked(source: _Source, start: int, columns):
         if isinstance(e, ConfigError):
             raise
         at = f" past {_where(source, index).split(': ')[1]}" if index >= 0 and source.fmt != "text" else ""
-        raise ConfigError(f"{source.path} cannot be read{at}: {_one_line(e)}") from None
+        raise ConfigError(f"{source.path} cannot be read{at}: {first_line(e)}") from None
     if start == 0 and index < 0:
         raise ConfigError(f"{source.path} has no records")
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .corpus import ByteTokenizer, formats, open_corpus
+from .corpus import formats, open_corpus
+from .tokenizers import ByteTokenizer
 from .options import ConfigError
 
 

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint import fsync
-from .options import ConfigError
+from .options import ConfigError, first_line
 
 CHUNK_BYTES = 16 << 20  # the most of one tensor held in the file's dtype while it is cast
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -32,10 +32,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 _FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                 "BOOL": torch.bool}
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -69,7 +65,7 @@ def _config(where: Path):
     try:
         return AutoConfig.from_pretrained(str(where), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"{where / 'config.json'} cannot be read: {_first_line(e)}") from None
+        raise ConfigError(f"{where / 'config.json'} cannot be read: {first_line(e)}") from None
 
 
 def weight_files(where: Path) -> list[Path]:
@@ -79,7 +75,7 @@ def weight_files(where: Path) -> list[Path]:
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError(f"{index} cannot be read: {type(e).__name__}: {_first_line(e)}") from None
+            raise ConfigError(f"{index} cannot be read: {type(e).__name__}: {first_line(e)}") from None
         for n in (n for n in names if not (where / n).is_file()):
             raise ConfigError(f"{where / n} is missing (a shard {index.name} names)")
         return [where / n for n in names]
@@ -97,7 +93,7 @@ def _open(file: Path):
     try:
         return safe_open(str(file), framework="pt", device="cpu")
     except Exception as e:  # noqa: BLE001 -- SafetensorError (truncated, garbage), OSError (unreadable)
-        raise ConfigError(f"{file} cannot be read (truncated or damaged?): {_first_line(e)}") from None
+        raise ConfigError(f"{file} cannot be read (truncated or damaged?): {first_line(e)}") from None
 
 
 def _headers(files: list[Path]) -> dict:
@@ -160,7 +156,7 @@ def _empty(cfg, dtype):
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     except ValueError as e:
-        raise ConfigError(f"{cfg.model_type}: not a causal LM transformers can build: {_first_line(e)}") from None
+        raise ConfigError(f"{cfg.model_type}: not a causal LM transformers can build: {first_line(e)}") from None
     model.tie_weights()  # (before FSDP2 sees it: a tied weight is one parameter)
     return model
 
@@ -221,7 +217,7 @@ def load_tokenizer(name_or_path: str, tokenizer: str | None = None):
     try:
         return AutoTokenizer.from_pretrained(str(where), local_files_only=True)
     except Exception as e:  # noqa: BLE001 -- transformers raises several kinds for bad tokenizer files
-        raise ConfigError(f"the tokenizer in {where} cannot be read: {type(e).__name__}: {_first_line(e)}") from None
+        raise ConfigError(f"the tokenizer in {where} cannot be read: {type(e).__name__}: {first_line(e)}") from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -309,7 +305,7 @@ def export_model(model: torch.nn.Module, out_dir, *, tokenizer_dir: str | None =
             os.rename(tmp, out)
             fsync(out.parent)
     except OSError as e:
-        raise ConfigError(f"exporting into {out} failed: {e.strerror or _first_line(e)}") from None
+        raise ConfigError(f"exporting into {out} failed: {e.strerror or first_line(e)}") from None
     finally:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -373,7 +369,7 @@ def export_run(run_dir, to, *, checkpoint: str = "latest") -> Path:
     except FileNotFoundError:
         raise ConfigError(f"{run} is not a run directory (no config.json)") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{run / 'config.json'} cannot be read: {type(e).__name__}: {_first_line(e)}") from None
+        raise ConfigError(f"{run / 'config.json'} cannot be read: {type(e).__name__}: {first_line(e)}") from None
     try:
         named = run / "checkpoints" / checkpoint
         path = ckpt.resolve(run, "latest" if checkpoint == "latest" else str(named if named.is_dir() else checkpoint))
@@ -393,7 +389,7 @@ def export_run(run_dir, to, *, checkpoint: str = "latest") -> Path:
     except RuntimeError as e:
         lines = [ln.strip() for ln in str(e).splitlines()[1:] if ln.strip()]
         raise ConfigError(f"{path} was not written for {name} as {run / 'config.json'} describes it: "
-                          f"{lines[0] if lines else _first_line(e)}") from None
+                          f"{lines[0] if lines else first_line(e)}") from None
     if hasattr(own, "tie_weights"):
         own.tie_weights()
     return export_model(own, to, tokenizer_dir=_run_tokenizer(opts))
@@ -413,7 +409,7 @@ def _rebuilt(name: str, model_cfg: dict):
     try:
         return CausalLM(_empty(CONFIG_MAPPING[model_cfg["model_type"]].from_dict(model_cfg), None))
     except (KeyError, ValueError) as e:
-        raise ConfigError(f"the run's model ({name}) cannot be rebuilt: {type(e).__name__}: {_first_line(e)}") from None
+        raise ConfigError(f"the run's model ({name}) cannot be rebuilt: {type(e).__name__}: {first_line(e)}") from None
 
 
 def _sharded_weights(path: Path) -> dict:
@@ -431,7 +427,7 @@ def _sharded_weights(path: Path) -> dict:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": model}, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as e:  # (the latter is a BaseException)
-        raise ConfigError(f"{path}: the model weights cannot be read: {_first_line(e)}") from None
+        raise ConfigError(f"{path}: the model weights cannot be read: {first_line(e)}") from None
     return model
 
 

@@ -11,7 +11,7 @@ import torch
 
 from ..models import LlamaConfig, LlamaModel
 from ..models.presets import PRESETS, CausalLM
-from .corpus import ByteTokenizer, HFTokenizer
+from .tokenizers import ByteTokenizer, HFTokenizer
 from .hf import load_causal_lm, load_tokenizer, model_dir
 from .options import ConfigError
 

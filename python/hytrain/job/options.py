@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """A bad option or config file; reported before any training starts."""
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's message as one line for a ConfigError (its first line, at most 300 characters)."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
