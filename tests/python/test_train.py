@@ -282,10 +282,13 @@ def test_a_failing_metrics_sink_is_reported_once_and_training_goes_on(tmp_path):
     ckpt.verify(ckpt.resolve(out, "latest"))
 
 
-def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
+@pytest.mark.parametrize("keep", [None, "0"])
+def test_sigterm_finishes_the_step_saves_and_exits(tmp_path, keep):
+    # --keep 0 (no checkpoints): the model so far is written as the run's model directory instead.
     out = str(tmp_path / "run")
     p = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", "100000", "--eval-every", "0",
-                          "--out", out, *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--out", out, *FAST, *(["--keep", keep] if keep else [])],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:
         path = os.path.join(out, "metrics.jsonl")
@@ -297,6 +300,10 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path):
     assert p.returncode == 128 + signal.SIGTERM, stderr  # not finished: a scheduler requeues it
     assert "stopped by signal" in stdout
     last = metrics(out)[-1]["step"]
+    if keep == "0":
+        assert not os.path.isdir(os.path.join(out, "checkpoints")) or not os.listdir(os.path.join(out, "checkpoints"))
+        assert os.path.isfile(os.path.join(out, "model", "model.safetensors")), stdout
+        return
     assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == last
 
 

@@ -406,7 +406,8 @@ def _run(args, ranks, say, out) -> int:
                 say(f"step {step}: loss {loss_v:.4f} val {rec['val_loss']:.4f} "
                     f"{rec['tokens_per_s']:.0f} tokens/s", flush=True)
             if asked:
-                say(f"\nhytrain train: SIGUSR1 (a scheduler's warning): saving at step {step}; training goes on",
+                what = f"saving at step {step}" if args.keep else "nothing saved (--keep 0)"
+                say(f"\nhytrain train: SIGUSR1 (a scheduler's warning): {what}; training goes on",
                     flush=True)
             if args.keep and ((args.save_every and step % args.save_every == 0) or step == args.steps or stopping
                               or asked):
@@ -423,6 +424,7 @@ def _run(args, ranks, say, out) -> int:
                 stopped = int(max(r[4] for r in every))
                 by = stop["signal"] if stop["signal"] else f"{stopped} (sent to another rank)"
                 saved = (f"checkpoint saved (resume with --resume latest --out {out})" if args.keep else
+                         f"no checkpoint (--keep 0): the model so far goes to {out / 'model'}" if args.export else
                          "no checkpoint (--keep 0)")
                 say(f"\nstopped by signal {by} after step {step}; {saved}; exit status {128 + stopped}", flush=True)
                 break
@@ -436,7 +438,9 @@ def _run(args, ranks, say, out) -> int:
             metrics.close()
     energy = ranks.total(power.total_j(), device)  # every GPU of the job
     elapsed = time.perf_counter() - t_start
-    exported = export_at_end(model, out, args, ranks) if args.export and not stopped and step == args.steps else None
+    # A run stopped without checkpoints (--keep 0) leaves its model so far: nothing else would remain.
+    done = step == args.steps and not stopped
+    exported = export_at_end(model, out, args, ranks) if args.export and (done or (stopped and not args.keep)) else None
     summary = finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks, exported)
     say(json.dumps(summary), flush=True)
     ranks.close()
