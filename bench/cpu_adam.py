@@ -11,7 +11,12 @@ traffic, which torch's out-of-place casts also pay. bandwidth_fraction is hytrai
 (the lower of the two cases) over the STREAM triad measured in the same run (and, for reference, over
 an in-place update probe, which pays no write-allocate reads).
 
-Ends with one JSON line: mixed_vs_torch, fp32_vs_torch (>1: hytrain faster), bandwidth_fraction.
+Compact states (mixed case, fp32 master): bf16 m and v move 20 bytes per parameter, 8-bit m and v
+about 16 (one code byte each way per moment, a scale per 256 elements); each is reported as GB/s of
+those bytes over the same triad (``bf16_states_fraction``, ``q8_fraction``): 1 is the host's floor.
+
+Ends with one JSON line: mixed_vs_torch, fp32_vs_torch (>1: hytrain faster), bandwidth_fraction,
+the compact states' fractions.
 
   python bench/cpu_adam.py [--params N] [--threads T] [--repeats R]
 """
@@ -83,7 +88,24 @@ def main() -> None:
         t_torch_mixed = median_time(step_torch_mixed, args.repeats)
     t_ours_fp32 = median_time(lambda: step_ours(g32, None), args.repeats)
     t_ours_mixed = median_time(lambda: step_ours(g16, copy), args.repeats)
-    del tp, topt, g32
+    del tp, topt, g32, m, v
+
+    compact = {}
+    for fmt in ("bf16", "8bit"):
+        if fmt == "bf16":
+            cm, cv = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+        else:
+            cm, cv = (torch.zeros(hytrain.quant8.state_bytes(n), dtype=torch.uint8) for _ in range(2))
+        cstate = {"step": 0}
+
+        def step_compact(cm=cm, cv=cv, cstate=cstate):
+            cstate["step"] += 1
+            hytrain.adamw_step(hp_, g16, cm, cv, step=cstate["step"], lr=hp["lr"], betas=hp["betas"],
+                               eps=hp["eps"], weight_decay=hp["weight_decay"], param_copy=copy,
+                               num_threads=threads)
+
+        compact[fmt] = median_time(step_compact, args.repeats)
+        del cm, cv
 
     # Bandwidth over the fp32 case's footprint: three arrays, 16 bytes per parameter in all.
     bw = hytrain.native().measure_host_bandwidth(n * 4 // 3, threads, args.repeats)
@@ -92,15 +114,17 @@ def main() -> None:
     torch_triad = 12 * a.numel() / t_triad / 1e9
     triad = max(bw["triad_gbps"], torch_triad)
 
+    q8_bytes = 8 + 2 + 2 + 2 * 2 * hytrain.quant8.state_bytes(n) / n  # master r+w, grad, weight, m and v r+w
     rows = [("torch fp32", t_torch_fp32, 28), ("hytrain fp32", t_ours_fp32, 28),
-            ("torch mixed", t_torch_mixed, 40), ("hytrain mixed", t_ours_mixed, 28)]
+            ("torch mixed", t_torch_mixed, 40), ("hytrain mixed", t_ours_mixed, 28),
+            ("hytrain bf16 m,v", compact["bf16"], 20), ("hytrain 8-bit m,v", compact["8bit"], q8_bytes)]
     info = hytrain.build_info()
     print(f"CPU AdamW, {n / 1e6:.0f} M params, {threads} threads, SIMD {info['simd_selected']}")
     print(f"host bandwidth: triad {bw['triad_gbps']:.1f} GB/s (native), {torch_triad:.1f} GB/s (torch); "
           f"in-place update {bw['update_gbps']:.1f} GB/s; copy {bw['copy_gbps']:.1f} GB/s")
-    print(f"{'':14s} {'ms/step':>9s} {'Gparam/s':>9s} {'GB/s':>7s} {'B/param':>8s}")
+    print(f"{'':17s} {'ms/step':>9s} {'Gparam/s':>9s} {'GB/s':>7s} {'B/param':>8s}")
     for name, t, bpp in rows:
-        print(f"{name:14s} {t * 1e3:9.2f} {n / t / 1e9:9.3f} {bpp * n / t / 1e9:7.1f} {bpp:8d}")
+        print(f"{name:17s} {t * 1e3:9.2f} {n / t / 1e9:9.3f} {bpp * n / t / 1e9:7.1f} {bpp:8.2f}")
 
     achieved = BYTES_PER_PARAM * n / max(t_ours_fp32, t_ours_mixed) / 1e9
     result = {
@@ -114,6 +138,11 @@ def main() -> None:
         "update_fraction": round(achieved / bw["update_gbps"], 3),
         "hytrain_gparams_per_s": round(n / t_ours_mixed / 1e9, 3),
         "triad_gbps": round(triad, 1),
+        "bf16_states_gbps": round(20 * n / compact["bf16"] / 1e9, 1),
+        "bf16_states_fraction": round(20 * n / compact["bf16"] / 1e9 / triad, 3),
+        "q8_gbps": round(q8_bytes * n / compact["8bit"] / 1e9, 1),
+        "q8_fraction": round(q8_bytes * n / compact["8bit"] / 1e9 / triad, 3),
+        "q8_vs_bf16_states": round(compact["bf16"] / compact["8bit"], 3),
     }
     print(json.dumps(result))
 

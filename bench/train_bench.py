@@ -56,6 +56,7 @@ VOCAB, BATCH, SEQ, LR, WD, CLIP = 32000, 2, 2048, 1e-4, 0.01, 1.0
 HYTRAIN_MODES = ("hytrain_k0", "hytrain_no_overlap", "hytrain_nospec", "hytrain_auto", "hytrain_nofence",
                  "hytrain_nowatch")
 FORMATS = {"_bf16": "bf16", "_8bit": "8bit"}  # a hytrain mode with this suffix runs with that state_format
+FP16 = "_fp16"  # a hytrain mode ending with this trains fp16 weights under a GradScaler (after any format suffix)
 
 
 def split_mode(mode):
@@ -172,6 +173,8 @@ def run_mode(args):
     import torch
 
     mode, workload = args.mode, args.workload
+    fp16 = mode.startswith("hytrain") and mode.endswith(FP16)
+    mode = mode.removesuffix(FP16) if fp16 else mode
     use_tf = not args.own_model
     if use_tf:
         try:
@@ -182,10 +185,11 @@ def run_mode(args):
     if cap is not None and mode.startswith("hytrain"):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
-    dtype = torch.float32 if mode == "torch_gpu" else torch.bfloat16
+    dtype = torch.float32 if mode == "torch_gpu" else torch.float16 if fp16 else torch.bfloat16
     model, loss_fn = build_model(workload, dtype, use_tf)
     n_params = sum(p.numel() for p in model.parameters())
     opt = engine = None
+    scaler = torch.amp.GradScaler("cuda") if fp16 else None
     autocast = mode == "torch_gpu"
     if mode == "torch_gpu":
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
@@ -222,6 +226,12 @@ def run_mode(args):
             return
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(x)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            return
         loss.backward()
         if mode == "torch_gpu":
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -262,6 +272,8 @@ def run_mode(args):
            # times the caching allocator hit the memory limit, freed its cache and retried (a device sync each)
            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
            "warmup": warmup, "iter_times_s": [round(t, 4) for t in times]}
+    if scaler is not None:
+        rec["loss_scale"] = scaler.get_scale()
     if mode.startswith("hytrain"):
         stats = opt.schedule_stats()
         rec.update(speculative_from=stats.get("speculative_from"), speculation=dict(opt.speculation_counts),
@@ -402,6 +414,9 @@ def main():
             base = split_mode(m)[0]
             if base != m and t(w, m) and t(w, base):
                 summary[f"{w}_{m}_speedup_vs_fp32_states"] = round(t(w, base) / t(w, m), 3)
+        for m in [m for ww, m in results if ww == w and m.endswith(FP16)]:
+            if t(w, m) and t(w, m.removesuffix(FP16)):  # fp16 weights + GradScaler against bf16 weights
+                summary[f"{w}_{m}_vs_bf16_weights"] = round(t(w, m) / t(w, m.removesuffix(FP16)), 3)
         if t(w, "hytrain_auto") and t(w, "hytrain_nofence"):
             summary[f"{w}_fence_cost"] = round(t(w, "hytrain_auto") / t(w, "hytrain_nofence"), 3)
         if t(w, "hytrain_auto") and t(w, "hytrain_nowatch"):

@@ -600,6 +600,68 @@ def test_cuda_fp16_grad_scaler_with_overflow():
                         torch.bfloat16)
 
 
+def _fp16_scaled_run(speculate, data, inject_at):
+    """fp16 weights under a GradScaler whose scale grows every 4 clean steps, gradients released
+    during backward (max_grad_norm, never reached); at step ``inject_at`` one gradient element of
+    the last block -- the first handed off, released long before step() -- is made infinite."""
+    torch.manual_seed(0)
+    model = LlamaModel(CFG).half().to(DEV)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, max_grad_norm=1e6, model=model,
+                              gpu_blocks=1, workers=2, speculate=speculate)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=4)
+    now = {"i": -1}
+    poisoned = opt.blocks[-1][0]
+    poisoned.register_hook(lambda g: g.index_fill(0, torch.tensor([0], device=g.device), float("inf"))
+                           if now["i"] == inject_at else g)
+    scales, losses, kept = [], [], []
+    for i, (x,) in enumerate(data):
+        now["i"] = i
+        scales.append(scaler.get_scale())
+        loss = model(x, x)
+        scaler.scale(loss).backward()
+        kept.append(sum(p.grad is not None for p in model.parameters()))
+        losses.append(loss.item())
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    opt.synchronize()
+    return model, opt, scales, losses, kept
+
+
+def test_cuda_fp16_loss_scaling_keeps_the_overlap_and_an_overflow_takes_back_nothing_else():
+    # The V100 path: fp16 weights and a GradScaler, with hand-offs during backward (gradients released,
+    # speculation from block 1). An overflow in a block released early is seen by the scaler (the step
+    # is skipped, the scale backs off) and takes back the speculative updates exactly: weights and
+    # states bit for bit those of the same run without speculation, and both follow the fp32-master
+    # reference. The scale's growth mid-run changes the multiplier: those speculations are redone.
+    data, inject_at = cuda_batches(14), 6
+    spec, spec_opt, scales, losses, kept = _fp16_scaled_run(1, data, inject_at)
+    held, held_opt, held_scales, held_losses, _ = _fp16_scaled_run(False, data, inject_at)
+    assert scales == held_scales and losses == held_losses
+    assert scales[inject_at + 1] == scales[inject_at] / 2 and max(scales) > scales[0]  # backed off, grew
+    assert all(k == 1 for k in kept[1:]), kept  # released during backward but the stand-in
+    for a, b in zip(spec.parameters(), held.parameters()):
+        assert torch.equal(a, b)
+    sa, sb = spec_opt.state_dict()["state"], held_opt.state_dict()["state"]
+    for i in sa:
+        for key in sa[i]:
+            assert torch.equal(sa[i][key].cpu(), sb[i][key].cpu()), (i, key)
+    counts = spec_opt.speculation_counts
+    assert counts["adopted"] > 0 and counts["redone"] > 0, counts
+    torch.manual_seed(0)
+    ref_model = LlamaModel(CFG).half().to(DEV)
+    ref = Reference(ref_model, lr=1e-3, weight_decay=0.1, max_grad_norm=1e6)
+    ref_losses = []
+    for i, (x,) in enumerate(data):
+        loss = ref_model(x, x)
+        (loss * scales[i]).backward()
+        ref_losses.append(loss.item())
+        ref.step(inv_scale=1.0 / scales[i], skip=(i == inject_at))
+        ref.zero_grad()
+    keep = [i for i in range(len(data)) if i != inject_at]
+    assert_close_models(spec, ref_model, [losses[i] for i in keep], [ref_losses[i] for i in keep], torch.bfloat16)
+
+
 def test_cuda_accumulation_and_lr_schedule():
     model, ref_model = pair()
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, model=model, gpu_blocks=2, accumulation_steps=4,

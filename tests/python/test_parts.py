@@ -162,6 +162,50 @@ def test_the_intake_norm_and_chained_clips():
     intake.close()
 
 
+@pytest.mark.parametrize("bad", [None, "inf", "nan"])
+def test_released_overflow_reaches_a_grad_scaler(bad):
+    # Blocks handed off during backward under loss scaling give up .grad: a GradScaler must still
+    # find an overflow in them (skip, back off) and none where there is none (step, keep the scale),
+    # through the stand-in gradient merged in at the backward's end. Gradients at fp16's largest
+    # finite value are not an overflow.
+    torch.manual_seed(3)
+    params = [nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(3, 3))]
+    plan = BlockPlan(groups_of(params), bucket_elements=1)
+    assert len(plan) == 3
+    rt = native().BlockRuntime([len(b) for b in plan.blocks], 1)
+    intake = GradientIntake(plan, make_settings(release_grads=True), rt, store=None, shard_group=None,
+                            arrived=lambda b, complete: None)
+
+    def hand_off(p):  # what the launcher does for blocks 1 and 2 (block 0 keeps its gradient)
+        b = plan.block_of[id(p)]
+        if b > 0:
+            intake.handed_off(b, [(p, p.grad)], scaled=True)
+            p.grad = None
+
+    hooks = [p.register_post_accumulate_grad_hook(hand_off) for p in params]
+    big = torch.finfo(torch.float16).max
+    poison = {None: big, "inf": float("inf"), "nan": float("nan")}[bad]
+    hooks.append(params[2].register_hook(lambda g: g.index_fill(0, torch.tensor([1]), poison)))
+    ref = torch.optim.SGD(params, lr=0.1)
+    before = [p.detach().clone() for p in params]
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    loss = params[0].sum() + params[1].square().sum() + params[2].sum()
+    scaler.scale(loss).backward()
+    assert params[0].grad is not None and params[2].grad is None
+    stand_in = params[1]  # the smallest released parameter
+    assert stand_in.grad is not None and int((stand_in.grad != 0).sum()) == (0 if bad is None else 1)
+    scaler.step(ref)
+    scaler.update()
+    if bad is None:  # stepped: the kept gradient moved block 0; the stand-in's zero gradient nothing
+        assert scaler.get_scale() == 4.0 and not torch.equal(params[0], before[0])
+        assert torch.equal(params[1], before[1])
+    else:  # skipped, the scale backed off
+        assert scaler.get_scale() == 2.0 and all(torch.equal(p, q) for p, q in zip(params, before))
+    for h in hooks:
+        h.remove()
+    intake.close()
+
+
 class _RecordedMeter:
     """A meter that hands the scheduler recorded per-block costs and a recorded memory peak."""
 

@@ -27,12 +27,21 @@ A step that raises (a sparse gradient, a parameter moved after the first step, a
 leaves every parameter and state as it was and nothing in flight; dropping the optimizer waits for
 updates in flight.
 
-Clipping on CUDA may still update offloaded blocks during backward, *speculatively* (``speculate``):
-the CPU writes the new state beside the current one, as if the multiplier were 1 (and the weights from
-it). If step() finds the multiplier 1 and the hyperparameters unchanged, it adopts the new state, which
-is bit for bit what the update in step() would have written; if not, the speculative result is
-dropped and the block is updated again from its untouched state. After a step that clipped, the next
-one does not speculate (clipping comes in runs, early in training).
+Clipping or loss scaling on CUDA may still update offloaded blocks during backward, *speculatively*
+(``speculate``): the CPU writes the new state beside the current one, as if the multiplier were the
+last step's unclipped one (1, or the inverse loss scale under a GradScaler), and the weights from it.
+If step() finds that multiplier and the hyperparameters unchanged, it adopts the new state, which is
+bit for bit what the update in step() would have written; if not (the step clipped, the scale changed),
+the speculative result is dropped and the block is updated again from its untouched state; a step
+skipped for an overflow takes the speculative results back. After a step that clipped or was skipped,
+the next one does not speculate (clipping comes in runs, early in training).
+
+Under loss scaling (a GradScaler driving ``step()``), the hand-offs during backward need released
+gradients (``release_grads``, the default with ``max_grad_norm``): the scaler looks for overflow in
+every ``.grad``, so a released block's overflow is written into a stand-in gradient at the end of
+backward (a zero gradient, with one non-finite element if a released block overflowed, on the
+smallest released parameter), which the scaler's check sees as torch's would see the overflow itself.
+With kept gradients the blocks wait for ``step()`` (the scaler's check rewrites them in place).
 
 The loop's own clipping (``torch.nn.utils.clip_grad_norm_`` between backward and step, as transformers'
 Trainer, accelerate and Lightning do it) is exact: unless the optimizer clips itself (``max_grad_norm``)

@@ -56,7 +56,11 @@ class Engine:
         self.timeline = None
         self.steps = 0  # steps taken
         self.loss_scaling = False
-        self.last_clipped = True  # whether the last step's multiplier differed from 1 (or none yet)
+        self.last_clipped = True  # whether the last step was clipped or skipped (or none yet): see step()
+        # The multiplier speculative passes run with: the last step's loss-scale unscaling (1 without
+        # a GradScaler); adopted where the step's multiplier is exactly this (it did not clip, and
+        # the scale did not change).
+        self.spec_mult = 1.0
         self.reloaded = set()  # speculated blocks whose state was loaded before step(): see loaded()
         self._model_hooks = []
 
@@ -78,25 +82,23 @@ class Engine:
 
     # -- creation and teardown --------------------------------------------------------------------------
 
-    def bind(self, scaled=False, early=False):
+    def bind(self, early=False):
         """Creates the state, the native engine and pipeline, forward hooks and the planner for the
-        device and dtype the parameters have now (``scaled``: a GradScaler drives the first step;
-        ``early``: made in the first backward, see :meth:`_first_gradient`). On failure nothing is
-        left half made."""
+        device and dtype the parameters have now (``early``: made in the first backward, see
+        :meth:`_first_gradient`). On failure nothing is left half made."""
         s, store = self.settings, self.store
         pending = None
         try:
             store.prepare()
             # Where each block's state lives from the start: the host holds what it can (the
             # blocks from its floor on), the GPU the first k; checked on both sides first.
-            scaled = scaled or any(p.dtype == torch.float16 for p in self.plan.params)
             # What optimizer.state holds before the state exists (a load, carried entries, the loop's
             # own writes) is what the state starts from: taken out, then loaded into the buffers.
             pending = self.pending
             for p in pending or ():
                 del self._state[p]
-            k, later = self.planner.initial_k(store.host_floor(), self.shard_group, scaled=scaled,
-                                              defer=not pending, early=early)
+            k, later = self.planner.initial_k(store.host_floor(), self.shard_group, defer=not pending,
+                                              early=early)
             store.create(self.groups, k, later)
             self.loss_scaling = any(p.dtype == torch.float16 for p in self.plan.params)
             self.timeline = Timeline(store.device if store.cuda else None) if s.trace else None
@@ -172,11 +174,14 @@ class Engine:
     # -- during backward and forward --------------------------------------------------------------------
 
     def early_handoff(self) -> bool:
-        """On CUDA after the first step, without loss scaling: each block's gradients leave the GPU
-        during backward; the updates wait for step(), or run speculatively beside the state and are
-        checked there."""
+        """On CUDA after the first step: each block's gradients leave the GPU during backward; the
+        updates wait for step(), or run speculatively beside the state and are checked there. Under
+        loss scaling only where the gradients are released (``release_grads``): a GradScaler's
+        overflow check then sees a released block's overflow through a stand-in gradient (see
+        GradientIntake.handed_off); kept gradients are rewritten in place by that check, which step()
+        would take for a change by the loop, so their blocks stay on the GPU until step()."""
         return (self.store.cuda and self.settings.overlap and (self.steps > 0 or self.bound_early)
-                and not self.loss_scaling)
+                and (self.settings.release_grads or not self.loss_scaling))
 
     def speculation_allowed(self) -> bool:
         """Whether the next backward may speculate: clipping on CUDA, and the last step did not clip."""
@@ -199,7 +204,6 @@ class Engine:
         kept = [why for why, yes in (
             ("release_grads=False", not s.release_grads), ("overlap=False", not s.overlap),
             (f"accumulation_steps={s.accumulation_steps}", s.accumulation_steps > 1),
-            ("fp16 parameters: loss scaling", any(p.dtype == torch.float16 for p in self.plan.params)),
         ) if yes]
         if self.planner.first_backward(store.host_floor(), hands_off=not kept, why_kept=", ".join(kept)):
             self.bind(early=True)
@@ -224,7 +228,7 @@ class Engine:
                 start = self.planner.spec_from
                 spec = (not self.rt.on_gpu(b) and start is not None and b >= start and not self.last_clipped
                         and self.store.shadows.has(b))
-                self.launcher.hand_off(b, spec)
+                self.launcher.hand_off(b, spec, self.spec_mult, scaled=self.loss_scaling)
         self.launcher.release_landed()
 
     def before_forward(self, wait_for, marks):
@@ -258,7 +262,7 @@ class Engine:
         rt, intake, launcher, store = self.rt, self.intake, self.launcher, self.store
         try:
             if not self.bound:
-                self.bind(scaled=grad_scale is not None or found_inf is not None)
+                self.bind()
             if found_inf is not None and self.shard_group is not None:  # skipped on all ranks or none
                 found_inf = collectives.all_reduce(found_inf.detach().clone(), self.shard_group, op="max")
             if grad_scale is not None or found_inf is not None:
@@ -270,7 +274,9 @@ class Engine:
                 self.loss_scaling = True
             if found_inf is not None and float(found_inf) != 0.0:
                 self.drop_held()
+                self.last_clipped = True  # the scale backs off: the next backward does not speculate
                 return  # overflow: skip the step entirely, state untouched (torch's behaviour)
+            inv = intake.inv_scale(grad_scale)
             mult = intake.multiplier(grad_scale)
             if not math.isfinite(mult):
                 self.drop_held()
@@ -287,10 +293,10 @@ class Engine:
             stale = store.sync_groups(self.groups)
             if self.planner.meter is not None:
                 self.planner.meter.launched()
-            clipped = mult != 1.0 or bool(changed)
+            clipped = mult != inv or bool(changed)
             launcher.count_handed()  # the step goes ahead: the hand-offs count it now
-            if mult == 1.0 and not stale:
-                self._adopt(keep=changed | rewritten)
+            if mult == self.spec_mult and not stale:
+                self._adopt(mult, keep=changed | rewritten)
             # Forward order (the next forward needs block 0 first), offloaded blocks first so that
             # their copies start before the GPU updates queue up on the compute stream.
             # Blocks whose states wait for room on the GPU (the first step; see StateStore.create):
@@ -316,6 +322,7 @@ class Engine:
                     self.speculation_counts["redone"] += 1
             self.steps += 1
             self.last_clipped = clipped
+            self.spec_mult = inv
             self.planner.after_step(early_copies=self.early_handoff(), speculation_allowed=self.speculation_allowed())
             if not self._model_hooks or not self.settings.overlap:
                 self.synchronize()
@@ -349,9 +356,9 @@ class Engine:
                 self.fence.watch(b, [t for p in self.plan.blocks[b] for t in self._state[p].values()])
             self.fence.arm()
 
-    def _adopt(self, keep=()):
-        """The multiplier is 1: the speculative states are the step's result; the old ones become
-        the shadows (the passes still writing them are waited for before anything reads them).
+    def _adopt(self, mult, keep=()):
+        """The multiplier is the one the speculative passes ran with (``mult``): their states are
+        the step's result; the old ones become the shadows (the passes still writing them are waited for before anything reads them).
         Blocks in ``keep`` (their gradients changed after the hand-off) stay speculated to be restaged."""
         rt, table = self.rt, self.store.table
         # (Updates in place that were taken back before step() -- see synchronize() -- are redone.)
@@ -361,7 +368,7 @@ class Engine:
         for b in adopted:
             handles = rt.handed(b)
             if self.store.adopt(b, handles):  # updates in place: adopted once known complete
-                self.launcher.adopt_later(b, handles)
+                self.launcher.adopt_later(b, handles, mult)
             rt.launch(b)
 
     def _follow_weight_writes(self) -> set:

@@ -30,6 +30,34 @@ def _grad_hook(ref, p):
         intake.on_grad(p)
 
 
+def _end_of_backward(ref):
+    """Queued on autograd's engine at a hand-off under loss scaling: runs when the backward ends."""
+    intake = ref()
+    if intake is not None:
+        intake.merge_overflow()
+
+
+def overflow_stand_in(params, parts) -> torch.nn.Parameter | None:
+    """Released gradients' overflow, shown to a GradScaler: ``params`` whose gradients were handed
+    off and released, ``parts`` their blocks' squared norms (device scalars: non-finite exactly
+    when a gradient element is). The smallest of ``params`` (with elements on this rank) gets a
+    zero ``.grad`` if it has none, and its first element is made infinite where a part is not
+    finite -- on the device, without a synchronisation. A GradScaler's overflow check reads every
+    ``.grad`` of the optimizer: it then finds an overflow exactly when one of the step's gradients
+    had one, as with torch's optimizers, and skips the step and backs the scale off as torch does.
+    Returns the parameter (None if there is none)."""
+    ps = [p for p in params if local(p).numel()]
+    if not ps or not parts:
+        return None
+    p = min(ps, key=lambda q: local(q).numel())
+    with torch._C.DisableTorchFunction():  # the optimizer's own write: not an operation of the loop's
+        bad = torch.stack([torch.as_tensor(x).double() for x in parts]).sum().isfinite().logical_not()
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        local(p.grad).view(-1)[:1].masked_fill_(bad.to(local(p).device), float("inf"))
+    return p
+
+
 def _before_more_gradients(ref, grad):
     """A parameter's pre-accumulation hook while clips are pending (see :meth:`GradientIntake.clip`)."""
     intake = ref()
@@ -48,6 +76,8 @@ class GradientIntake:
         self.last_grad_norm = None  # the last step's global gradient norm (before clipping), when clipping
         self._sq_parts = {}  # block -> squared gradient norm of a block handed off early (device scalar)
         self._handed = {}  # id(p) -> (gradient, its version) handed off while the caller keeps .grad
+        self._released = []  # blocks released under loss scaling since the last overflow merge
+        self._merge_queued = False
         self._norm = None  # this step's global gradient norm, once computed
         self._chain = []  # max_norm of each clip_grad_norm_ call on this step's gradients
         self._prehooks = []  # while clips are pending: hooks that apply them before more gradients
@@ -99,18 +129,36 @@ class GradientIntake:
                 out.append((p, g if same and dense(g) else torch.empty_like(w).copy_(g)))
         return out
 
-    def handed_off(self, b, pairs) -> None:
+    def handed_off(self, b, pairs, *, scaled=False) -> None:
         """Block b's gradients leave during backward: with ``release_grads`` its share of the squared
         norm is taken now (``.grad`` is released); otherwise the caller keeps ``.grad`` and its
-        identity and version are noted, so that step() can tell whether the caller changed it."""
+        identity and version are noted, so that step() can tell whether the caller changed it.
+        ``scaled`` (a GradScaler drives the steps): released blocks' overflow is merged into a
+        stand-in gradient when the backward ends (:func:`overflow_stand_in`)."""
         if self.settings.release_grads:
             if pairs:
                 self._sq_parts[b] = sq_norm([g for _, g in pairs])
+                if scaled:
+                    self._released.append(b)
+                    if not self._merge_queued:
+                        # (Under reentrant checkpointing this is the inner backward's end: a later
+                        # hand-off queues another.)
+                        torch.autograd.Variable._execution_engine.queue_callback(
+                            functools.partial(_end_of_backward, weakref.ref(self)))
+                        self._merge_queued = True
             return
         for p in self.plan.blocks[b]:
             if p.grad is not None:
                 g = local(p.grad)
                 self._handed[id(p)] = (g, g._version)
+
+    def merge_overflow(self) -> None:
+        """The end of a backward under loss scaling: the overflow of the blocks released since the
+        last merge, written into a stand-in gradient (see :func:`overflow_stand_in`)."""
+        self._merge_queued = False
+        blocks, self._released = self._released, []
+        overflow_stand_in([p for b in blocks for p in self.plan.blocks[b]],
+                          [self._sq_parts[b] for b in blocks if b in self._sq_parts])
 
     def changed_blocks(self, staged) -> set:
         """Blocks handed off during backward that cannot be released as they are: the caller changed
@@ -175,10 +223,15 @@ class GradientIntake:
             c *= min(1.0, max_norm / (norm * c + 1e-6))
         return c
 
+    @staticmethod
+    def inv_scale(grad_scale) -> float:
+        """The loss-scale unscaling of a step (1 without a GradScaler)."""
+        return 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+
     def multiplier(self, grad_scale) -> float:
         """The step's gradient multiplier: loss-scale unscaling times the clip factor (the loop's
         clips, or ``max_grad_norm``)."""
-        inv = 1.0 if grad_scale is None else 1.0 / float(grad_scale)
+        inv = self.inv_scale(grad_scale)
         if not self._chain and self.settings.max_grad_norm is None:
             return inv
         norm = self.global_norm()
@@ -231,5 +284,7 @@ class GradientIntake:
         """What a step (taken or not) leaves behind: nothing of this step's gradients."""
         self._sq_parts = {}
         self._handed = {}
+        self._released = []
+        self._merge_queued = False  # (a backward that failed before its end never ran the merge)
         self._chain = []
         self._norm = None

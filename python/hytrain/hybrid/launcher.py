@@ -52,14 +52,15 @@ class Launcher:
     def _stream(self):
         return torch.cuda.current_stream(self.store.device).cuda_stream
 
-    def hand_off(self, b, speculative) -> None:
+    def hand_off(self, b, speculative, spec_mult=1.0, *, scaled=False) -> None:
         """Early hand-off of block b during backward: offloaded blocks are staged on hold (or
-        speculate), GPU-resident blocks copy their gradients into their update buffers."""
+        speculate, with multiplier ``spec_mult``), GPU-resident blocks copy their gradients into
+        their update buffers. ``scaled``: a GradScaler drives the steps (see GradientIntake.handed_off)."""
         try:
             pairs = self.intake.grads(b)
         except (RuntimeError, TypeError, ValueError):
             return  # not handed off: step() refuses the step before anything is applied
-        self.intake.handed_off(b, pairs)
+        self.intake.handed_off(b, pairs, scaled=scaled)
         release = self.settings.release_grads
         if self.rt.on_gpu(b):
             for p, g in pairs:
@@ -69,7 +70,8 @@ class Launcher:
                 for p, _ in pairs:
                     p.grad = None
         else:
-            self.launch(b, 1.0, release=release, hold=not speculative, speculative=speculative)
+            self.launch(b, spec_mult if speculative else 1.0, release=release, hold=not speculative,
+                        speculative=speculative)
 
     def launch(self, b, grad_scale, *, release, hold=False, speculative=False, pairs=None):
         """Starts block b's update with gradient multiplier ``grad_scale``. ``release`` drops the
@@ -228,24 +230,24 @@ class Launcher:
         self._uncount(b)  # counted again by the new pass
         self.launch(b, mult, release=False, pairs=pairs)
 
-    def adopt_later(self, b, handles) -> None:
+    def adopt_later(self, b, handles, mult) -> None:
         """Block b's speculative updates in place (undo records) are the step's result, if complete:
         that is known once the pass has finished, and checked when the block is waited for (before
-        its next forward, or any other use of its weights or state)."""
-        self._unchecked[b] = list(handles)
+        its next forward, or any other use of its weights or state). ``mult``: the step's multiplier."""
+        self._unchecked[b] = (list(handles), float(mult))
 
     def _check_records(self, b) -> None:
         """Block b's pass has finished: its records are adopted where complete; otherwise (an element
-        left untouched, its escape list full) the block is redone with multiplier 1 and the
+        left untouched, its escape list full) the block is redone with the step's multiplier and the
         hyperparameters of its step (the table's until the next hand-off), and waited for."""
-        table, handles = self.store.table, self._unchecked.pop(b)
+        table, (handles, mult) = self.store.table, self._unchecked.pop(b)
         pending = [h for h in handles if table.recorded(h)]
         if all(table.record_complete(h) for h in pending):
             for h in pending:
                 table.adopt(h)
             return
         ps = self.plan.of_handles(handles)
-        self.pipeline.stage(b, table, handles, [0] * len(ps), [local(p).data_ptr() for p in ps], 1.0,
+        self.pipeline.stage(b, table, handles, [0] * len(ps), [local(p).data_ptr() for p in ps], mult,
                             self._stream(), redo=True)
         self.pipeline.wait_ready(b, self._stream())
         self.counts["adopted"] -= 1
