@@ -662,6 +662,53 @@ def test_cuda_fp16_loss_scaling_keeps_the_overlap_and_an_overflow_takes_back_not
     assert_close_models(spec, ref_model, [losses[i] for i in keep], [ref_losses[i] for i in keep], torch.bfloat16)
 
 
+def test_cuda_unscale_after_released_gradients_is_refused_then_gradients_are_kept():
+    # A GradScaler that hands its scale to step() lets gradients go during backward; a loop that then
+    # calls scaler.unscale_() (to clip, say) would unscale only what is left. That step is refused with
+    # nothing changed; from then on the gradients are kept until step() and training follows the
+    # reference (which skips the refused step).
+    model, ref_model = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=1e6, model=model,
+                              gpu_blocks=1, workers=2)
+    ref = Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=1e6)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0)
+    data = cuda_batches(8)
+    losses, kept = [], []
+    for i, (x,) in enumerate(data):
+        loss = model(x, x)
+        scaler.scale(loss).backward()
+        kept.append(sum(p.grad is not None for p in model.parameters()))
+        losses.append(loss.item())
+        if i >= 3:
+            scaler.unscale_(opt)
+        if i == 3:
+            opt.synchronize()
+            before = [p.detach().clone() for p in model.parameters()]
+            state = copy.deepcopy(opt.state_dict()["state"])
+            with pytest.raises(RuntimeError, match="unscale_"):
+                scaler.step(opt)
+            opt.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            after = opt.state_dict()["state"]
+            assert all(torch.equal(t, after[k][key]) for k, st in state.items() for key, t in st.items())
+        else:
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    opt.synchronize()
+    n = len(list(model.parameters()))
+    assert kept[1:4] == [1, 1, 1] and kept[4:] == [n] * 4, kept
+    ref_losses = []
+    for i, (x,) in enumerate(data):
+        loss = ref_model(x, x)
+        (loss * 1024.0).backward()
+        ref_losses.append(loss.item())
+        ref.step(inv_scale=1.0 / 1024.0, skip=(i == 3))
+        ref.zero_grad()
+    keep = [i for i in range(len(data)) if i != 3]
+    assert_close_models(model, ref_model, [losses[i] for i in keep], [ref_losses[i] for i in keep], torch.bfloat16)
+
+
 def test_cuda_accumulation_and_lr_schedule():
     model, ref_model = pair()
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, model=model, gpu_blocks=2, accumulation_steps=4,

@@ -41,7 +41,8 @@ gradients (``release_grads``, the default with ``max_grad_norm``): the scaler lo
 every ``.grad``, so a released block's overflow is written into a stand-in gradient at the end of
 backward (a zero gradient, with one non-finite element if a released block overflowed, on the
 smallest released parameter), which the scaler's check sees as torch's would see the overflow itself.
-With kept gradients the blocks wait for ``step()`` (the scaler's check rewrites them in place).
+With kept gradients, or once the loop has called ``GradScaler.unscale_()`` (which unscales ``.grad``
+in place, so released gradients would miss it), the blocks wait for ``step()``.
 
 The loop's own clipping (``torch.nn.utils.clip_grad_norm_`` between backward and step, as transformers'
 Trainer, accelerate and Lightning do it) is exact: unless the optimizer clips itself (``max_grad_norm``)

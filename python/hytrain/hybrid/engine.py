@@ -61,6 +61,10 @@ class Engine:
         # a GradScaler); adopted where the step's multiplier is exactly this (it did not clip, and
         # the scale did not change).
         self.spec_mult = 1.0
+        # The loop unscales the gradients in place (GradScaler.unscale_ before step(), as
+        # ShardedGradScaler users and clipping loops do): released gradients would miss that, so
+        # under loss scaling nothing is released during backward from then on.
+        self.unscaled_in_place = False
         self.reloaded = set()  # speculated blocks whose state was loaded before step(): see loaded()
         self._model_hooks = []
 
@@ -178,10 +182,12 @@ class Engine:
         updates wait for step(), or run speculatively beside the state and are checked there. Under
         loss scaling only where the gradients are released (``release_grads``): a GradScaler's
         overflow check then sees a released block's overflow through a stand-in gradient (see
-        GradientIntake.handed_off); kept gradients are rewritten in place by that check, which step()
-        would take for a change by the loop, so their blocks stay on the GPU until step()."""
+        GradientIntake.handed_off), and only while the loop leaves the unscaling to step() (no
+        ``GradScaler.unscale_()``, which works on ``.grad`` in place); kept gradients are rewritten in
+        place by the scaler's check, which step() would take for a change by the loop, so their
+        blocks stay on the GPU until step()."""
         return (self.store.cuda and self.settings.overlap and (self.steps > 0 or self.bound_early)
-                and (self.settings.release_grads or not self.loss_scaling))
+                and (not self.loss_scaling or (self.settings.release_grads and not self.unscaled_in_place)))
 
     def speculation_allowed(self) -> bool:
         """Whether the next backward may speculate: clipping on CUDA, and the last step did not clip."""
@@ -272,6 +278,15 @@ class Engine:
                                        "overlapping backward; create the optimizer with loss scaling in use "
                                        "from the first step")
                 self.loss_scaling = True
+            if found_inf is not None and grad_scale is None:  # the loop unscaled .grad in place
+                self.unscaled_in_place = True
+                if intake.released_scaled:
+                    self.drop_held()
+                    raise RuntimeError(
+                        "GradScaler.unscale_() was called on gradients that HybridAdamW had already released "
+                        "during backward (release_grads=True): they missed the unscaling, so this step is not "
+                        "taken (nothing changed). From now on the gradients are kept until step(), as unscale_ "
+                        "needs; a loop that calls unscale_ before every step() keeps them from its first step")
             if found_inf is not None and float(found_inf) != 0.0:
                 self.drop_held()
                 self.last_clipped = True  # the scale backs off: the next backward does not speculate

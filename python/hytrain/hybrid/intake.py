@@ -78,6 +78,7 @@ class GradientIntake:
         self._handed = {}  # id(p) -> (gradient, its version) handed off while the caller keeps .grad
         self._released = []  # blocks released under loss scaling since the last overflow merge
         self._merge_queued = False
+        self.released_scaled = False  # gradients released under loss scaling in this step
         self._norm = None  # this step's global gradient norm, once computed
         self._chain = []  # max_norm of each clip_grad_norm_ call on this step's gradients
         self._prehooks = []  # while clips are pending: hooks that apply them before more gradients
@@ -139,6 +140,7 @@ class GradientIntake:
             if pairs:
                 self._sq_parts[b] = sq_norm([g for _, g in pairs])
                 if scaled:
+                    self.released_scaled = True
                     self._released.append(b)
                     if not self._merge_queued:
                         # (Under reentrant checkpointing this is the inner backward's end: a later
@@ -285,6 +287,7 @@ class GradientIntake:
         self._sq_parts = {}
         self._handed = {}
         self._released = []
+        self.released_scaled = False
         self._merge_queued = False  # (a backward that failed before its end never ran the merge)
         self._chain = []
         self._norm = None
