@@ -143,6 +143,26 @@ def test_resume_on_the_gpu_continues_the_run(tmp_path, gpu_blocks):
     assert all("gpu_wait_frac" in r for r in metrics(a)[3:])
 
 
+@pytest.mark.gpu
+def test_fp16_on_the_gpu_overlaps_backward_and_resumes_with_the_scale(tmp_path, monkeypatch):
+    # --precision fp16 on the GPU: gradients leave during backward under the GradScaler, an overflow
+    # (the first steps, at a scale of 2^30) is skipped there too, and a resume goes on with the scale.
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda device: real(device, init_scale=2.0 ** 30))
+    gpu = ["--batch-size", "4", "--seq-len", "64", "--no-progress", "--device", "cuda", "--workers", "2",
+           "--eval-every", "0", "--precision", "fp16", "--save-every", "6"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["--steps", "12", "--out", a, *gpu]) == 0
+    assert main(["--steps", "6", "--out", b, *gpu]) == 0
+    assert main(["--steps", "12", "--out", b, "--resume", "latest", *gpu]) == 0
+    ra, rb = metrics(a), metrics(b)
+    scales = [r["loss_scale"] for r in ra]
+    assert scales[0] == 2.0 ** 29 and scales[-1] < 2.0 ** 29 and all(math.isfinite(r["loss"]) for r in ra), scales
+    assert [r["loss_scale"] for r in rb] == scales
+    assert max(abs(r["loss"] - q["loss"]) for r, q in zip(ra, rb)) < 2e-2
+    assert ra[-1]["loss"] < ra[0]["loss"]
+
+
 def test_damaged_checkpoints_are_refused(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert main(["--steps", "2", "--eval-every", "0", "--out", out, *FAST]) == 0
