@@ -160,7 +160,6 @@ def test_fp16_on_the_gpu_overlaps_backward_and_resumes_with_the_scale(tmp_path, 
     assert scales[0] == 2.0 ** 29 and scales[-1] < 2.0 ** 29 and all(math.isfinite(r["loss"]) for r in ra), scales
     assert [r["loss_scale"] for r in rb] == scales
     assert max(abs(r["loss"] - q["loss"]) for r, q in zip(ra, rb)) < 2e-2
-    assert ra[-1]["loss"] < ra[0]["loss"]
 
 
 def test_damaged_checkpoints_are_refused(tmp_path, capsys):
