@@ -123,10 +123,8 @@ struct VecAvx2 {
     b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), iset1(kQ8Buckets - 1));
     const __m256i e = _mm256_i32gather_epi32(map.enc, b, 4);
     __m256i j = _mm256_and_si256(e, iset1(0xFFu));
-    const __m256i has = _mm256_srai_epi32(_mm256_slli_epi32(e, 8), 31);  // bit 23 to every bit
-    const __m256i gt = _mm256_cmpgt_epi32(_mm256_and_si256(a, iset1(0x7FFFu)),
-                                          _mm256_and_si256(_mm256_srli_epi32(e, 8), iset1(0x7FFFu)));
-    j = _mm256_sub_epi32(j, _mm256_and_si256(has, gt));  // a true comparison is -1: subtracting adds one
+    const __m256i gt = _mm256_cmpgt_epi32(_mm256_and_si256(a, iset1(0x7FFFu)), _mm256_srli_epi32(e, 8));
+    j = _mm256_sub_epi32(j, gt);  // a true comparison is -1: subtracting adds one
     if (map.is_signed) {
       const __m256i neg = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ)),
                                            _mm256_cmpgt_epi32(j, _mm256_setzero_si256()));

@@ -115,9 +115,7 @@ struct VecAvx512 {
     b = _mm512_min_epi32(_mm512_max_epi32(b, _mm512_setzero_si512()), iset1(kQ8Buckets - 1));
     const __m512i e = _mm512_i32gather_epi32(b, map.enc, 4);
     __m512i j = _mm512_and_si512(e, iset1(0xFFu));
-    const __mmask16 inc = _mm512_mask_cmpgt_epi32_mask(_mm512_test_epi32_mask(e, iset1(1u << 23)),
-                                                       _mm512_and_si512(a, iset1(0x7FFFu)),
-                                                       _mm512_and_si512(_mm512_srli_epi32(e, 8), iset1(0x7FFFu)));
+    const __mmask16 inc = _mm512_cmpgt_epi32_mask(_mm512_and_si512(a, iset1(0x7FFFu)), _mm512_srli_epi32(e, 8));
     j = _mm512_mask_add_epi32(j, inc, j, iset1(1));
     if (map.is_signed) {
       const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ) & _mm512_test_epi32_mask(j, j);

@@ -55,8 +55,8 @@ Q8Map build(bool is_signed) {
     for (int k = j; k < 256 && m.mid[k] < hi; ++k) ++inside;
     HYTRAIN_CHECK(inside <= 1 && (inside == 0 || (b > 0 && b < kQ8Buckets - 1)),
                   "q8 map: a bucket holds two midpoints, or an end bucket one");
-    m.enc[b] = j;
-    if (inside) m.enc[b] |= (1 << 23) | static_cast<int32_t>((f32_bits(m.mid[j]) & 0x7FFFu) << 8);
+    // The midpoint's low bits, or 0x7FFF where none: no float of the bucket has greater ones.
+    m.enc[b] = j | static_cast<int32_t>((inside ? f32_bits(m.mid[j]) & 0x7FFFu : 0x7FFFu) << 8);
   }
   return m;
 }

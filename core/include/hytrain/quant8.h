@@ -64,10 +64,10 @@ struct Q8Map {
   float mid[256];         // mid[i] between A[i] and A[i+1]; +infinity from magnitudes - 1 on
   float group[16];        // part j of group L is fmaf(j, group[8 + L], group[L]): bases, then steps
   // enc[b], for bucket b (the floats whose bits >> 15 are b + kQ8BucketLo): bits 0-7 hold
-  // #{i : mid[i] < the bucket's smallest float}; a bucket holds at most one midpoint, and where it
-  // holds one, bit 23 is set and bits 8-22 hold the midpoint's low 15 bits. Within a bucket every
-  // float has the same high bits, so |x| > that midpoint exactly when its low 15 bits are greater:
-  // j = (enc & 0xFF) + (bit 23 && (bits(|x|) & 0x7FFF) > ((enc >> 8) & 0x7FFF)), one table read.
+  // #{i : mid[i] < the bucket's smallest float}; a bucket holds at most one midpoint, and bits 8-22
+  // hold its low 15 bits (0x7FFF where it holds none: no float of the bucket has greater ones).
+  // Within a bucket every float has the same high bits, so |x| > that midpoint exactly when its low
+  // 15 bits are greater: j = (enc & 0xFF) + ((bits(|x|) & 0x7FFF) > (enc >> 8)), one table read.
   int32_t enc[kQ8Buckets];
 };
 
@@ -97,7 +97,7 @@ inline uint8_t q8_encode(const Q8Map& map, float x) {
   int32_t b = static_cast<int32_t>(a >> kQ8BucketShift) - kQ8BucketLo;
   b = b < 0 ? 0 : (b >= kQ8Buckets ? kQ8Buckets - 1 : b);
   const int32_t e = map.enc[b];
-  const int j = (e & 0xFF) + (((e >> 23) & 1) && static_cast<int32_t>(a & 0x7FFF) > ((e >> 8) & 0x7FFF) ? 1 : 0);
+  const int j = (e & 0xFF) + (static_cast<int32_t>(a & 0x7FFF) > (e >> 8) ? 1 : 0);
   return q8_code(map.is_signed, x, j);
 }
 
