@@ -94,6 +94,12 @@ void bind_cuda(py::module_& m) {
         g.compute(as_ptr<uint64_t>(out), stream);
       })
       .def_property_readonly("size", &cuda::FingerprintGroup::size);
+  m.def("cuda_fingerprint_spans", [](const std::vector<SpanRow>& rows, std::uintptr_t out, int device,
+                                     std::uintptr_t stream) {
+    std::vector<cuda::SpanRef> spans;
+    for (const SpanRow& r : rows) spans.push_back({as_ptr<const void>(std::get<0>(r)), std::get<1>(r)});
+    cuda::fingerprint_spans(spans, as_ptr<uint64_t>(out), device, stream);
+  }, py::arg("spans"), py::arg("out"), py::arg("device"), py::arg("stream"));
   m.def("cuda_clip_multiplier", [](std::uintptr_t sumsq, std::uintptr_t inv_scale,
                                    double host_inv_scale, double max_norm, std::uintptr_t out,
                                    int device, std::uintptr_t stream) {

@@ -662,6 +662,47 @@ def test_cuda_fp16_loss_scaling_keeps_the_overlap_and_an_overflow_takes_back_not
     assert_close_models(spec, ref_model, [losses[i] for i in keep], [ref_losses[i] for i in keep], torch.bfloat16)
 
 
+def test_cuda_fp16_loss_scaling_with_kept_gradients_compares_them_by_content():
+    # Without clipping the loop keeps .grad; the scaler's overflow check rewrites every gradient in
+    # place (times 1, a new version), which must not count as the loop's change: the hand-offs and
+    # speculative updates stand (adopted). A real change by the loop (a rescale before step()) is
+    # seen and those blocks are updated from the changed gradients; an overflow skips the step.
+    torch.manual_seed(0)
+    model = LlamaModel(CFG).half().to(DEV)
+    ref_model = copy.deepcopy(model)
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, model=model, gpu_blocks=1,
+                              workers=2, speculate=1)
+    ref = Reference(ref_model, lr=1e-3, weight_decay=0.1)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=4)
+    data, inject_at, halve_at = cuda_batches(12), 5, 8
+    losses, scales, ref_losses = [], [], []
+    for i, (x,) in enumerate(data):
+        scales.append(scaler.get_scale())
+        loss = model(x, x)
+        if i == inject_at:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        losses.append(loss.item())
+        if i == halve_at:  # the loop's own change between backward and step()
+            for p in model.parameters():
+                p.grad.mul_(0.5)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    opt.synchronize()
+    assert scales[inject_at + 1] == scales[inject_at] / 2
+    counts = opt.speculation_counts
+    assert counts["adopted"] >= 3 * (len(opt.blocks) - 1), counts  # the check's rewrite is no change
+    for i, (x,) in enumerate(data):
+        loss = ref_model(x, x)
+        (loss * scales[i]).backward()
+        ref_losses.append(loss.item())
+        ref.step(inv_scale=(0.5 if i == halve_at else 1.0) / scales[i], skip=(i == inject_at))
+        ref.zero_grad()
+    keep = [i for i in range(len(data)) if i != inject_at]
+    assert_close_models(model, ref_model, [losses[i] for i in keep], [ref_losses[i] for i in keep], torch.bfloat16)
+
+
 def test_cuda_unscale_after_released_gradients_is_refused_then_gradients_are_kept():
     # A GradScaler that hands its scale to step() lets gradients go during backward; a loop that then
     # calls scaler.unscale_() (to clip, say) would unscale only what is left. That step is refused with

@@ -197,3 +197,10 @@ def test_cuda_fingerprints_equal_the_host_ones():
     got = [x % (1 << 64) for x in out.tolist()]
     want = [native().fingerprint(host.data_ptr() + off, n) for off, n in spans]
     assert got == want
+    # The spans passed with the launch (gradients: new addresses every step), more than one launch's
+    # 32 of them, into a buffer that held something else.
+    many = spans * 4
+    out = torch.full((len(many),), 7, dtype=torch.int64, device="cuda")
+    native().cuda_fingerprint_spans([(dev.data_ptr() + off, n) for off, n in many], out.data_ptr(),
+                                    dev.device.index, torch.cuda.current_stream().cuda_stream)
+    assert [x % (1 << 64) for x in out.tolist()] == want * 4

@@ -35,5 +35,10 @@ class FingerprintGroup {
   int grid_;
 };
 
+// out[i] = the fingerprint of spans[i] (out: a device array of spans.size() uint64), enqueued on
+// stream, for spans whose addresses change from call to call (gradients): nothing is uploaded, the
+// spans travel with the launch (32 at a time).
+void fingerprint_spans(const std::vector<SpanRef>& spans, uint64_t* out, int device, std::uintptr_t stream);
+
 }  // namespace cuda
 }  // namespace hytrain

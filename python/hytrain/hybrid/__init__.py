@@ -36,13 +36,13 @@ the speculative result is dropped and the block is updated again from its untouc
 skipped for an overflow takes the speculative results back. After a step that clipped or was skipped,
 the next one does not speculate (clipping comes in runs, early in training).
 
-Under loss scaling (a GradScaler driving ``step()``), the hand-offs during backward need released
-gradients (``release_grads``, the default with ``max_grad_norm``): the scaler looks for overflow in
-every ``.grad``, so a released block's overflow is written into a stand-in gradient at the end of
-backward (a zero gradient, with one non-finite element if a released block overflowed, on the
-smallest released parameter), which the scaler's check sees as torch's would see the overflow itself.
-With kept gradients, or once the loop has called ``GradScaler.unscale_()`` (which unscales ``.grad``
-in place, so released gradients would miss it), the blocks wait for ``step()``.
+Under loss scaling (a GradScaler driving ``step()``) the hand-offs go on. The scaler looks for
+overflow in every ``.grad``: a released block's overflow is written into a stand-in gradient at the
+end of backward (a zero gradient, with one non-finite element if a released block overflowed, on the
+smallest released parameter), which the scaler's check sees as torch's would see the overflow itself;
+kept gradients, which that check rewrites in place (times 1), are compared by content, not version,
+at ``step()``. Once the loop calls ``GradScaler.unscale_()`` (which unscales ``.grad`` in place, so
+released gradients would miss it and kept ones would be updated again), the blocks wait for ``step()``.
 
 The loop's own clipping (``torch.nn.utils.clip_grad_norm_`` between backward and step, as transformers'
 Trainer, accelerate and Lightning do it) is exact: unless the optimizer clips itself (``max_grad_norm``)

@@ -180,14 +180,13 @@ class Engine:
     def early_handoff(self) -> bool:
         """On CUDA after the first step: each block's gradients leave the GPU during backward; the
         updates wait for step(), or run speculatively beside the state and are checked there. Under
-        loss scaling only where the gradients are released (``release_grads``): a GradScaler's
-        overflow check then sees a released block's overflow through a stand-in gradient (see
-        GradientIntake.handed_off), and only while the loop leaves the unscaling to step() (no
-        ``GradScaler.unscale_()``, which works on ``.grad`` in place); kept gradients are rewritten in
-        place by the scaler's check, which step() would take for a change by the loop, so their
-        blocks stay on the GPU until step()."""
+        loss scaling a GradScaler's overflow check sees a released block's overflow through a
+        stand-in gradient (see GradientIntake.handed_off), and kept gradients are compared by content
+        at step() (the check rewrites them in place, unchanged); only while the loop leaves the unscaling to step():
+        ``GradScaler.unscale_()`` changes ``.grad`` in place, which released gradients would miss and
+        kept ones would then be updated again from."""
         return (self.store.cuda and self.settings.overlap and (self.steps > 0 or self.bound_early)
-                and (not self.loss_scaling or (self.settings.release_grads and not self.unscaled_in_place)))
+                and not (self.loss_scaling and self.unscaled_in_place))
 
     def speculation_allowed(self) -> bool:
         """Whether the next backward may speculate: clipping on CUDA, and the last step did not clip."""

@@ -79,6 +79,7 @@ class GradientIntake:
         self._released = []  # blocks released under loss scaling since the last overflow merge
         self._merge_queued = False
         self.released_scaled = False  # gradients released under loss scaling in this step
+        self._prints = {}  # block -> fingerprints of its kept gradients at the hand-off (loss scaling)
         self._norm = None  # this step's global gradient norm, once computed
         self._chain = []  # max_norm of each clip_grad_norm_ call on this step's gradients
         self._prehooks = []  # while clips are pending: hooks that apply them before more gradients
@@ -135,7 +136,9 @@ class GradientIntake:
         norm is taken now (``.grad`` is released); otherwise the caller keeps ``.grad`` and its
         identity and version are noted, so that step() can tell whether the caller changed it.
         ``scaled`` (a GradScaler drives the steps): released blocks' overflow is merged into a
-        stand-in gradient when the backward ends (:func:`overflow_stand_in`)."""
+        stand-in gradient when the backward ends (:func:`overflow_stand_in`); kept gradients are
+        fingerprinted, since the scaler's overflow check rewrites them in place (times 1: the same
+        values, a new version) and only their content tells whether the loop changed them."""
         if self.settings.release_grads:
             if pairs:
                 self._sq_parts[b] = sq_norm([g for _, g in pairs])
@@ -153,6 +156,36 @@ class GradientIntake:
             if p.grad is not None:
                 g = local(p.grad)
                 self._handed[id(p)] = (g, g._version)
+        if scaled and self.store.cuda:
+            grads = self._kept(b)
+            if grads is not None:
+                self._prints[b] = self._fingerprint(grads)
+
+    def _kept(self, b):
+        """Block b's kept gradients (local shards), or None if one of them is not dense."""
+        grads = [local(p.grad) for p in self.plan.blocks[b] if p.grad is not None]
+        return grads if all(dense(g) and g.is_contiguous() for g in grads) else None
+
+    def _fingerprint(self, grads):
+        """The gradients' fingerprints (a device int64 tensor), enqueued on the current stream."""
+        device = self.store.device
+        out = torch.empty(len(grads), dtype=torch.int64, device=device)
+        native().cuda_fingerprint_spans([(g.data_ptr(), g.numel() * g.element_size()) for g in grads],
+                                        out.data_ptr(), device.index, torch.cuda.current_stream(device).cuda_stream)
+        return out
+
+    def _rewritten(self, blocks) -> set:
+        """Of these blocks, whose kept gradients have the same identity but new versions since their
+        hand-off, those whose content changed (one synchronisation for all)."""
+        checked, flags = [], []
+        for b in blocks:
+            grads = self._kept(b)
+            if grads is None or len(grads) != self._prints[b].numel():
+                continue
+            checked.append(b)
+            flags.append((self._fingerprint(grads) != self._prints[b]).any())
+        same = {b for b, f in zip(checked, torch.stack(flags).tolist()) if not f} if flags else set()
+        return set(blocks) - same
 
     def merge_overflow(self) -> None:
         """The end of a backward under loss scaling: the overflow of the blocks released since the
@@ -168,7 +201,7 @@ class GradientIntake:
         the gradients' identity and version counters), or replaced their parameters' storage (which the
         staged weight copies would write; ``staged(b)``: the weights a block's pass writes). Parameters
         moved to another device or dtype are refused."""
-        out = set()
+        out, versions = set(), []
         rt, phases = self.rt, native().BlockPhase
         release = self.settings.release_grads
         for b in (*rt.in_phase(phases.held), *rt.in_phase(phases.speculated)):
@@ -185,12 +218,19 @@ class GradientIntake:
                 continue
             if release:
                 continue
+            moved = False  # a version moved, nothing else
             for p in self.plan.blocks[b]:
                 seen, g = self._handed.get(id(p)), (local(p.grad) if p.grad is not None else None)
-                if (seen is None) != (g is None) or (g is not None and (g is not seen[0] or g._version != seen[1])):
+                if (seen is None) != (g is None) or (g is not None and g is not seen[0]):
                     out.add(b)
                     break
-        return out
+                moved = moved or (g is not None and g._version != seen[1])
+            else:
+                if moved and b in self._prints:
+                    versions.append(b)
+                elif moved:
+                    out.add(b)
+        return out | (self._rewritten(versions) if versions else set())
 
     # -- the global norm and clipping -------------------------------------------------------------------
 
@@ -287,6 +327,7 @@ class GradientIntake:
         self._sq_parts = {}
         self._handed = {}
         self._released = []
+        self._prints = {}
         self.released_scaled = False
         self._merge_queued = False  # (a backward that failed before its end never ran the merge)
         self._chain = []
