@@ -7,8 +7,8 @@ gradients were rescaled after they were handed off are updated again from the re
 
 What these helpers add is the fast path: the loop's clipping goes to
 :meth:`HybridAdamW.clip_grad_norm_`, which returns the true norm (for the logs) and applies the clip
-factor inside the update instead of rescaling ``.grad``, so the updates that started during backward
-are kept. Each uses the library's own extension point:
+factor inside the update instead of rescaling ``.grad`` (nor unscaling it, under fp16 loss scaling),
+so the updates that started during backward are kept. Each uses the library's own extension point:
 
 * accelerate: :func:`route_clipping` (``accelerator.clip_grad_norm_`` of one Accelerator);
 * transformers: :class:`HybridTrainer` (a ``Trainer`` whose ``create_optimizer`` builds HybridAdamW
@@ -33,10 +33,13 @@ def _unwrap(optimizer):
 
 def route_clipping(accelerator, optimizer):
     """Routes ``accelerator.clip_grad_norm_(parameters, max_norm)`` to
-    ``HybridAdamW.clip_grad_norm_`` when every parameter with a gradient is one of the optimizer's
-    (after ``accelerator.unscale_gradients()``, as accelerate does); other calls go to accelerate's
-    own. ``optimizer``: the HybridAdamW (or a wrapper of it), or a callable returning it when called
-    (for loops that create the optimizer after the accelerator). Returns the accelerator."""
+    ``HybridAdamW.clip_grad_norm_`` when every parameter with a gradient is one of the optimizer's;
+    other calls go to accelerate's own. Under fp16 loss scaling the gradients are not unscaled in
+    place first (accelerate's own clipping calls ``scaler.unscale_``): HybridAdamW takes the scale out
+    inside its step, where the clip sees the unscaled norm, so the hand-offs during backward stand;
+    the norm returned is the unscaled one, as accelerate's. ``optimizer``: the HybridAdamW (or a
+    wrapper of it), or a callable returning it when called (for loops that create the optimizer
+    after the accelerator). Returns the accelerator."""
     original = accelerator.clip_grad_norm_
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2):
@@ -45,8 +48,11 @@ def route_clipping(accelerator, optimizer):
         if opt is not None and float(norm_type) == 2.0:
             mine = {id(p) for g in opt.param_groups for p in g["params"]}
             if all(id(p) in mine or p.grad is None for p in params):
-                accelerator.unscale_gradients()
-                return opt.clip_grad_norm_(max_norm)
+                norm = opt.clip_grad_norm_(max_norm)
+                scaler = getattr(accelerator, "scaler", None)
+                if scaler is not None and scaler.is_enabled():  # the gradients are still scaled
+                    norm = norm / scaler.get_scale()
+                return norm
         return original(params, max_norm, norm_type=norm_type)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_

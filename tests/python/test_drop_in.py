@@ -298,6 +298,7 @@ def accelerate_runs(tmp_path, cpu=True, mixed_precision="no"):
             if i == 2:
                 acc.save_state(str(tmp_path / mode))
         results[mode] = (model, losses, norms)
+        results[mode + "_opt"] = opt.optimizer if hasattr(opt, "optimizer") else opt
         if mode != "torch":  # resume through accelerate's own checkpoint, with a fresh optimizer
             torch.manual_seed(1)
             model2 = LlamaModel(CFG)

@@ -98,6 +98,24 @@ def test_accelerate_on_the_gpu(tmp_path):
                                    rtol=1e-3, atol=0, msg=mode)
 
 
+def test_accelerate_fp16_on_the_gpu(tmp_path):
+    # fp16 mixed precision: accelerate's GradScaler. Its own clipping unscales .grad in place first
+    # (HybridAdamW then keeps the gradients to step()); the routed clipping leaves the scale to
+    # HybridAdamW's step and keeps the hand-offs. Both follow torch's AdamW, with the unscaled norms.
+    results = accelerate_runs(tmp_path, cpu=False, mixed_precision="fp16")
+    ref_model, ref_losses, ref_norms = results["torch"]
+    for mode in ("plain", "routed"):
+        model, losses, norms = results[mode]
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-2, atol=0, msg=mode)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-3, atol=0, msg=mode)
+        assert_same_training(model, ref_model, losses, ref_losses, 2e-2)
+        torch.testing.assert_close(torch.tensor(results[mode + "_resumed"]), torch.tensor(losses[3:]),
+                                   rtol=1e-3, atol=0, msg=mode)
+    plain, routed = results["plain_opt"], results["routed_opt"]
+    assert plain._engine.unscaled_in_place and not routed._engine.unscaled_in_place
+    assert routed._engine.steps > 0 and routed._engine.early_handoff()
+
+
 def test_lightning_on_the_gpu():
     ref, _ = lightning_run(lambda net: torch.optim.AdamW(net.parameters(), lr=LR, foreach=False), False, 0.5,
                            accelerator="gpu", precision="bf16-mixed")
