@@ -228,7 +228,7 @@ class TokenDataset(torch.utils.data.Dataset):
 
 
 def trainer_run(out, optimizer=None, cls=None, resume=None, max_steps=6, cpu=True, bf16=False, cast=None,
-                **trainer_kwargs):
+                fp16=False, **trainer_kwargs):
     """transformers' Trainer on a tiny Llama built on the CPU; ``optimizer(model)`` is built before
     the Trainer moves the model (and before ``cast``, a dtype applied after it)."""
     transformers = pytest.importorskip("transformers")
@@ -236,7 +236,7 @@ def trainer_run(out, optimizer=None, cls=None, resume=None, max_steps=6, cpu=Tru
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=LR,
         max_grad_norm=0.05, logging_steps=1, save_strategy="steps", save_steps=3, report_to="none",
-        use_cpu=cpu, bf16=bf16, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        use_cpu=cpu, bf16=bf16, fp16=fp16, seed=0, dataloader_num_workers=0, disable_tqdm=True)
     opt = optimizer(model) if optimizer is not None else None
     if cast is not None:
         model.to(cast)

@@ -85,6 +85,23 @@ def test_trainer_on_the_gpu(tmp_path):
             torch.testing.assert_close(torch.tensor(resumed[-3:]), torch.tensor(losses[3:]), rtol=tol, atol=0)
 
 
+def test_trainer_fp16_on_the_gpu(tmp_path):
+    # TrainingArguments(fp16=True): accelerate's GradScaler; HybridTrainer's routed clipping keeps the
+    # gradients scaled and the hand-offs going. Losses, logged norms and a resume as torch's AdamW.
+    from hytrain.integrations import HybridTrainer
+
+    _, _, ref_losses, ref_norms = trainer_run(tmp_path / "torch16", cpu=False, fp16=True)
+    model, trainer, losses, norms = trainer_run(tmp_path / "routed16", cpu=False, fp16=True, cls=HybridTrainer,
+                                                hybrid_kwargs=dict(workers=2))
+    opt = trainer.optimizer.optimizer
+    assert opt._engine.loss_scaling and not opt._engine.unscaled_in_place and opt._engine.early_handoff()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-2, atol=0)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=5e-2, atol=0)
+    _, _, resumed, _ = trainer_run(tmp_path / "routed16", cpu=False, fp16=True, cls=HybridTrainer,
+                                   hybrid_kwargs=dict(workers=2), resume=str(tmp_path / "routed16" / "checkpoint-3"))
+    torch.testing.assert_close(torch.tensor(resumed[-3:]), torch.tensor(losses[3:]), rtol=1e-2, atol=0)
+
+
 def test_accelerate_on_the_gpu(tmp_path):
     results = accelerate_runs(tmp_path, cpu=False, mixed_precision="bf16")
     ref_model, ref_losses, ref_norms = results["torch"]
