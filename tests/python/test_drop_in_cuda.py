@@ -66,6 +66,15 @@ def test_plain_loop_model_moved_to_cuda_after_construction(weights, clip, k):
         assert opt.last_grad_norm is None or opt.last_grad_norm > 0
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """accelerate keeps one AcceleratorState per process (its mixed precision included): each test
+    starts without one."""
+    yield
+    state = pytest.importorskip("accelerate.state")
+    state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def test_trainer_on_the_gpu(tmp_path):
     from hytrain.integrations import HybridTrainer
 
