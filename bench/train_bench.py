@@ -206,7 +206,8 @@ def run_mode(args):
             gpu_memory_limit=int(cap * 1e9) if cap is not None else None, trace=args.trace is not None,
             **({"host_memory_limit": int(args.host_limit_gb * 1e9)} if args.host_limit_gb else {}),
             **({"fence": False} if mode == "hytrain_nofence" else {}),
-            **({"watch_writes": False} if mode == "hytrain_nowatch" else {}), state_format=state_format)
+            **({"watch_writes": False} if mode == "hytrain_nowatch" else {}), state_format=state_format,
+            **({"release_grads": False} if args.keep_grads else {}))
     elif mode == "deepspeed_offload":
         import deepspeed
 
@@ -274,6 +275,7 @@ def run_mode(args):
            "warmup": warmup, "iter_times_s": [round(t, 4) for t in times]}
     if scaler is not None:
         rec["loss_scale"] = scaler.get_scale()
+    rec["kept_grads"] = bool(args.keep_grads) if mode.startswith("hytrain") else None
     if mode.startswith("hytrain"):
         stats = opt.schedule_stats()
         rec.update(speculative_from=stats.get("speculative_from"), speculation=dict(opt.speculation_counts),
@@ -309,6 +311,8 @@ def child(mode, workload, args, cap=None, trace=None, label=None):
         cmd += ["--host-limit-gb", str(args.host_limit_gb)]
     if args.no_profile:
         cmd.append("--no-profile")
+    if args.keep_grads:
+        cmd.append("--keep-grads")
     env = dict(os.environ)
     if mode == "deepspeed_offload":
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
@@ -359,6 +363,8 @@ def main():
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled iterations (gpu_idle_frac)")
     ap.add_argument("--skip-nocap", action="store_true", help="with --cap-gb, skip the extra uncapped hytrain_auto run")
     ap.add_argument("--trace", default=None, help="Chrome trace of the last L7B hytrain_auto iterations")
+    ap.add_argument("--keep-grads", action="store_true",
+                    help="hytrain keeps .grad until step() (release_grads=False), as a loop that reads them")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
