@@ -200,7 +200,7 @@ def run_mode(args):
 
         mode, state_format = split_mode(mode)
         opt = hytrain.HybridAdamW(
-            model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
+            model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=None if args.keep_grads else CLIP, model=model,
             gpu_blocks="auto" if mode in ("hytrain_auto", "hytrain_nospec", "hytrain_nofence", "hytrain_nowatch") else 0,
             overlap=mode != "hytrain_no_overlap", speculate=False if mode == "hytrain_nospec" else "auto",
             gpu_memory_limit=int(cap * 1e9) if cap is not None else None, trace=args.trace is not None,
@@ -229,6 +229,8 @@ def run_mode(args):
             loss = loss_fn(x)
         if scaler is not None:
             scaler.scale(loss).backward()
+            if args.keep_grads:
+                opt.clip_grad_norm_(CLIP)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
@@ -236,6 +238,8 @@ def run_mode(args):
         loss.backward()
         if mode == "torch_gpu":
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        elif args.keep_grads and mode.startswith("hytrain"):  # the loop clips, through the optimizer
+            opt.clip_grad_norm_(CLIP)
         opt.step()
         opt.zero_grad()
 
@@ -364,7 +368,8 @@ def main():
     ap.add_argument("--skip-nocap", action="store_true", help="with --cap-gb, skip the extra uncapped hytrain_auto run")
     ap.add_argument("--trace", default=None, help="Chrome trace of the last L7B hytrain_auto iterations")
     ap.add_argument("--keep-grads", action="store_true",
-                    help="hytrain keeps .grad until step() (release_grads=False), as a loop that reads them")
+                    help="hytrain keeps .grad until step() (release_grads=False) and the loop clips "
+                         "(opt.clip_grad_norm_), as a loop that reads the gradients")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
