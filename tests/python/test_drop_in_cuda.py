@@ -156,3 +156,19 @@ def test_lightning_on_the_gpu():
     assert trainer.callback_metrics["grad_norm"] > 0.5
     for (n, a), b in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=n)
+
+
+def test_lightning_fp16_on_the_gpu():
+    # precision="16-mixed": Lightning's GradScaler, which leaves the unscaling to HybridAdamW's step
+    # (it takes the scale itself); HybridClipping clips inside the step: the hand-offs stand, the
+    # kept gradients compared by content. The weights follow torch's AdamW's (Lightning unscales
+    # and clips for it).
+    ref, _ = lightning_run(lambda net: torch.optim.AdamW(net.parameters(), lr=LR, foreach=False), False, 0.5,
+                           accelerator="gpu", precision="16-mixed")
+    hybrid = lambda net: hytrain.HybridAdamW(net.parameters(), lr=LR, model=net, workers=2)  # noqa: E731
+    net, trainer = lightning_run(hybrid, True, 0.5, accelerator="gpu", precision="16-mixed")
+    opt = trainer.optimizers[0]
+    opt = getattr(opt, "optimizer", opt)
+    assert opt._engine.loss_scaling and not opt._engine.unscaled_in_place and opt._engine.early_handoff()
+    for (n, a), b in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2, msg=n)
