@@ -52,11 +52,12 @@ class DeviceGuard {
 
 // Blocks for a grid that strides over `work_items`: as many as the device holds at once, at most one
 // per item, at least one. Call with the device current.
+// (Two attribute queries: cheap enough for a launch during backward, unlike cudaGetDeviceProperties.)
 inline int persistent_grid(int device, int threads_per_block, int64_t work_items) {
-  cudaDeviceProp prop{};
-  HYTRAIN_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  const int64_t resident = static_cast<int64_t>(prop.multiProcessorCount) *
-                           (prop.maxThreadsPerMultiProcessor / threads_per_block);
+  int sms = 0, threads = 0;
+  HYTRAIN_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  HYTRAIN_CUDA_CHECK(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerMultiProcessor, device));
+  const int64_t resident = static_cast<int64_t>(sms) * (threads / threads_per_block);
   return static_cast<int>(std::max<int64_t>(1, std::min(work_items, resident)));
 }
 

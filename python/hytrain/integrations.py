@@ -48,11 +48,9 @@ def route_clipping(accelerator, optimizer):
         if opt is not None and float(norm_type) == 2.0:
             mine = {id(p) for g in opt.param_groups for p in g["params"]}
             if all(id(p) in mine or p.grad is None for p in params):
-                norm = opt.clip_grad_norm_(max_norm)
                 scaler = getattr(accelerator, "scaler", None)
-                if scaler is not None and scaler.is_enabled():  # the gradients are still scaled
-                    norm = norm / scaler.get_scale()
-                return norm
+                scaled = scaler is not None and scaler.is_enabled()  # the gradients are still scaled
+                return opt.clip_grad_norm_(max_norm, loss_scale=scaler.get_scale() if scaled else None)
         return original(params, max_norm, norm_type=norm_type)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
@@ -118,12 +116,11 @@ class HybridClipping:
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         opt = _unwrap(optimizer)
         if opt is not None and gradient_clip_val and gradient_clip_algorithm in (None, "norm"):
-            norm = opt.clip_grad_norm_(float(gradient_clip_val))
             # Under fp16 loss scaling the gradients are still scaled here (HybridAdamW unscales inside
-            # its step, where the clip takes the scale into account): log the unscaled norm.
+            # its step): the clip and the norm logged are of the unscaled gradients.
             scaler = getattr(getattr(self.trainer, "precision_plugin", None), "scaler", None)
-            if scaler is not None and scaler.is_enabled():
-                norm = norm / scaler.get_scale()
+            scaled = scaler is not None and scaler.is_enabled()
+            norm = opt.clip_grad_norm_(float(gradient_clip_val), loss_scale=scaler.get_scale() if scaled else None)
             self.log("grad_norm", norm, on_step=True, prog_bar=False, logger=True)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val=gradient_clip_val,

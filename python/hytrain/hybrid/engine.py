@@ -13,6 +13,7 @@ and the model's forward hooks, which wait for each block just before it is used.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 
 import torch
@@ -102,7 +103,7 @@ class Engine:
             for p in pending or ():
                 del self._state[p]
             k, later = self.planner.initial_k(store.host_floor(), self.shard_group, defer=not pending,
-                                              early=early)
+                                              early=early, kept=self.unscaled_in_place)
             store.create(self.groups, k, later)
             self.loss_scaling = any(p.dtype == torch.float16 for p in self.plan.params)
             self.timeline = Timeline(store.device if store.cuda else None) if s.trace else None
@@ -266,6 +267,8 @@ class Engine:
         was, with nothing in flight."""
         rt, intake, launcher, store = self.rt, self.intake, self.launcher, self.store
         try:
+            if found_inf is not None and grad_scale is None:  # the loop unscaled .grad in place
+                self.unscaled_in_place = True  # (before bind: the first step plans for kept gradients)
             if not self.bound:
                 self.bind()
             if found_inf is not None and self.shard_group is not None:  # skipped on all ranks or none
@@ -277,15 +280,17 @@ class Engine:
                                        "overlapping backward; create the optimizer with loss scaling in use "
                                        "from the first step")
                 self.loss_scaling = True
-            if found_inf is not None and grad_scale is None:  # the loop unscaled .grad in place
-                self.unscaled_in_place = True
-                if intake.released_scaled:
-                    self.drop_held()
-                    raise RuntimeError(
-                        "GradScaler.unscale_() was called on gradients that HybridAdamW had already released "
-                        "during backward (release_grads=True): they missed the unscaling, so this step is not "
-                        "taken (nothing changed). From now on the gradients are kept until step(), as unscale_ "
-                        "needs; a loop that calls unscale_ before every step() keeps them from its first step")
+            if self.unscaled_in_place and intake.released_scaled and grad_scale is None:
+                # Released during this backward, before the loop first unscaled in place: those
+                # gradients missed the unscaling. The step is skipped, as for an overflow.
+                self.drop_held()
+                self.last_clipped = True
+                warnings.warn(
+                    "GradScaler.unscale_() was called on gradients that HybridAdamW had already released "
+                    "during backward (release_grads=True): they missed the unscaling, so this step was skipped "
+                    "(nothing changed). From now on the gradients are kept until step(), as unscale_ needs.",
+                    RuntimeWarning, stacklevel=4)
+                return
             if found_inf is not None and float(found_inf) != 0.0:
                 self.drop_held()
                 self.last_clipped = True  # the scale backs off: the next backward does not speculate

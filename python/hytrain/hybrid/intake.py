@@ -54,7 +54,8 @@ def overflow_stand_in(params, parts) -> torch.nn.Parameter | None:
         bad = torch.stack([torch.as_tensor(x).double() for x in parts]).sum().isfinite().logical_not()
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        local(p.grad).view(-1)[:1].masked_fill_(bad.to(local(p).device), float("inf"))
+        g = local(p.grad)
+        g[(0,) * g.dim()].masked_fill_(bad.to(g.device), float("inf"))  # a view of element 0, any layout
     return p
 
 
@@ -82,6 +83,7 @@ class GradientIntake:
         self._prints = {}  # block -> fingerprints of its kept gradients at the hand-off (loss scaling)
         self._norm = None  # this step's global gradient norm, once computed
         self._chain = []  # max_norm of each clip_grad_norm_ call on this step's gradients
+        self._clip_scale = 1.0  # the loss scale those calls said the gradients carry
         self._prehooks = []  # while clips are pending: hooks that apply them before more gradients
         ref = weakref.ref(self)
         # (A parameter frozen with its gradient still there has no hook: its block's gradients are
@@ -162,9 +164,10 @@ class GradientIntake:
                 self._prints[b] = self._fingerprint(grads)
 
     def _kept(self, b):
-        """Block b's kept gradients (local shards), or None if one of them is not dense."""
+        """Block b's kept gradients (local shards), or None if one of them does not fill one span of
+        memory (a dense one is fingerprinted over that span, element order as laid out)."""
         grads = [local(p.grad) for p in self.plan.blocks[b] if p.grad is not None]
-        return grads if all(dense(g) and g.is_contiguous() for g in grads) else None
+        return grads if all(dense(g) for g in grads) else None
 
     def _fingerprint(self, grads):
         """The gradients' fingerprints (a device int64 tensor), enqueued on the current stream."""
@@ -287,11 +290,13 @@ class GradientIntake:
             return inv * self._chain_coef(total)
         return inv * min(1.0, self.settings.max_grad_norm / (total + 1e-6))
 
-    def clip(self, max_norm, error_if_nonfinite) -> float:
-        """A clip asked for (see HybridAdamW.clip_grad_norm_): returns the norm before it."""
+    def clip(self, max_norm, error_if_nonfinite, scale=1.0) -> float:
+        """A clip asked for (see HybridAdamW.clip_grad_norm_): returns the norm before it, of the
+        gradients divided by ``scale`` (a GradScaler's: the clip is of the unscaled gradients)."""
         self._norm = None  # gradients may have been added or changed since the last call
+        self._clip_scale = scale
         total = self.global_norm()
-        total = 0.0 if total is None else total
+        total = 0.0 if total is None else total / scale
         total *= self._chain_coef(total)  # clips asked for earlier on these same gradients
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"the total norm of the gradients is {total}: non-finite, so it cannot be clipped")
@@ -309,6 +314,7 @@ class GradientIntake:
             return
         self._norm = None
         norm = self.global_norm()
+        norm = None if norm is None else norm / self._clip_scale  # the clips are of unscaled norms
         coef = self._chain_coef(norm) if norm is not None and math.isfinite(norm) else 1.0
         self._chain = []
         self._norm = None
@@ -331,4 +337,5 @@ class GradientIntake:
         self.released_scaled = False
         self._merge_queued = False  # (a backward that failed before its end never ran the merge)
         self._chain = []
+        self._clip_scale = 1.0
         self._norm = None

@@ -176,7 +176,7 @@ class HybridAdamW(torch.optim.Optimizer):
 
     # -- the step -------------------------------------------------------------------------------------
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, *, loss_scale=None):
         """Clips the gradients to a global 2-norm of ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` would, and returns the norm before
         clipping (a 0-d tensor), computed on the gradients of now at every call. The factor is
@@ -186,12 +186,16 @@ class HybridAdamW(torch.optim.Optimizer):
         factor is applied to ``.grad`` first, as torch's in-place clip would have been. The
         integrations in :mod:`hytrain.integrations` route the training loops' clipping here.
         ``max_norm=inf`` only measures the norm. ``foreach`` is accepted for signature
-        compatibility and ignored."""
+        compatibility and ignored. ``loss_scale``: the gradients are still scaled by this (a
+        GradScaler's ``get_scale()``, which leaves the unscaling to this optimizer's step): the norm
+        returned and clipped is that of the unscaled gradients, as after ``scaler.unscale_``, without
+        rewriting ``.grad`` (which keeps the hand-offs under loss scaling)."""
         if not (isinstance(max_norm, (int, float)) and math.isinf(max_norm) and max_norm > 0):
             max_norm = _checks.real("max_norm", max_norm, lo=0.0, lo_open=True)  # inf: the norm only
         if float(norm_type) != 2.0:
             raise ValueError(f"HybridAdamW.clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
-        return torch.tensor(self._engine.intake.clip(max_norm, error_if_nonfinite))
+        scale = 1.0 if loss_scale is None else _checks.real("loss_scale", loss_scale, lo=0.0, lo_open=True)
+        return torch.tensor(self._engine.intake.clip(max_norm, error_if_nonfinite, scale))
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -77,7 +77,7 @@ class Planner:
         self._first_samples = []  # (block, GPU bytes in use) as each block completed in the first backward
         self.first_k = None  # (k, later) of the first step (initial_k)
 
-    def initial_k(self, floor, shard_group, *, defer=False, early=False) -> tuple[int, int]:
+    def initial_k(self, floor, shard_group, *, defer=False, early=False, kept=False) -> tuple[int, int]:
         """(k, later) for the state about to be created, at the first step, before any block has
         been measured. Fixed k: the k asked for, twice. Auto: k, the leading blocks the GPU holds
         now, while this step's gradients are all still allocated; and ``later`` >= k, as many as it
@@ -86,7 +86,8 @@ class Planner:
         measured); with it, blocks k..later-1 get their states on the GPU in the first step, once
         the gradients of the others are released, and none on the host. Never below the host's
         ``floor``; a floor the GPU cannot hold is refused here, before anything is allocated, naming
-        the bytes on each side.
+        the bytes on each side. ``kept``: the gradients stay until step() whatever the settings (the
+        loop unscales them in place).
         ``early``: made during the first backward (:meth:`first_backward`), before anything is
         measured: k is the floor, and the scheduler moves it from there."""
         store, s = self.store, self.settings
@@ -115,7 +116,7 @@ class Planner:
                 raise store.gpu_refusal(floor, free)
             self.first_k = (floor, floor)
             return self.first_k
-        released = s.release_grads and s.overlap
+        released = s.release_grads and s.overlap and not kept
         peak = self._steady_peak(peak, released=released)
         margin = (1 << 30) + limit // 20  # the scheduler's margin (_budget)
         # Beside the memory the next iterations use apart from the states, with the margin; and now,
