@@ -3,6 +3,7 @@
 // additions does not change the result.
 #include <algorithm>
 
+#include "block_sum.cuh"
 #include "cuda_check.h"
 #include "hytrain/cuda_fingerprint.h"
 #include "hytrain/error.h"
@@ -59,14 +60,8 @@ __device__ __forceinline__ void chunk_fingerprint(const Desc d, int64_t start, u
   if ((d.bytes % 2) && words >= start && words < start + kChunk && threadIdx.x == 0) {
     acc += fingerprint_mix(words, d.data[d.bytes - 1]);
   }
-  shared[threadIdx.x] = acc;
-  __syncthreads();
-#pragma unroll
-  for (int s = kThreads / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) shared[threadIdx.x] += shared[threadIdx.x + s];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) atomicAdd(out, shared[0]);
+  const unsigned long long total = block_tree_sum<unsigned long long, kThreads>(acc, shared);
+  if (threadIdx.x == 0) atomicAdd(out, total);
   __syncthreads();  // shared[] is reused by the next chunk
 }
 

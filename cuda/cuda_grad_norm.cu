@@ -4,6 +4,7 @@
 // folds the partials in a fixed order (in double) and adds the total to the caller's fp32 scalar.
 #include <algorithm>
 
+#include "block_sum.cuh"
 #include "cuda_check.h"
 #include "dtype_convert.cuh"
 #include "hytrain/cuda_grad_norm.h"
@@ -71,18 +72,6 @@ __device__ float thread_sum(const Desc& t, int64_t start, int64_t end, bool& bad
   }
   for (int64_t j = i + threadIdx.x; j < end; j += kThreads) add_square(load<D>(t.data, j), acc, bad);
   return acc;
-}
-
-template <class T, int N>
-__device__ __forceinline__ T block_tree_sum(T v, T* shared) {
-  shared[threadIdx.x] = v;
-  __syncthreads();
-#pragma unroll
-  for (int s = N / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) shared[threadIdx.x] += shared[threadIdx.x + s];
-    __syncthreads();
-  }
-  return shared[0];
 }
 
 __global__ void __launch_bounds__(kThreads)

@@ -51,7 +51,7 @@ def overflow_stand_in(params, parts) -> torch.nn.Parameter | None:
         return None
     p = min(ps, key=lambda q: local(q).numel())
     with torch._C.DisableTorchFunction():  # the optimizer's own write: not an operation of the loop's
-        bad = torch.stack([torch.as_tensor(x).double() for x in parts]).sum().isfinite().logical_not()
+        bad = torch.stack(parts).sum().isfinite().logical_not()
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         g = local(p.grad)
