@@ -154,18 +154,18 @@ def test_the_intake_norm_and_chained_clips():
     assert intake.global_norm() == pytest.approx(norm)
     assert intake.clip(norm / 2, False) == pytest.approx(norm)
     assert intake.clip(norm / 4, False) == pytest.approx(norm / 2, rel=1e-5)  # the norm after the first clip
-    assert intake.multiplier(None) == pytest.approx(0.25, rel=1e-5) and intake.last_grad_norm == pytest.approx(norm)
+    assert intake.multiplier() == pytest.approx(0.25, rel=1e-5) and intake.last_grad_norm == pytest.approx(norm)
     intake.apply_pending_clips()  # more gradients are coming: the clips go into .grad
     torch.testing.assert_close(params[0].grad, grads[0] * 0.25, rtol=1e-5, atol=1e-6)
     intake.end_step()
-    assert intake.multiplier(2.0) == 0.5  # no clip asked for: the loss scale only
+    assert intake.multiplier(0.5) == 0.5  # no clip asked for: the loss scale only
     # The same clips on gradients still scaled by 8 (a GradScaler leaving the unscaling to the step):
     # the norms, the factor applied to .grad and the step's multiplier are those of the unscaled ones.
     for p, g in zip(params, grads):
         p.grad = g * 8.0
     assert intake.clip(norm / 2, False, 8.0) == pytest.approx(norm)
     assert intake.clip(norm / 4, False, 8.0) == pytest.approx(norm / 2, rel=1e-5)
-    assert intake.multiplier(8.0) == pytest.approx(0.25 / 8.0, rel=1e-5)
+    assert intake.multiplier(1 / 8.0) == pytest.approx(0.25 / 8.0, rel=1e-5)
     intake.apply_pending_clips()
     torch.testing.assert_close(params[0].grad, grads[0] * 8.0 * 0.25, rtol=1e-5, atol=1e-6)
     intake.end_step()

@@ -296,7 +296,7 @@ class Engine:
                 self.last_clipped = True  # the scale backs off: the next backward does not speculate
                 return  # overflow: skip the step entirely, state untouched (torch's behaviour)
             inv = intake.inv_scale(grad_scale)
-            mult = intake.multiplier(grad_scale)
+            mult = intake.multiplier(inv)
             if not math.isfinite(mult):
                 self.drop_held()
                 raise RuntimeError(f"the gradient multiplier is {mult} (non-finite gradient norm)")

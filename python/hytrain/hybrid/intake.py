@@ -273,10 +273,9 @@ class GradientIntake:
         """The loss-scale unscaling of a step (1 without a GradScaler)."""
         return 1.0 if grad_scale is None else 1.0 / float(grad_scale)
 
-    def multiplier(self, grad_scale) -> float:
-        """The step's gradient multiplier: loss-scale unscaling times the clip factor (the loop's
-        clips, or ``max_grad_norm``)."""
-        inv = self.inv_scale(grad_scale)
+    def multiplier(self, inv=1.0) -> float:
+        """The step's gradient multiplier: the loss-scale unscaling ``inv`` (see :meth:`inv_scale`)
+        times the clip factor (the loop's clips, or ``max_grad_norm``)."""
         if not self._chain and self.settings.max_grad_norm is None:
             return inv
         norm = self.global_norm()
