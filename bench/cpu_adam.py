@@ -90,8 +90,12 @@ def main() -> None:
     t_ours_mixed = median_time(lambda: step_ours(g16, copy), args.repeats)
     del tp, topt, g32, m, v
 
+    # 8-bit states on each vector path this CPU runs (the arithmetic encoder and permute decoder of
+    # avx512vbmi against the table encoder of avx512), the selected one as "8bit".
+    paths = hytrain.simd_paths()
+    q8_paths = [p for p in ("avx512", "avx2") if p in paths["supported"] and p != paths["selected"]][:1]
     compact = {}
-    for fmt in ("bf16", "8bit"):
+    for fmt in ["bf16", "8bit"] + [f"8bit:{p}" for p in q8_paths]:
         if fmt == "bf16":
             cm, cv = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
         else:
@@ -102,7 +106,7 @@ def main() -> None:
             cstate["step"] += 1
             hytrain.adamw_step(hp_, g16, cm, cv, step=cstate["step"], lr=hp["lr"], betas=hp["betas"],
                                eps=hp["eps"], weight_decay=hp["weight_decay"], param_copy=copy,
-                               num_threads=threads)
+                               num_threads=threads, simd=fmt.partition(":")[2] or "auto")
 
         compact[fmt] = median_time(step_compact, args.repeats)
         del cm, cv
@@ -118,13 +122,14 @@ def main() -> None:
     rows = [("torch fp32", t_torch_fp32, 28), ("hytrain fp32", t_ours_fp32, 28),
             ("torch mixed", t_torch_mixed, 40), ("hytrain mixed", t_ours_mixed, 28),
             ("hytrain bf16 m,v", compact["bf16"], 20), ("hytrain 8-bit m,v", compact["8bit"], q8_bytes)]
+    rows += [(f"8-bit on {p}", compact[f"8bit:{p}"], q8_bytes) for p in q8_paths]
     info = hytrain.build_info()
     print(f"CPU AdamW, {n / 1e6:.0f} M params, {threads} threads, SIMD {info['simd_selected']}")
     print(f"host bandwidth: triad {bw['triad_gbps']:.1f} GB/s (native), {torch_triad:.1f} GB/s (torch); "
           f"in-place update {bw['update_gbps']:.1f} GB/s; copy {bw['copy_gbps']:.1f} GB/s")
-    print(f"{'':17s} {'ms/step':>9s} {'Gparam/s':>9s} {'GB/s':>7s} {'B/param':>8s}")
+    print(f"{'':18s} {'ms/step':>9s} {'Gparam/s':>9s} {'GB/s':>7s} {'B/param':>8s}")
     for name, t, bpp in rows:
-        print(f"{name:17s} {t * 1e3:9.2f} {n / t / 1e9:9.3f} {bpp * n / t / 1e9:7.1f} {bpp:8.2f}")
+        print(f"{name:18s} {t * 1e3:9.2f} {n / t / 1e9:9.3f} {bpp * n / t / 1e9:7.1f} {bpp:8.2f}")
 
     achieved = BYTES_PER_PARAM * n / max(t_ours_fp32, t_ours_mixed) / 1e9
     result = {
@@ -143,7 +148,10 @@ def main() -> None:
         "q8_gbps": round(q8_bytes * n / compact["8bit"] / 1e9, 1),
         "q8_fraction": round(q8_bytes * n / compact["8bit"] / 1e9 / triad, 3),
         "q8_vs_bf16_states": round(compact["bf16"] / compact["8bit"], 3),
+        "q8_gparams_per_s": round(n / compact["8bit"] / 1e9, 3),
     }
+    for p in q8_paths:  # the selected path's 8-bit rate over this one's
+        result[f"q8_vs_{p}"] = round(compact[f"8bit:{p}"] / compact["8bit"], 3)
     print(json.dumps(result))
 
 

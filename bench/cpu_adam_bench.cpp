@@ -15,7 +15,8 @@
 // write-allocate read for every such output. "bf16" and "8bit" are the mixed case with compact and
 // 8-bit states (quant8.h).
 //
-//   cpu_adam_bench [--params N] [--threads T] [--repeats R]
+//   cpu_adam_bench [--params N] [--threads T] [--repeats R] [--paths a,b] [--cases a,b]
+// --paths / --cases keep only the named SIMD paths (scalar, avx2, avx512, avx512vbmi) and cases.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -55,13 +56,20 @@ T* alloc_touch(HostAllocator& a, int64_t n, T value, int threads) {
 int main(int argc, char** argv) {
   int64_t n = 256LL << 20;
   int threads = 0, repeats = 5;
+  std::string paths, cases;  // comma-separated filters; empty keeps all
+  auto picked = [](const std::string& list, const std::string& name) {
+    return list.empty() || ("," + list + ",").find("," + name + ",") != std::string::npos;
+  };
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--params") n = std::atoll(argv[i + 1]);
     else if (k == "--threads") threads = std::atoi(argv[i + 1]);
     else if (k == "--repeats") repeats = std::atoi(argv[i + 1]);
+    else if (k == "--paths") paths = argv[i + 1];
+    else if (k == "--cases") cases = argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: %s [--params N] [--threads T] [--repeats R]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--params N] [--threads T] [--repeats R] [--paths a,b] [--cases a,b]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -92,12 +100,13 @@ int main(int argc, char** argv) {
   std::printf("CPU AdamW, %lld params, %d threads\n", static_cast<long long>(n), threads);
   std::printf("host bandwidth: copy %.1f GB/s, triad %.1f GB/s, in-place update %.1f GB/s\n\n",
               bw.copy_gbps, bw.triad_gbps, bw.update_gbps);
-  std::printf("%-8s %-7s %-10s %10s %9s %9s %9s %10s\n", "path", "case", "stores", "ms/step", "Gparam/s",
+  std::printf("%-10s %-7s %-10s %10s %9s %9s %9s %10s\n", "path", "case", "stores", "ms/step", "Gparam/s",
               "GB/s", "vs triad", "vs update");
 
   for (SimdPath path : compiled_simd_paths()) {
-    if (!cpu_supports(path)) continue;
+    if (!cpu_supports(path) || !picked(paths, simd_path_name(path))) continue;
     for (const char* kase : {"fp32", "mixed", "shared", "oop", "bf16", "8bit"}) {
+      if (!picked(cases, kase)) continue;
       const bool mixed = std::strcmp(kase, "fp32") != 0;
       const DType states = std::strcmp(kase, "bf16") == 0 ? DType::bf16
                            : std::strcmp(kase, "8bit") == 0 ? DType::q8 : DType::f32;
@@ -130,7 +139,7 @@ int main(int argc, char** argv) {
         const double s = times[times.size() / 2];
         const double gbps = bytes_per_param * n / s / 1e9;
         const char* what = plan.state ? "stream all" : plan.copy ? "stream cp" : "plain";
-        std::printf("%-8s %-7s %-10s %10.2f %9.3f %9.1f %8.2fx %9.2fx\n", simd_path_name(path), kase, what,
+        std::printf("%-10s %-7s %-10s %10.2f %9.3f %9.1f %8.2fx %9.2fx\n", simd_path_name(path), kase, what,
                     s * 1e3, n / s / 1e9, gbps, gbps / bw.triad_gbps, gbps / bw.update_gbps);
       }
     }

@@ -26,6 +26,7 @@ RangeFn range_kernel(SimdPath path) {
   switch (resolve_simd_path(path)) {
 #ifdef HYTRAIN_HAVE_AVX512
     case SimdPath::avx512: return kernels::adamw_range_avx512;
+    case SimdPath::avx512vbmi: return kernels::adamw_range_avx512vbmi;
 #endif
 #ifdef HYTRAIN_HAVE_AVX2
     case SimdPath::avx2: return kernels::adamw_range_avx2;
@@ -63,7 +64,8 @@ StreamPlan stream_plan(const AdamWTensor& t, const AdamWScalars& s, int64_t begi
 StreamPlan adamw_stream_plan(const AdamWTensor& t, const AdamWConfig& cfg, SimdPath path) {
   int lanes = 1;
   switch (resolve_simd_path(path)) {
-    case SimdPath::avx512: lanes = 16; break;
+    case SimdPath::avx512:
+    case SimdPath::avx512vbmi: lanes = 16; break;
     case SimdPath::avx2: lanes = 8; break;
     default: break;
   }
@@ -97,6 +99,8 @@ AdamWScalars make_adamw_scalars(const AdamWConfig& c, uint32_t seed) {
   s.param_decay = c.decoupled ? f(1.0 - c.lr * c.weight_decay) : 1.0f;
   s.neg_step_size = f(-c.lr / bc1);
   s.bias_correction2_sqrt = f(std::sqrt(bc2));
+  s.q8_neg_step = f(-c.lr / bc1 * std::sqrt(bc2));
+  s.q8_eps = f(c.eps * std::sqrt(bc2));
   s.grad_scale = f(c.grad_scale);
   s.sr_key = sr_key(seed, c.step);
   s.amsgrad = c.amsgrad;

@@ -12,6 +12,7 @@ struct VecAvx2 {
   static constexpr int W = 8;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static constexpr bool kStream = true;
+  static constexpr bool kBlockQ8 = false;  // 8-bit codes W at a time (decode_q8, store_q8)
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
   static void stream(float* p, F x) { _mm256_stream_ps(p, x); }  // p 32-byte aligned
   static F load_bf16(const uint16_t* p) {

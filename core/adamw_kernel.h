@@ -247,26 +247,38 @@ inline float* q8_scales(const void* codes, const AdamWTensor& t) {
   return reinterpret_cast<float*>(base + q8_codes_bytes(total)) + t.index_base / kQ8Block;
 }
 
-// Updates the kQ8Block elements at offset i of the slice (block `blk` of it): pass one dequantises
-// m and u = sqrt(v), updates m, v and p in fp32 and keeps the new m and u in L1-resident buffers with
-// their largest magnitudes; pass two quantises them against those new scales. The block is read whole
-// before any of it is written, so in place works.
+// Updates the kQ8Block elements at offset i of the slice (block `blk` of it): m and u = sqrt(v) are
+// decoded into L1-resident buffers; one pass updates m, v and p in fp32, keeping the new m and u in
+// the same buffers with their largest magnitudes; the last pass quantises them against those new
+// scales. The block is read whole before any of it is written, so in place works.
+//
+// The step divides once: p + nstep * m / (sqrt(v) / bc2s + eps) is computed as
+// p + (nstep * bc2s) * m / (sqrt(v) + eps * bc2s), the two products folded into the scalars in double
+// (AdamWScalars::q8_*), and the CUDA kernel does the same (byte-for-byte equal codes and weights).
 template <class V, DType G, bool kCopy, DType C, bool kNtP, bool kNtCopy, class Body>
 inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk, typename V::F& bad,
-                     const Q8Map& ms, const Q8Map& mu) {
+                     const Q8Map& ms, const Q8Map& mu, typename V::F nstep, typename V::F eps) {
   using F = typename V::F;
   constexpr int W = V::W;
   alignas(64) float mb[kQ8Block], vb[kQ8Block];
+  if constexpr (V::kBlockQ8) {
+    V::decode_q8_block(ms, x.m + i, x.sm[blk], mb);
+    V::decode_q8_block(mu, x.v + i, x.sv[blk], vb);
+  }
   const F sm = V::set1(x.sm[blk]), sv = V::set1(x.sv[blk]);
   F am = V::set1(0.0f), av = V::set1(0.0f);
   for (int64_t k = 0; k < kQ8Block; k += W) {
     F p = V::load(x.p + i + k);
-    F m = V::mul(V::decode_q8(ms, x.m + i + k), sm);
-    const F u = V::mul(V::decode_q8(mu, x.v + i + k), sv);
+    F m, u;
+    if constexpr (V::kBlockQ8) {
+      m = V::load(mb + k), u = V::load(vb + k);
+    } else {  // decoded in the same pass
+      m = V::mul(V::decode_q8(ms, x.m + i + k), sm), u = V::mul(V::decode_q8(mu, x.v + i + k), sv);
+    }
     F v = V::mul(u, u);
     body.moments(p, m, v, load_grad<V, G>(x.g, i + k), bad);
     const F root = V::sqrt(v);
-    p = body.apply_root(p, m, root);
+    p = V::fmadd(nstep, V::div(m, V::add(root, eps)), p);
     store_f32<V, kNtP>(x.po + i + k, p);
     if constexpr (kCopy) store_copy<V, C, kNtCopy>(x.copy, i + k, p);
     V::store(mb + k, m);
@@ -275,11 +287,16 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
     av = V::max(av, root);
   }
   const float amax_m = V::hmax(am), amax_v = V::hmax(av);
-  const F im = V::set1(amax_m > 0.0f ? 1.0f / amax_m : 0.0f);
-  const F iv = V::set1(amax_v > 0.0f ? 1.0f / amax_v : 0.0f);
-  for (int64_t k = 0; k < kQ8Block; k += W) {
-    V::store_q8(x.mo + i + k, V::mul(V::load(mb + k), im), ms);
-    V::store_q8(x.vo + i + k, V::mul(V::load(vb + k), iv), mu);
+  const float im = amax_m > 0.0f ? 1.0f / amax_m : 0.0f, iv = amax_v > 0.0f ? 1.0f / amax_v : 0.0f;
+  if constexpr (V::kBlockQ8) {
+    V::encode_q8_block(ms, mb, im, x.mo + i);
+    V::encode_q8_block(mu, vb, iv, x.vo + i);
+  } else {  // m and u interleaved: two independent table reads in flight
+    const F vim = V::set1(im), viv = V::set1(iv);
+    for (int64_t k = 0; k < kQ8Block; k += W) {
+      V::store_q8(x.mo + i + k, V::mul(V::load(mb + k), vim), ms);
+      V::store_q8(x.vo + i + k, V::mul(V::load(vb + k), viv), mu);
+    }
   }
   x.smo[blk] = amax_m;
   x.svo[blk] = amax_v;
@@ -295,6 +312,7 @@ bool adamw_range_q8(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, 
   const Q8Map& ms = q8_map(true);
   const Q8Map& mu = q8_map(false);
   F bad = V::set1(0.0f);
+  const F nstep = V::set1(s.q8_neg_step), eps = V::set1(s.q8_eps);
   const Outputs o(t);
   const Q8Slice whole{t.param, static_cast<const uint8_t*>(t.exp_avg), static_cast<const uint8_t*>(t.exp_avg_sq),
                       q8_scales(t.exp_avg, t), q8_scales(t.exp_avg_sq, t), t.grad, t.param_copy, o.po,
@@ -302,7 +320,7 @@ bool adamw_range_q8(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, 
                       q8_scales(o.vo, t)};
   int64_t i = begin;
   for (; i + kQ8Block <= end; i += kQ8Block) {
-    q8_block<V, G, kCopy, C, kNtP, kNtCopy>(body, whole, i, i / kQ8Block, bad, ms, mu);
+    q8_block<V, G, kCopy, C, kNtP, kNtCopy>(body, whole, i, i / kQ8Block, bad, ms, mu, nstep, eps);
   }
   if constexpr (kNtP || kNtCopy) V::fence();
 
@@ -320,7 +338,7 @@ bool adamw_range_q8(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, 
     std::memcpy(g, static_cast<const unsigned char*>(t.grad) + i * gsz, n * gsz);
     const AdamWBody<V, G, kCopy, C, false, DType::f32> plain(s);
     q8_block<V, G, kCopy, C, false, false>(plain, Q8Slice{p, m, v, &sm, &sv, g, copy, p, m, v, &sm, &sv}, 0, 0,
-                                           bad, ms, mu);
+                                           bad, ms, mu, nstep, eps);
     std::memcpy(o.po + i, p, n * 4);
     std::memcpy(whole.mo + i, m, n);
     std::memcpy(whole.vo + i, v, n);

@@ -12,6 +12,7 @@ struct VecScalar {
   using F = float;
   static constexpr int W = 1;
   static constexpr bool kStream = false;  // no non-temporal stores on the portable path
+  static constexpr bool kBlockQ8 = false;  // 8-bit codes one at a time (decode_q8, store_q8)
   static F load(const float* p) { return *p; }
   static void store(float* p, F x) { *p = x; }
   static F load_bf16(const uint16_t* p) { return bf16_to_f32(*p); }

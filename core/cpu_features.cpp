@@ -10,15 +10,17 @@ const char* simd_path_name(SimdPath p) {
     case SimdPath::scalar: return "scalar";
     case SimdPath::avx2: return "avx2";
     case SimdPath::avx512: return "avx512";
+    case SimdPath::avx512vbmi: return "avx512vbmi";
   }
   return "unknown";
 }
 
 SimdPath parse_simd_path(const std::string& name) {
-  for (SimdPath p : {SimdPath::automatic, SimdPath::scalar, SimdPath::avx2, SimdPath::avx512}) {
+  for (SimdPath p : {SimdPath::automatic, SimdPath::scalar, SimdPath::avx2, SimdPath::avx512,
+                     SimdPath::avx512vbmi}) {
     if (name == simd_path_name(p)) return p;
   }
-  HYTRAIN_THROW("unknown SIMD path '" + name + "' (expected auto, scalar, avx2 or avx512)");
+  HYTRAIN_THROW("unknown SIMD path '" + name + "' (expected auto, scalar, avx2, avx512 or avx512vbmi)");
 }
 
 std::vector<SimdPath> compiled_simd_paths() {
@@ -28,6 +30,7 @@ std::vector<SimdPath> compiled_simd_paths() {
 #endif
 #ifdef HYTRAIN_HAVE_AVX512
   paths.push_back(SimdPath::avx512);
+  paths.push_back(SimdPath::avx512vbmi);
 #endif
   return paths;
 }
@@ -42,6 +45,9 @@ bool cpu_supports(SimdPath p) {
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
     case SimdPath::avx512: return __builtin_cpu_supports("avx512f");
+    case SimdPath::avx512vbmi:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vbmi");
 #else
     default: return false;
 #endif

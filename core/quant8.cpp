@@ -43,6 +43,34 @@ Q8Map build(bool is_signed) {
       m.value[c] = -a[c - 128];
     }
   }
+  for (int c = 0; c < 256; ++c) {
+    for (int q = 0; q < 4; ++q) {
+      m.plane[q][c] = static_cast<uint8_t>(f32_bits(m.value[c]) >> (8 * q));
+      m.mid_plane[q][c] = static_cast<uint8_t>(f32_bits(m.mid[c]) >> (8 * q));
+    }
+  }
+  // The arithmetic encoder: per group, 1 / step and first - base / step (in double, rounded once);
+  // per binade [2^(e-127), 2^(e-126)) of a >= 2^-24, its power of ten (the next group's start) if it
+  // holds one, and the group below. Group 0 serves everything under 10^-6 (its estimate is 0 there).
+  for (int L = 0; L < 16; ++L) m.inv_step[L] = m.offset[L] = 0.0f;
+  for (int L = 0; L < 7; ++L) {
+    const int first = is_signed ? 1 << L : (1 << (L + 1)) - 1;
+    const double step = m.group[8 + L], base = m.group[L];
+    m.inv_step[L] = static_cast<float>(1.0 / step);
+    m.offset[L] = static_cast<float>(first - base / step);
+  }
+  for (int e = 0; e < 32; ++e) {
+    m.cut[e] = std::numeric_limits<float>::infinity();
+    m.lower[e] = 0;
+  }
+  for (int e = 127 - 24; e <= 127; ++e) {
+    const double lo = std::ldexp(1.0, e - 127), hi = 2 * lo;
+    int L = 0;
+    while (L < 6 && std::pow(10.0, L - 6) <= lo) ++L;  // groups L' <= L start at or below lo
+    m.lower[e & 31] = L;
+    const float ten = static_cast<float>(std::pow(10.0, L - 6));  // group L + 1's start
+    if (L < 6 && ten < hi) m.cut[e & 31] = ten;
+  }
   // Buckets: count the midpoints below each bucket's smallest float; check that no bucket holds two.
   int j = 0;
   for (int32_t b = 0; b < kQ8Buckets; ++b) {

@@ -27,6 +27,7 @@ struct Chunk {
 
 struct Scalars {
   float b2, omb1, omb2, eps, wd, pdecay, nstep, bc2s, host_scale;
+  float q8_nstep, q8_eps;  // 8-bit states divide once (adamw_kernel.h's q8_block)
   uint32_t step_key;  // sr_mix(step): each tensor's key is sr_mix(seed ^ step_key)
   bool amsgrad;
 };
@@ -244,12 +245,17 @@ __global__ void __launch_bounds__(kThreads)
         m[k] = v[k] = 0.0f;
         if (i < end) {
           const float u = __fmul_rn(q.value_u[vc[i]], sv);  // v's square root
-          Elem x{t.param[i], __fmul_rn(q.value_s[mc[i]], sm), __fmul_rn(u, u), 0.0f};
-          update(x, load_grad<G>(t.grad, i), gscale, s);
-          t.param[i] = x.p;
-          if constexpr (kW) static_cast<uint16_t*>(t.weight)[i] = narrow<WD>(x.p);
-          m[k] = x.m, v[k] = __fsqrt_rn(x.v);
-          am = fmaxf(am, fabsf(x.m)), av = fmaxf(av, v[k]);
+          float p = t.param[i], mk = __fmul_rn(q.value_s[mc[i]], sm), vk = __fmul_rn(u, u);
+          float g = __fmaf_rn(s.wd, p, __fmul_rn(load_grad<G>(t.grad, i), gscale));
+          p = __fmul_rn(p, s.pdecay);
+          mk = __fmaf_rn(s.omb1, __fsub_rn(g, mk), mk);
+          vk = __fmaf_rn(__fmul_rn(s.omb2, g), g, __fmul_rn(vk, s.b2));
+          const float root = __fsqrt_rn(vk);
+          p = __fmaf_rn(s.q8_nstep, __fdiv_rn(mk, __fadd_rn(root, s.q8_eps)), p);
+          t.param[i] = p;
+          if constexpr (kW) static_cast<uint16_t*>(t.weight)[i] = narrow<WD>(p);
+          m[k] = mk, v[k] = root;
+          am = fmaxf(am, fabsf(mk)), av = fmaxf(av, root);
         }
       }
       am = warp_max(am), av = warp_max(av);
@@ -389,7 +395,7 @@ void AdamWGroup::step(const AdamWConfig& cfg, const float* grad_scale, const flo
   const AdamWScalars a = make_adamw_scalars(cfg);
   if (num_chunks_ == 0) return;
   const Scalars s{a.beta2, a.one_minus_beta1, a.one_minus_beta2, a.eps, a.weight_decay,
-                  a.param_decay, a.neg_step_size, a.bias_correction2_sqrt, a.grad_scale,
+                  a.param_decay, a.neg_step_size, a.bias_correction2_sqrt, a.grad_scale, a.q8_neg_step, a.q8_eps,
                   sr_mix(static_cast<uint32_t>(cfg.step)), a.amsgrad};
   DeviceGuard guard(device_);
   if (state_dtype_ == DType::q8) {

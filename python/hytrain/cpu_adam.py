@@ -15,7 +15,7 @@ import torch
 from . import _checks
 from ._native import native
 
-_SIMD_NAMES = ("auto", "scalar", "avx2", "avx512")
+_SIMD_NAMES = ("auto", "scalar", "avx2", "avx512", "avx512vbmi")
 _simd_path = os.environ.get("HYTRAIN_SIMD", "auto")
 
 
@@ -31,7 +31,7 @@ def simd_paths() -> dict:
 
 
 def set_simd_path(name: str) -> None:
-    """Forces a SIMD path ("scalar", "avx2", "avx512") for every later step; "auto" picks the best.
+    """Forces a SIMD path ("scalar", "avx2", "avx512", "avx512vbmi") for every later step; "auto" picks the best.
 
     The environment variable ``HYTRAIN_SIMD`` sets the initial choice.
     """

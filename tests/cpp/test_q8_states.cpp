@@ -149,6 +149,29 @@ TEST(q8_encoder_counts_the_midpoints_below_x) {
   }
 }
 
+// The arithmetic encoder (the VBMI path's) against the binary search, for every float from 2^-25 to
+// 1.0001 (below, a is clamped to 2^-24; a few of those and NaN too): about 2 x 2.2e8 values.
+TEST(q8_arithmetic_encoder_counts_the_midpoints_below_every_float) {
+  for (bool sg : {true, false}) {
+    const Q8Map& map = q8_map(sg);
+    int64_t wrong = 0, checked = 0;
+    uint32_t first_wrong = 0;
+    const uint32_t lo = f32_bits(std::ldexp(1.0f, -25)), hi = f32_bits(1.0001f);
+    for (uint32_t b = lo; b <= hi; ++b) {
+      const float x = bits_f32(b);
+      const bool off = q8_index_estimated(map, x) != q8_magnitude_index(map.mid, x);
+      if (off && wrong++ == 0) first_wrong = b;
+      ++checked;
+    }
+    for (float x : {0.0f, 1e-30f, 1e-10f, 5.9e-8f, std::nanf("")}) {
+      wrong += q8_index_estimated(map, x) != q8_magnitude_index(map.mid, x);
+      ++checked;
+    }
+    CHECK_MSG(wrong == 0, "%s map: %lld of %lld indices off, the first at %.9g", sg ? "signed" : "unsigned",
+              static_cast<long long>(wrong), static_cast<long long>(checked), bits_f32(first_wrong));
+  }
+}
+
 TEST(q8_step_matches_float64_on_every_path) {
   const int64_t sizes[] = {0, 1, 15, 255, 256, 257, 1000, 100'003};
   const std::vector<float> as = magnitudes(true), au = magnitudes(false);

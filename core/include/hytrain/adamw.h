@@ -131,6 +131,9 @@ struct AdamWScalars {
   float param_decay;       // 1 - lr * weight_decay (AdamW) or 1
   float neg_step_size;     // -lr / (1 - beta1^t)
   float bias_correction2_sqrt;
+  // 8-bit states divide once: p + q8_neg_step * m / (sqrt(v) + q8_eps), i.e. neg_step_size and eps
+  // times sqrt(1 - beta2^t), each product rounded once from double.
+  float q8_neg_step, q8_eps;
   float grad_scale;
   uint32_t sr_key;         // sr_key(seed, step): set per tensor (bf16 states)
   bool amsgrad;
@@ -170,6 +173,7 @@ namespace kernels {
 bool adamw_range_scalar(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
 bool adamw_range_avx2(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
 bool adamw_range_avx512(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
+bool adamw_range_avx512vbmi(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
 }  // namespace kernels
 
 }  // namespace hytrain

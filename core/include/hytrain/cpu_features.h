@@ -7,12 +7,12 @@
 
 namespace hytrain {
 
-enum class SimdPath : int { automatic = 0, scalar = 1, avx2 = 2, avx512 = 3 };
+enum class SimdPath : int { automatic = 0, scalar = 1, avx2 = 2, avx512 = 3, avx512vbmi = 4 };
 
 const char* simd_path_name(SimdPath p);
 SimdPath parse_simd_path(const std::string& name);  // throws on an unknown name
 
-// Paths this binary contains (scalar always; avx2/avx512 when the compiler could build them).
+// Paths this binary contains (scalar always; avx2, avx512, avx512vbmi when the compiler could build them).
 std::vector<SimdPath> compiled_simd_paths();
 // Whether this CPU (and OS) can execute the path.
 bool cpu_supports(SimdPath p);

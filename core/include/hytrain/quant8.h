@@ -26,10 +26,19 @@
 // block's scale) has magnitude index j = #{i : |x| > mid[i]} (nearest, ties to the smaller
 // magnitude). Unsigned: code j, or 1 where j = 0 < x. Signed: code j for x >= 0, 128 + min(j, 127)
 // for x < 0 with j > 0 (the map has +1 but no -1), and 0 for x < 0 with j = 0. The CPU finds j
-// with one read of a table indexed by |x|'s top bits (enc); the GPU with a binary search over mid;
-// both count the same.
+// with one read of a table indexed by |x|'s top bits (enc), or, on the VBMI path, arithmetically
+// (below); the GPU with a binary search over mid; all count the same.
+//
+// The arithmetic encoder: within group L the midpoints lie a step apart, so
+// floor(fmaf(a, 1 / step_L, first_L - base_L / step_L)) (first_L: the magnitude index of the group's
+// part 0) is j or j - 1 for every a of the group; the mid above it settles which. The group comes from
+// a's binade: each binade holds at most one power of ten, where the group changes (cut, lower). The
+// margins are half a step inside a group and 0.3 of one at a group's lower edge (its boundary
+// midpoint lies 0.2 of a step above the power of ten); fp32 errors are under 1e-4 of a step.
+// test_q8_states (C++) checks it against the binary search for every float in [2^-25, 1.0001].
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "hytrain/dtype.h"
@@ -63,6 +72,17 @@ struct Q8Map {
   float value[256];       // code -> value in [-1, 1]
   float mid[256];         // mid[i] between A[i] and A[i+1]; +infinity from magnitudes - 1 on
   float group[16];        // part j of group L is fmaf(j, group[8 + L], group[L]): bases, then steps
+  // value[] as byte planes: plane[q][c] is byte q (little-endian) of value[c]'s bits, so four byte
+  // permutes of the codes rebuild the values (the AVX-512 VBMI decoder).
+  alignas(64) uint8_t plane[4][256];
+  alignas(64) uint8_t mid_plane[4][256];  // the same for mid[]
+  // The arithmetic encoder (above), for a = max(|x|, 2^-24): the binade's cut and the group below it,
+  // by the exponent's low 5 bits (the binades of 2^-24 .. 1 are distinct there); 1 / step_L and
+  // first_L - base_L / step_L by group (lanes 0-6 of 16).
+  alignas(64) float cut[32];
+  alignas(64) int32_t lower[32];
+  alignas(64) float inv_step[16];
+  alignas(64) float offset[16];
   // enc[b], for bucket b (the floats whose bits >> 15 are b + kQ8BucketLo): bits 0-7 hold
   // #{i : mid[i] < the bucket's smallest float}; a bucket holds at most one midpoint, and bits 8-22
   // hold its low 15 bits (0x7FFF where it holds none: no float of the bucket has greater ones).
@@ -88,6 +108,17 @@ HYTRAIN_HOST_DEVICE inline uint8_t q8_code(bool is_signed, float x, int j) {
   if (!is_signed) return static_cast<uint8_t>(j == 0 && x > 0.0f ? 1 : j);
   if (!(x < 0.0f) || j == 0) return static_cast<uint8_t>(j);  // -0 has j = 0
   return static_cast<uint8_t>(128 + (j < 127 ? j : 127));
+}
+
+// The arithmetic encoder's magnitude index of |x| (quant8.h's estimate, then the midpoint above it),
+// computed as the AVX-512 VBMI path computes it lane by lane.
+constexpr float kQ8Tiny = 5.9604644775390625e-08f;  // 2^-24, below every map's first midpoint
+inline int q8_index_estimated(const Q8Map& map, float ax) {
+  const float a = ax > kQ8Tiny ? ax : kQ8Tiny;  // a NaN becomes 2^-24 too (code 0, as the binary search)
+  const int e = static_cast<int>((f32_bits(a) >> 23) & 31);
+  const int L = map.lower[e] + (a >= map.cut[e] ? 1 : 0);
+  const int j = static_cast<int>(std::floor(std::fma(a, map.inv_step[L], map.offset[L])));
+  return j + (a > map.mid[j] ? 1 : 0);
 }
 
 // Scalar encoder with the bucket table (what the SIMD paths do lane by lane).
