@@ -117,19 +117,18 @@ struct VecAvx2 {
     const __m256i zero = _mm256_cmpeq_epi32(c, _mm256_setzero_si256());  // code 0 is 0 in both maps
     return _mm256_castsi256_ps(_mm256_or_si256(_mm256_andnot_si256(zero, _mm256_castps_si256(x)), sign));
   }
-  static void store_q8(uint8_t* out, F x, const Q8Map& map) {
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i a = _mm256_and_si256(bits, iset1(0x7FFFFFFFu));
-    __m256i b = _mm256_sub_epi32(_mm256_srli_epi32(a, kQ8BucketShift), iset1(kQ8BucketLo));
-    b = _mm256_min_epi32(_mm256_max_epi32(b, _mm256_setzero_si256()), iset1(kQ8Buckets - 1));
-    const __m256i e = _mm256_i32gather_epi32(map.enc, b, 4);
-    __m256i j = _mm256_and_si256(e, iset1(0xFFu));
-    const __m256i gt = _mm256_cmpgt_epi32(_mm256_and_si256(a, iset1(0x7FFFu)), _mm256_srli_epi32(e, 8));
-    j = _mm256_sub_epi32(j, gt);  // a true comparison is -1: subtracting adds one
-    if (map.is_signed) {
+  static void store_q8(uint8_t* out, F x, const Q8Map& map) {  // quant8.h's bucket table
+    const __m256 sgn = _mm256_castsi256_ps(iset1(0x80000000u));
+    __m256 a = map.is_signed ? _mm256_andnot_ps(sgn, x) : x;  // the unsigned map's x is >= 0 or -0
+    a = _mm256_max_ps(_mm256_min_ps(a, _mm256_set1_ps(1.0f)), _mm256_set1_ps(kQ8BucketMin));  // NaN: 1
+    const __m256i bits = _mm256_castps_si256(a);
+    const int* table = static_cast<const int*>(q8_enc_by_bits(map));
+    const __m256i e = _mm256_i32gather_epi32(table, _mm256_srli_epi32(bits, kQ8BucketShift), 4);
+    __m256i j = _mm256_srli_epi32(_mm256_add_epi32(e, bits), kQ8BucketShift);
+    if (map.is_signed) {  // 128 + j for x < 0 with j > 0; the packs saturate 256 to 255 = 128 + 127
       const __m256i neg = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ)),
                                            _mm256_cmpgt_epi32(j, _mm256_setzero_si256()));
-      j = _mm256_blendv_epi8(j, _mm256_add_epi32(_mm256_min_epi32(j, iset1(127)), iset1(128)), neg);
+      j = _mm256_add_epi32(j, _mm256_and_si256(neg, iset1(128)));
     } else {  // a nonzero x is never coded 0
       const __m256i pos = _mm256_castps_si256(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
       j = _mm256_max_epi32(j, _mm256_and_si256(pos, iset1(1)));

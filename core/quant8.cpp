@@ -2,6 +2,9 @@
 #include "hytrain/quant8.h"
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -84,12 +87,41 @@ Q8Map build(bool is_signed) {
     HYTRAIN_CHECK(inside <= 1 && (inside == 0 || (b > 0 && b < kQ8Buckets - 1)),
                   "q8 map: a bucket holds two midpoints, or an end bucket one");
     // The midpoint's low bits, or 0x7FFF where none: no float of the bucket has greater ones.
-    m.enc[b] = j | static_cast<int32_t>((inside ? f32_bits(m.mid[j]) & 0x7FFFu : 0x7FFFu) << 8);
+    const uint32_t t = inside ? f32_bits(m.mid[j]) & 0x7FFFu : 0x7FFFu;
+    m.enc[b] = (static_cast<uint32_t>(j) << kQ8BucketShift) + 0x7FFFu - t - lo_bits;
   }
   return m;
 }
 
 }  // namespace
+
+namespace {
+std::atomic<int> g_encoder{-1};  // -1: not chosen yet
+
+int default_encoder() {
+  if (const char* env = std::getenv("HYTRAIN_Q8_ENCODER")) {
+    const std::string name(env);
+    if (name == "table") return static_cast<int>(Q8Encoder::table);
+    if (name == "arithmetic") return static_cast<int>(Q8Encoder::arithmetic);
+    HYTRAIN_THROW("HYTRAIN_Q8_ENCODER must be 'table' or 'arithmetic', got '" + name + "'");
+  }
+#if defined(__x86_64__) || defined(__i386__)
+  if (__builtin_cpu_is("amd")) return static_cast<int>(Q8Encoder::arithmetic);
+#endif
+  return static_cast<int>(Q8Encoder::table);
+}
+}  // namespace
+
+Q8Encoder q8_encoder() {
+  int e = g_encoder.load(std::memory_order_relaxed);
+  if (e < 0) {
+    e = default_encoder();
+    g_encoder.store(e, std::memory_order_relaxed);
+  }
+  return static_cast<Q8Encoder>(e);
+}
+
+void set_q8_encoder(Q8Encoder e) { g_encoder.store(static_cast<int>(e), std::memory_order_relaxed); }
 
 const Q8Map& q8_map(bool is_signed) {
   static const Q8Map s = build(true);

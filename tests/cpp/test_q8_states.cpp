@@ -172,9 +172,13 @@ TEST(q8_arithmetic_encoder_counts_the_midpoints_below_every_float) {
   }
 }
 
+// Every path, and on the VBMI path both encoders (the bucket table and the arithmetic one).
 TEST(q8_step_matches_float64_on_every_path) {
   const int64_t sizes[] = {0, 1, 15, 255, 256, 257, 1000, 100'003};
   const std::vector<float> as = magnitudes(true), au = magnitudes(false);
+  const Q8Encoder chosen = q8_encoder();
+  for (Q8Encoder enc : {Q8Encoder::table, Q8Encoder::arithmetic}) {
+  set_q8_encoder(enc);
   for (SimdPath path : runnable_paths()) {
     for (int64_t n : sizes) {
       const State in = random_state(n, static_cast<uint32_t>(n * 7 + 3));
@@ -221,11 +225,14 @@ TEST(q8_step_matches_float64_on_every_path) {
         }
       }
       CHECK_MSG(bad_p == 0 && bad_copy == 0 && bad_scale == 0 && bad_code == 0,
-                "path %s n=%lld: %lld weights, %lld copies, %lld block scales, %lld codes off",
-                simd_path_name(path), static_cast<long long>(n), static_cast<long long>(bad_p),
-                static_cast<long long>(bad_copy), static_cast<long long>(bad_scale), static_cast<long long>(bad_code));
+                "path %s (%s encoder) n=%lld: %lld weights, %lld copies, %lld block scales, %lld codes off",
+                simd_path_name(path), enc == Q8Encoder::table ? "table" : "arithmetic", static_cast<long long>(n),
+                static_cast<long long>(bad_p), static_cast<long long>(bad_copy), static_cast<long long>(bad_scale),
+                static_cast<long long>(bad_code));
     }
   }
+  }
+  set_q8_encoder(chosen);
 }
 
 TEST(q8_states_are_the_same_bytes_on_every_width_thread_count_slicing_and_out_of_place) {
@@ -233,11 +240,16 @@ TEST(q8_states_are_the_same_bytes_on_every_width_thread_count_slicing_and_out_of
   const State in = random_state(n, 11);
   const AdamWConfig c = config(3);
   std::vector<State> outs;
+  const Q8Encoder chosen = q8_encoder();
   for (SimdPath path : runnable_paths()) {
     if (path == SimdPath::scalar) continue;  // the portable path need not fuse multiply-adds
-    outs.push_back(run(in, c, path, 1));
-    outs.push_back(run(in, c, path, 5));
+    for (Q8Encoder enc : {Q8Encoder::table, Q8Encoder::arithmetic}) {  // the VBMI path has both
+      set_q8_encoder(enc);
+      outs.push_back(run(in, c, path, 1));
+      outs.push_back(run(in, c, path, 5));
+    }
   }
+  set_q8_encoder(chosen);
   if (outs.empty()) return;
   // The update engine's slices (1100 elements: rounded up to whole blocks).
   State sliced = in;

@@ -83,16 +83,25 @@ struct Q8Map {
   alignas(64) int32_t lower[32];
   alignas(64) float inv_step[16];
   alignas(64) float offset[16];
-  // enc[b], for bucket b (the floats whose bits >> 15 are b + kQ8BucketLo): bits 0-7 hold
-  // #{i : mid[i] < the bucket's smallest float}; a bucket holds at most one midpoint, and bits 8-22
-  // hold its low 15 bits (0x7FFF where it holds none: no float of the bucket has greater ones).
-  // Within a bucket every float has the same high bits, so |x| > that midpoint exactly when its low
-  // 15 bits are greater: j = (enc & 0xFF) + ((bits(|x|) & 0x7FFF) > (enc >> 8)), one table read.
-  int32_t enc[kQ8Buckets];
+  // enc[b], for bucket b (the floats whose bits >> 15 are b + kQ8BucketLo, the bucket's start s_b =
+  // (b + kQ8BucketLo) << 15): with n_b = #{i : mid[i] < the bucket's smallest float} and t_b the low 15
+  // bits of the one midpoint a bucket may hold (0x7FFF where it holds none: no float of the bucket has
+  // greater ones), enc[b] = (n_b << 15) + 0x7FFF - t_b - s_b (mod 2^32). For a in the bucket,
+  // bits(a) = s_b + low with low < 2^15, so (enc[b] + bits(a)) >> 15 = n_b + [low > t_b]: the count,
+  // from one table read, an add and a shift (a is |x| clamped to [2^-23, 1]: a NaN counts as 1).
+  uint32_t enc[kQ8Buckets];
 };
 
 // The two maps, built once (thread-safe).
 const Q8Map& q8_map(bool is_signed);
+
+// How the AVX-512 VBMI path encodes: with the bucket table (a gather per 16 codes) or arithmetically
+// (no gather). Both give the same codes. By default arithmetically where gathers are slow (AMD
+// processors: on Zen 4 a 16-lane gather costs about as much as the rest of the encoding), else with
+// the table; HYTRAIN_Q8_ENCODER=table|arithmetic (read once) or set_q8_encoder() overrides.
+enum class Q8Encoder : int { table = 0, arithmetic = 1 };
+Q8Encoder q8_encoder();
+void set_q8_encoder(Q8Encoder e);
 
 // The magnitude index of |x| by binary search over mid (the GPU's way; also the reference).
 HYTRAIN_HOST_DEVICE inline int q8_magnitude_index(const float* mid, float ax) {
@@ -121,14 +130,20 @@ inline int q8_index_estimated(const Q8Map& map, float ax) {
   return j + (a > map.mid[j] ? 1 : 0);
 }
 
+// enc indexed by bits(a) >> kQ8BucketShift itself (the vector paths' gather base): no element
+// below kQ8BucketLo is ever read.
+inline const void* q8_enc_by_bits(const Q8Map& map) {
+  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(map.enc) - uintptr_t{kQ8BucketLo} * 4);
+}
+
 // Scalar encoder with the bucket table (what the SIMD paths do lane by lane).
+constexpr float kQ8BucketMin = 1.1920928955078125e-07f;  // 2^-23, the first bucket's start
 inline uint8_t q8_encode(const Q8Map& map, float x) {
-  const uint32_t bits = f32_bits(x);
-  const uint32_t a = bits & 0x7FFFFFFFu;
-  int32_t b = static_cast<int32_t>(a >> kQ8BucketShift) - kQ8BucketLo;
-  b = b < 0 ? 0 : (b >= kQ8Buckets ? kQ8Buckets - 1 : b);
-  const int32_t e = map.enc[b];
-  const int j = (e & 0xFF) + (static_cast<int32_t>(a & 0x7FFF) > (e >> 8) ? 1 : 0);
+  float a = std::fabs(x);
+  a = a < 1.0f ? a : 1.0f;  // NaN: 1, as the vector paths' min (which returns its second operand)
+  a = a > kQ8BucketMin ? a : kQ8BucketMin;
+  const uint32_t bits = f32_bits(a);
+  const int j = static_cast<int>((map.enc[(bits >> kQ8BucketShift) - kQ8BucketLo] + bits) >> kQ8BucketShift);
   return q8_code(map.is_signed, x, j);
 }
 
