@@ -184,7 +184,7 @@ struct VecAvx512 {
         __m512i j[4];
         for (int r = 0; r < 4; ++r) {
           x[r] = _mm512_mul_ps(_mm512_load_ps(in + k + 16 * r), s);
-          a[r] = _mm512_max_ps(map.is_signed ? abs(x[r]) : x[r], tiny);  // NaN -> 2^-24 (max returns tiny)
+          a[r] = _mm512_max_ps(_mm512_min_ps(map.is_signed ? abs(x[r]) : x[r], _mm512_set1_ps(1.0f)), tiny);  // NaN: 1
           const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(a[r]), 23);  // permutes use its low 5 bits
           __m512i L = _mm512_permutex2var_epi32(low0, e, low1);
           L = _mm512_mask_add_epi32(L, _mm512_cmp_ps_mask(a[r], _mm512_permutex2var_ps(cut0, e, cut1), _CMP_GE_OQ),

@@ -1,13 +1,15 @@
 // The AdamW element loop, written once over a small "vector traits" interface and instantiated by
-// each SIMD translation unit (adamw_scalar.cpp, adamw_avx2.cpp, adamw_avx512.cpp) with its own
-// traits and compiler flags. Keeping one body means the three paths cannot drift apart.
+// each SIMD translation unit (adamw_scalar.cpp, adamw_avx2.cpp, adamw_avx512.cpp,
+// adamw_avx512_vbmi.cpp) with its own traits and compiler flags. Keeping one body means the paths
+// cannot drift apart.
 //
 // Traits V provide: F (vector type), W (lanes), load/store (fp32), load_bf16/load_f16 (widen),
 // pack_bf16/pack_f16 (round to nearest even into W 16-bit values), pack_bf16_sr (stochastic
 // rounding with 16 random bits per lane) and store_half, set1, add, sub, mul, div, sqrt, max,
 // fmadd(a,b,c) = a*b+c, any_nan; I (W uint32 lanes) with iset1, lanes(at) = at + lane, iadd, ixor,
 // iand, imul (low 32 bits), isrl<n>; for 8-bit states abs, hmax (the largest lane), decode_q8 (the
-// values of W codes under a map) and store_q8 (W codes of x, quant8.h's encoding); and kStream: whether stream and stream_half
+// values of W codes under a map) and store_q8 (W codes of x, quant8.h's encoding), or with kBlockQ8
+// decode_q8_block / encode_q8_block (a block's codes at once, into and out of L1 buffers); and kStream: whether stream and stream_half
 // (non-temporal stores to aligned addresses) and fence exist. The tail (fewer than W elements) goes through W-element stack buffers,
 // so every path handles any size with the same full-width code and no allocation.
 //
@@ -247,10 +249,11 @@ inline float* q8_scales(const void* codes, const AdamWTensor& t) {
   return reinterpret_cast<float*>(base + q8_codes_bytes(total)) + t.index_base / kQ8Block;
 }
 
-// Updates the kQ8Block elements at offset i of the slice (block `blk` of it): m and u = sqrt(v) are
-// decoded into L1-resident buffers; one pass updates m, v and p in fp32, keeping the new m and u in
-// the same buffers with their largest magnitudes; the last pass quantises them against those new
-// scales. The block is read whole before any of it is written, so in place works.
+// Updates the kQ8Block elements at offset i of the slice (block `blk` of it): one pass decodes m and
+// u = sqrt(v) (with kBlockQ8, a pass before it into the L1-resident buffers), updates m, v and p in
+// fp32 and keeps the new m and u in those buffers with their largest magnitudes; the last pass
+// quantises them against those new scales. The block is read whole before any of it is written, so in
+// place works.
 //
 // The step divides once: p + nstep * m / (sqrt(v) / bc2s + eps) is computed as
 // p + (nstep * bc2s) * m / (sqrt(v) + eps * bc2s), the two products folded into the scalars in double

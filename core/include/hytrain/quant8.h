@@ -76,7 +76,7 @@ struct Q8Map {
   // permutes of the codes rebuild the values (the AVX-512 VBMI decoder).
   alignas(64) uint8_t plane[4][256];
   alignas(64) uint8_t mid_plane[4][256];  // the same for mid[]
-  // The arithmetic encoder (above), for a = max(|x|, 2^-24): the binade's cut and the group below it,
+  // The arithmetic encoder (above), for a = |x| clamped to [2^-24, 1]: the binade's cut and the group below it,
   // by the exponent's low 5 bits (the binades of 2^-24 .. 1 are distinct there); 1 / step_L and
   // first_L - base_L / step_L by group (lanes 0-6 of 16).
   alignas(64) float cut[32];
@@ -123,7 +123,8 @@ HYTRAIN_HOST_DEVICE inline uint8_t q8_code(bool is_signed, float x, int j) {
 // computed as the AVX-512 VBMI path computes it lane by lane.
 constexpr float kQ8Tiny = 5.9604644775390625e-08f;  // 2^-24, below every map's first midpoint
 inline int q8_index_estimated(const Q8Map& map, float ax) {
-  const float a = ax > kQ8Tiny ? ax : kQ8Tiny;  // a NaN becomes 2^-24 too (code 0, as the binary search)
+  float a = ax < 1.0f ? ax : 1.0f;  // a NaN counts as 1, as in the bucket table's encoder
+  a = a > kQ8Tiny ? a : kQ8Tiny;
   const int e = static_cast<int>((f32_bits(a) >> 23) & 31);
   const int L = map.lower[e] + (a >= map.cut[e] ? 1 : 0);
   const int j = static_cast<int>(std::floor(std::fma(a, map.inv_step[L], map.offset[L])));
