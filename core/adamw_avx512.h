@@ -107,8 +107,11 @@ struct VecAvx512 {
     const __m512i bits = _mm512_castps_si512(a);
     const __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(bits, kQ8BucketShift), q8_enc_by_bits(map), 4);
     const __m512i j = _mm512_srli_epi32(_mm512_add_epi32(e, bits), kQ8BucketShift);
-    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), map.is_signed ? _CMP_LT_OQ : _CMP_GT_OQ);
-    if (map.is_signed) return _mm512_mask_add_epi32(j, _mm512_mask_test_epi32_mask(pos, j, j), j, iset1(128));
+    if (map.is_signed) {  // the comparison's predicate is an immediate: one call per branch
+      const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+      return _mm512_mask_add_epi32(j, _mm512_mask_test_epi32_mask(neg, j, j), j, iset1(128));
+    }
+    const __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GT_OQ);
     return _mm512_mask_max_epi32(j, pos, j, iset1(1));  // a nonzero x is never coded 0
   }
   static void store_q8(uint8_t* out, F x, const Q8Map& map) {
