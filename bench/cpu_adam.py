@@ -90,8 +90,8 @@ def main() -> None:
     t_ours_mixed = median_time(lambda: step_ours(g16, copy), args.repeats)
     del tp, topt, g32, m, v
 
-    # 8-bit states on each vector path this CPU runs (the arithmetic encoder and permute decoder of
-    # avx512vbmi against the table encoder of avx512), the selected one as "8bit".
+    # 8-bit states on the selected path ("8bit") and the next vector path down (avx512vbmi's permute
+    # decoder and its vendor's encoder, q8_encoder(), against avx512's gathers).
     paths = hytrain.simd_paths()
     q8_paths = [p for p in ("avx512", "avx2") if p in paths["supported"] and p != paths["selected"]][:1]
     compact = {}

@@ -35,6 +35,20 @@ RangeFn range_kernel(SimdPath path) {
   }
 }
 
+}  // namespace
+
+bool q8_encode_with(SimdPath path, const Q8Map& map, const float* in, float inv, uint8_t* codes, int64_t n) {
+  HYTRAIN_CHECK(n % kQ8Block == 0, "q8_encode_with: n must be a multiple of 256");
+#ifdef HYTRAIN_HAVE_AVX512
+  if (path == SimdPath::avx512) return kernels::q8_encode_avx512(map, in, inv, codes, n), true;
+  if (path == SimdPath::avx512vbmi) return kernels::q8_encode_avx512vbmi(map, in, inv, codes, n), true;
+#endif
+  (void)map, (void)in, (void)inv, (void)codes, (void)path;
+  return false;
+}
+
+namespace {
+
 constexpr int64_t kSerialBelow = 1 << 15;  // elements; below this one thread is faster
 constexpr int64_t kPieceAlign = 64;        // elements: 256 B of fp32, whole cache lines
 
@@ -117,6 +131,7 @@ void validate_adamw_job(const AdamWTensor& t, const AdamWConfig& cfg) {
   HYTRAIN_CHECK(t.state_dtype == DType::f32 || t.state_dtype == DType::bf16 || t.state_dtype == DType::q8,
                 "exp_avg and exp_avg_sq must be float32, bfloat16 or 8-bit");
   if (t.state_dtype == DType::q8) {
+    q8_encoder();  // resolved here, not on a kernel thread: a bad HYTRAIN_Q8_ENCODER throws before any write
     HYTRAIN_CHECK(t.index_base >= 0 && t.index_base % range_granule(t.state_dtype) == 0,
                   "8-bit states: a tensor starts on a block boundary (index_base a multiple of 256)");
     HYTRAIN_CHECK(t.state_numel == 0 || t.state_numel >= t.index_base + t.numel,

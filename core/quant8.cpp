@@ -114,9 +114,9 @@ int default_encoder() {
 
 Q8Encoder q8_encoder() {
   int e = g_encoder.load(std::memory_order_relaxed);
-  if (e < 0) {
-    e = default_encoder();
-    g_encoder.store(e, std::memory_order_relaxed);
+  if (e < 0) {  // the first use; a set_q8_encoder() meanwhile wins
+    int chosen = default_encoder();
+    e = g_encoder.compare_exchange_strong(e, chosen, std::memory_order_relaxed) ? chosen : e;
   }
   return static_cast<Q8Encoder>(e);
 }

@@ -208,8 +208,9 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
+// |x| clamped to 1 as the CPU encoders do (fminf returns 1 for a NaN: the same code as on the CPU).
 __device__ __forceinline__ uint8_t q8_encode_dev(const float* mid, bool is_signed, float x) {
-  return q8_code(is_signed, x, q8_magnitude_index(mid, fabsf(x)));
+  return q8_code(is_signed, x, q8_magnitude_index(mid, fminf(fabsf(x), 1.0f)));
 }
 
 template <DType G, bool kW, DType WD>

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -173,6 +174,67 @@ TEST(q8_arithmetic_encoder_counts_the_midpoints_below_every_float) {
     CHECK_MSG(wrong == 0, "%s map: %lld of %lld indices off, the first at %.9g", sg ? "signed" : "unsigned",
               static_cast<long long>(wrong), static_cast<long long>(checked), bits_f32(first_wrong));
   }
+}
+
+// The vector encoders themselves (AVX-512F's table; VBMI's table and arithmetic ones) against the
+// binary search, for every float from 2^-25 to 1.0001 and, on the signed map, every third one negated;
+// then zeros, tiny values, infinities and NaN (a NaN counts as 1).
+TEST(q8_vector_encoders_code_every_float_as_the_binary_search) {
+  std::vector<SimdPath> paths;
+  std::vector<float> probe(kQ8Block, 0.5f);
+  std::vector<uint8_t> probe_codes(kQ8Block);
+  for (SimdPath p : runnable_paths()) {
+    if (q8_encode_with(p, q8_map(true), probe.data(), 1.0f, probe_codes.data(), kQ8Block)) paths.push_back(p);
+  }
+  if (paths.empty()) return;
+  const Q8Encoder chosen = q8_encoder();
+  constexpr int64_t kChunk = 1 << 16;  // a multiple of kQ8Block
+  std::vector<float> x(kChunk);
+  std::vector<uint8_t> want(kChunk), got(kChunk);
+  for (bool sg : {true, false}) {
+    const Q8Map& map = q8_map(sg);
+    auto reference = [&](float v) {
+      const float a = std::fabs(v);
+      return q8_code(sg, v, q8_magnitude_index(map.mid, a < 1.0f ? a : 1.0f));  // NaN: 1
+    };
+    std::vector<float> values;
+    int64_t wrong = 0, checked = 0;
+    float first_wrong = 0.0f;
+    auto run = [&](int64_t n) {
+      for (int64_t i = n; i < kChunk; ++i) x[i] = 0.0f;
+      for (int64_t i = 0; i < kChunk; ++i) want[i] = reference(x[i]);
+      for (SimdPath p : paths) {
+        for (Q8Encoder enc : {Q8Encoder::table, Q8Encoder::arithmetic}) {
+          if (p == SimdPath::avx512 && enc == Q8Encoder::arithmetic) continue;
+          set_q8_encoder(enc);
+          q8_encode_with(p, map, x.data(), 1.0f, got.data(), kChunk);
+          for (int64_t i = 0; i < n; ++i) {
+            if (got[i] != want[i] && wrong++ == 0) first_wrong = x[i];
+          }
+          checked += n;
+        }
+      }
+    };
+    const uint32_t lo = f32_bits(std::ldexp(1.0f, -25)), hi = f32_bits(1.0001f);
+    for (int neg = 0; neg < (sg ? 2 : 1); ++neg) {
+      int64_t n = 0;
+      for (uint32_t b = lo; b <= hi; b += neg ? 3 : 1) {
+        x[n++] = neg ? -bits_f32(b) : bits_f32(b);
+        if (n == kChunk) run(n), n = 0;
+      }
+      run(n);
+    }
+    int64_t n = 0;
+    for (float v : {0.0f, -0.0f, 1e-30f, 1e-10f, 5.9e-8f, 1.0f, std::numeric_limits<float>::infinity(),
+                    std::nanf(""), 1e-40f}) {
+      x[n++] = v;
+      if (sg) x[n++] = -v;
+    }
+    run(n);
+    CHECK_MSG(wrong == 0, "%s map: %lld of %lld codes off, the first at %.9g", sg ? "signed" : "unsigned",
+              static_cast<long long>(wrong), static_cast<long long>(checked), first_wrong);
+  }
+  set_q8_encoder(chosen);
 }
 
 // Every path, and on the VBMI path both encoders (the bucket table and the arithmetic one).

@@ -294,6 +294,32 @@ def test_8bit_refusals_and_checkpoint_format(tmp_path):
     assert all(e["exp_avg"].dtype == torch.uint8 for e in saved["state"].values())
 
 
+def test_a_bad_q8_encoder_setting_is_refused_before_anything_is_written():
+    """HYTRAIN_Q8_ENCODER is read when the first 8-bit step is validated: another value raises an
+    error naming it, with weights and states untouched (a fresh process: the setting is read once)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch, hytrain
+from hytrain import quant8
+n = 1000
+p = torch.ones(n); g = torch.full((n,), 0.1).bfloat16()
+m, v = (torch.zeros(quant8.state_bytes(n), dtype=torch.uint8) for _ in range(2))
+try:
+    hytrain.adamw_step(p, g, m, v, step=1, lr=1e-3, num_threads=2)
+except Exception as e:
+    print(type(e).__name__, e)
+print("untouched", bool((p == 1).all() and (m == 0).all() and (v == 0).all()))
+"""
+    env = dict(os.environ, HYTRAIN_Q8_ENCODER="fast")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "HYTRAIN_Q8_ENCODER must be 'table' or 'arithmetic', got 'fast'" in out.stdout, out.stdout
+    assert "untouched True" in out.stdout
+
+
 # ---- GPU --------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -169,11 +169,21 @@ StreamPlan adamw_stream_plan(const AdamWTensor& t, const AdamWConfig& cfg, SimdP
 
 // Range kernels, one per SIMD translation unit; [begin, end) of the tensor, single-threaded.
 // Return true when a non-finite gradient element was seen.
+struct Q8Map;  // quant8.h
+
 namespace kernels {
 bool adamw_range_scalar(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
 bool adamw_range_avx2(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
 bool adamw_range_avx512(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
 bool adamw_range_avx512vbmi(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, int64_t end);
+// The 8-bit encoders alone (q8_encode_with below).
+void q8_encode_avx512(const Q8Map& map, const float* in, float inv, uint8_t* codes, int64_t n);
+void q8_encode_avx512vbmi(const Q8Map& map, const float* in, float inv, uint8_t* codes, int64_t n);
 }  // namespace kernels
+
+// For tests: a vector path's 8-bit encoder alone, codes[i] = the code of in[i] * inv, n a multiple of
+// 256 (the VBMI path with q8_encoder()'s choice). False where this build has no such encoder for
+// `path` (the scalar and AVX2 paths, or a non-x86 build); call only where cpu_supports(path).
+bool q8_encode_with(SimdPath path, const Q8Map& map, const float* in, float inv, uint8_t* codes, int64_t n);
 
 }  // namespace hytrain

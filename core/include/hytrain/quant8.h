@@ -24,8 +24,9 @@
 // Encoding (the definition every path computes exactly): the magnitudes A[0] = 0 < A[1] < ... of the
 // map and the float midpoints mid[i] = (A[i] + A[i+1]) * 0.5f; x in [-1, 1] (already divided by the
 // block's scale) has magnitude index j = #{i : |x| > mid[i]} (nearest, ties to the smaller
-// magnitude). Unsigned: code j, or 1 where j = 0 < x. Signed: code j for x >= 0, 128 + min(j, 127)
-// for x < 0 with j > 0 (the map has +1 but no -1), and 0 for x < 0 with j = 0. The CPU finds j
+// magnitude). Unsigned (x >= 0 or -0: a root): code j, or 1 where j = 0 < x. Signed: code j for
+// x >= 0, 128 + min(j, 127) for x < 0 with j > 0 (the map has +1 but no -1), and 0 for x < 0 with
+// j = 0. A NaN (a state after a non-finite gradient) counts as |x| = 1 everywhere. The CPU finds j
 // with one read of a table indexed by |x|'s top bits (enc), or, on the VBMI path, arithmetically
 // (below); the GPU with a binary search over mid; all count the same.
 //
@@ -98,7 +99,9 @@ const Q8Map& q8_map(bool is_signed);
 // How the AVX-512 VBMI path encodes: with the bucket table (a gather per 16 codes) or arithmetically
 // (no gather). Both give the same codes. By default arithmetically where gathers are slow (AMD
 // processors: on Zen 4 a 16-lane gather costs about as much as the rest of the encoding), else with
-// the table; HYTRAIN_Q8_ENCODER=table|arithmetic (read once) or set_q8_encoder() overrides.
+// the table; HYTRAIN_Q8_ENCODER=table|arithmetic or set_q8_encoder() overrides. The variable is read at
+// the first 8-bit job's validation (validate_adamw_job, on the calling thread, before anything is
+// written); another value is refused there with an error naming it, every time.
 enum class Q8Encoder : int { table = 0, arithmetic = 1 };
 Q8Encoder q8_encoder();
 void set_q8_encoder(Q8Encoder e);
