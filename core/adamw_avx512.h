@@ -163,12 +163,12 @@ struct VecAvx512 {
   }
   // codes[i] = the code of in[i] * inv, by the bucket table or by quant8.h's arithmetic encoder (no
   // gather: the estimate from the binade's cut and the group's step, the midpoint above it looked up 64
-  // at a time, the sign), as q8_encoder() says; the codes packed to bytes 64 at a time (a signed
+  // at a time, the sign), as enc says; the codes packed to bytes 64 at a time (a signed
   // negative 128 + 128 saturates to 255 = 128 + min(j, 127)).
-  static void encode_q8_block(const Q8Map& map, const float* in, float inv, uint8_t* codes) {
+  static void encode_q8_block(const Q8Map& map, const float* in, float inv, uint8_t* codes, Q8Encoder enc) {
     if constexpr (kVbmi) {
       const __m512i order = transpose4x4();
-      if (q8_encoder() == Q8Encoder::table) {
+      if (enc == Q8Encoder::table) {
         const F s = _mm512_set1_ps(inv);
         for (int64_t k = 0; k < kQ8Block; k += 64) {
           __m512i j[4];

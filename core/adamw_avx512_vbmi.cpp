@@ -8,7 +8,8 @@ bool adamw_range_avx512vbmi(const AdamWTensor& t, const AdamWScalars& s, int64_t
   return detail::adamw_range<detail::VecAvx512<true>>(t, s, begin, end);
 }
 void q8_encode_avx512vbmi(const Q8Map& map, const float* in, float inv, uint8_t* codes, int64_t n) {
-  for (int64_t k = 0; k < n; k += kQ8Block) detail::VecAvx512<true>::encode_q8_block(map, in + k, inv, codes + k);
+  const Q8Encoder enc = q8_encoder();
+  for (int64_t k = 0; k < n; k += kQ8Block) detail::VecAvx512<true>::encode_q8_block(map, in + k, inv, codes + k, enc);
 }
 }  // namespace kernels
 }  // namespace hytrain

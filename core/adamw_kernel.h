@@ -260,7 +260,8 @@ inline float* q8_scales(const void* codes, const AdamWTensor& t) {
 // (AdamWScalars::q8_*), and the CUDA kernel does the same (byte-for-byte equal codes and weights).
 template <class V, DType G, bool kCopy, DType C, bool kNtP, bool kNtCopy, class Body>
 inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk, typename V::F& bad,
-                     const Q8Map& ms, const Q8Map& mu, typename V::F nstep, typename V::F eps) {
+                     const Q8Map& ms, const Q8Map& mu, typename V::F nstep, typename V::F eps,
+                     Q8Encoder enc) {
   using F = typename V::F;
   constexpr int W = V::W;
   alignas(64) float mb[kQ8Block], vb[kQ8Block];
@@ -268,7 +269,6 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
     V::decode_q8_block(ms, x.m + i, x.sm[blk], mb);
     V::decode_q8_block(mu, x.v + i, x.sv[blk], vb);
   }
-  const F sm = V::set1(x.sm[blk]), sv = V::set1(x.sv[blk]);
   F am = V::set1(0.0f), av = V::set1(0.0f);
   for (int64_t k = 0; k < kQ8Block; k += W) {
     F p = V::load(x.p + i + k);
@@ -276,7 +276,8 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
     if constexpr (V::kBlockQ8) {
       m = V::load(mb + k), u = V::load(vb + k);
     } else {  // decoded in the same pass
-      m = V::mul(V::decode_q8(ms, x.m + i + k), sm), u = V::mul(V::decode_q8(mu, x.v + i + k), sv);
+      m = V::mul(V::decode_q8(ms, x.m + i + k), V::set1(x.sm[blk]));
+      u = V::mul(V::decode_q8(mu, x.v + i + k), V::set1(x.sv[blk]));
     }
     F v = V::mul(u, u);
     body.moments(p, m, v, load_grad<V, G>(x.g, i + k), bad);
@@ -292,8 +293,8 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
   const float amax_m = V::hmax(am), amax_v = V::hmax(av);
   const float im = amax_m > 0.0f ? 1.0f / amax_m : 0.0f, iv = amax_v > 0.0f ? 1.0f / amax_v : 0.0f;
   if constexpr (V::kBlockQ8) {
-    V::encode_q8_block(ms, mb, im, x.mo + i);
-    V::encode_q8_block(mu, vb, iv, x.vo + i);
+    V::encode_q8_block(ms, mb, im, x.mo + i, enc);
+    V::encode_q8_block(mu, vb, iv, x.vo + i, enc);
   } else {  // m and u interleaved: two independent table reads in flight
     const F vim = V::set1(im), viv = V::set1(iv);
     for (int64_t k = 0; k < kQ8Block; k += W) {
@@ -316,6 +317,7 @@ bool adamw_range_q8(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, 
   const Q8Map& mu = q8_map(false);
   F bad = V::set1(0.0f);
   const F nstep = V::set1(s.q8_neg_step), eps = V::set1(s.q8_eps);
+  const Q8Encoder enc = q8_encoder();  // once per range (resolved at validation)
   const Outputs o(t);
   const Q8Slice whole{t.param, static_cast<const uint8_t*>(t.exp_avg), static_cast<const uint8_t*>(t.exp_avg_sq),
                       q8_scales(t.exp_avg, t), q8_scales(t.exp_avg_sq, t), t.grad, t.param_copy, o.po,
@@ -323,7 +325,7 @@ bool adamw_range_q8(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, 
                       q8_scales(o.vo, t)};
   int64_t i = begin;
   for (; i + kQ8Block <= end; i += kQ8Block) {
-    q8_block<V, G, kCopy, C, kNtP, kNtCopy>(body, whole, i, i / kQ8Block, bad, ms, mu, nstep, eps);
+    q8_block<V, G, kCopy, C, kNtP, kNtCopy>(body, whole, i, i / kQ8Block, bad, ms, mu, nstep, eps, enc);
   }
   if constexpr (kNtP || kNtCopy) V::fence();
 
@@ -341,7 +343,7 @@ bool adamw_range_q8(const AdamWTensor& t, const AdamWScalars& s, int64_t begin, 
     std::memcpy(g, static_cast<const unsigned char*>(t.grad) + i * gsz, n * gsz);
     const AdamWBody<V, G, kCopy, C, false, DType::f32> plain(s);
     q8_block<V, G, kCopy, C, false, false>(plain, Q8Slice{p, m, v, &sm, &sv, g, copy, p, m, v, &sm, &sv}, 0, 0,
-                                           bad, ms, mu, nstep, eps);
+                                           bad, ms, mu, nstep, eps, enc);
     std::memcpy(o.po + i, p, n * 4);
     std::memcpy(whole.mo + i, m, n);
     std::memcpy(whole.vo + i, v, n);
