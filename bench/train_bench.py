@@ -207,7 +207,8 @@ def run_mode(args):
             **({"host_memory_limit": int(args.host_limit_gb * 1e9)} if args.host_limit_gb else {}),
             **({"fence": False} if mode == "hytrain_nofence" else {}),
             **({"watch_writes": False} if mode == "hytrain_nowatch" else {}), state_format=state_format,
-            **({"release_grads": False} if args.keep_grads else {}))
+            **({"release_grads": False} if args.keep_grads else {}),
+            **({"workers": args.workers} if args.workers else {}))
     elif mode == "deepspeed_offload":
         import deepspeed
 
@@ -317,6 +318,8 @@ def child(mode, workload, args, cap=None, trace=None, label=None):
         cmd.append("--no-profile")
     if args.keep_grads:
         cmd.append("--keep-grads")
+    if args.workers:
+        cmd += ["--workers", str(args.workers)]
     env = dict(os.environ)
     if mode == "deepspeed_offload":
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
@@ -370,6 +373,8 @@ def main():
     ap.add_argument("--keep-grads", action="store_true",
                     help="hytrain keeps .grad until step() (release_grads=False) and the loop clips "
                          "(opt.clip_grad_norm_), as a loop that reads the gradients")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="hytrain's CPU update threads (default: HybridAdamW's, the cores less one)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:

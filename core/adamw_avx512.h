@@ -1,8 +1,10 @@
 // AVX-512 AdamW traits (16 lanes), for two translation units: adamw_avx512.cpp (AVX-512F, with FMA
-// and F16C: SimdPath::avx512) and adamw_avx512_vbmi.cpp (also AVX-512BW and VBMI:
+// and F16C: SimdPath::avx512) and adamw_avx512_vbmi.cpp (also AVX-512BW, DQ and VBMI:
 // SimdPath::avx512vbmi), each built with its own flags and run only after cpu_supports() said yes.
-// They differ only in how 8-bit states are coded: with kVbmi a block's codes become values through
-// byte permutes of the map's value table, and new codes are packed 64 at a time.
+// They differ in how 8-bit states are coded: with kVbmi a block's codes become values through byte
+// permutes of the map's value table, and new codes are packed 64 at a time. kBf16 (the VBMI unit, on
+// CPUs with AVX512_BF16: Sapphire Rapids, Zen 4 on) rounds weight copies to bf16 with one
+// instruction, the same bits as the portable rounding (below).
 #pragma once
 
 #include <immintrin.h>
@@ -13,7 +15,7 @@ namespace hytrain {
 namespace detail {
 namespace {  // each including translation unit has its own copy, built with its own flags
 
-template <bool kVbmi>
+template <bool kVbmi, bool kBf16 = false>
 struct VecAvx512 {
   using F = __m512;
   static constexpr int W = 16;
@@ -29,7 +31,8 @@ struct VecAvx512 {
   static F load_f16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  static __m256i pack_bf16(F x) {
+  // Nearest even (dtype.h's f32_to_bf16): a NaN becomes 0x7FC0, a denormal rounds as any float.
+  static __m256i pack_bf16_portable(F x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
@@ -37,6 +40,17 @@ struct VecAvx512 {
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
     return _mm512_cvtepi32_epi16(r);
+  }
+  // vcvtneps2bf16 rounds to nearest even too, but reads denormals as zero and keeps a NaN's sign and
+  // payload: a vector holding either (fpclass: quiet or signalling NaN, denormal) takes the portable
+  // rounding, so the bits are the same on every path.
+  static __m256i pack_bf16(F x) {
+    if constexpr (kBf16) {
+      if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80) == 0, 1)) {
+        return (__m256i)_mm512_cvtneps_pbh(x);  // a same-size vector cast: the 16 bf16 bit patterns
+      }
+    }
+    return pack_bf16_portable(x);
   }
   static __m256i pack_f16(F x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static void store_half(uint16_t* p, __m256i h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
@@ -149,16 +163,11 @@ struct VecAvx512 {
   static __m512i pack4(const __m512i j[4]) {
     return _mm512_packus_epi16(_mm512_packus_epi32(j[0], j[1]), _mm512_packus_epi32(j[2], j[3]));
   }
-  // out[i] = value[codes[i]] * scale: exactly decode_q8's values.
-  static void decode_q8_block(const Q8Map& map, const uint8_t* codes, float scale, float* out) {
+  // out[r] = value[codes[16 r + i]] * scale for the 64 codes at `codes`: exactly decode_q8's values.
+  static void decode_q8_64(const Q8Map& map, const uint8_t* codes, F scale, F out[4]) {
     if constexpr (kVbmi) {
-      const __m512i order = transpose4x4();
-      const F s = _mm512_set1_ps(scale);
-      for (int64_t k = 0; k < kQ8Block; k += 64) {
-        F x[4];
-        lookup64(map.plane, _mm512_permutexvar_epi32(order, _mm512_loadu_si512(codes + k)), x);
-        for (int r = 0; r < 4; ++r) _mm512_store_ps(out + k + 16 * r, _mm512_mul_ps(x[r], s));
-      }
+      lookup64(map.plane, _mm512_permutexvar_epi32(transpose4x4(), _mm512_loadu_si512(codes)), out);
+      for (int r = 0; r < 4; ++r) out[r] = _mm512_mul_ps(out[r], scale);
     }
   }
   // codes[i] = the code of in[i] * inv, by the bucket table or by quant8.h's arithmetic encoder (no

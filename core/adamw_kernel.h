@@ -9,7 +9,7 @@
 // fmadd(a,b,c) = a*b+c, any_nan; I (W uint32 lanes) with iset1, lanes(at) = at + lane, iadd, ixor,
 // iand, imul (low 32 bits), isrl<n>; for 8-bit states abs, hmax (the largest lane), decode_q8 (the
 // values of W codes under a map) and store_q8 (W codes of x, quant8.h's encoding), or with kBlockQ8
-// decode_q8_block / encode_q8_block (a block's codes at once, into and out of L1 buffers); and kStream: whether stream and stream_half
+// decode_q8_64 (64 codes into four vectors) / encode_q8_block (a block's codes from an L1 buffer); and kStream: whether stream and stream_half
 // (non-temporal stores to aligned addresses) and fence exist. The tail (fewer than W elements) goes through W-element stack buffers,
 // so every path handles any size with the same full-width code and no allocation.
 //
@@ -250,8 +250,8 @@ inline float* q8_scales(const void* codes, const AdamWTensor& t) {
 }
 
 // Updates the kQ8Block elements at offset i of the slice (block `blk` of it): one pass decodes m and
-// u = sqrt(v) (with kBlockQ8, a pass before it into the L1-resident buffers), updates m, v and p in
-// fp32 and keeps the new m and u in those buffers with their largest magnitudes; the last pass
+// u = sqrt(v) (with kBlockQ8, 64 codes of each at a time, in registers), updates m, v and p in fp32
+// and keeps the new m and u in L1-resident buffers with their largest magnitudes; the last pass
 // quantises them against those new scales. The block is read whole before any of it is written, so in
 // place works.
 //
@@ -265,20 +265,10 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
   using F = typename V::F;
   constexpr int W = V::W;
   alignas(64) float mb[kQ8Block], vb[kQ8Block];
-  if constexpr (V::kBlockQ8) {
-    V::decode_q8_block(ms, x.m + i, x.sm[blk], mb);
-    V::decode_q8_block(mu, x.v + i, x.sv[blk], vb);
-  }
   F am = V::set1(0.0f), av = V::set1(0.0f);
-  for (int64_t k = 0; k < kQ8Block; k += W) {
+  // Element k of the block (W of them) from its decoded m and u.
+  const auto update = [&](int64_t k, F m, F u) {
     F p = V::load(x.p + i + k);
-    F m, u;
-    if constexpr (V::kBlockQ8) {
-      m = V::load(mb + k), u = V::load(vb + k);
-    } else {  // decoded in the same pass
-      m = V::mul(V::decode_q8(ms, x.m + i + k), V::set1(x.sm[blk]));
-      u = V::mul(V::decode_q8(mu, x.v + i + k), V::set1(x.sv[blk]));
-    }
     F v = V::mul(u, u);
     body.moments(p, m, v, load_grad<V, G>(x.g, i + k), bad);
     const F root = V::sqrt(v);
@@ -289,6 +279,21 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
     V::store(vb + k, root);
     am = V::max(am, V::abs(m));
     av = V::max(av, root);
+  };
+  if constexpr (V::kBlockQ8) {
+    static_assert(W == 16, "64 codes are four vectors");
+    const F sm = V::set1(x.sm[blk]), sv = V::set1(x.sv[blk]);
+    for (int64_t k = 0; k < kQ8Block; k += 64) {
+      F m[4], u[4];
+      V::decode_q8_64(ms, x.m + i + k, sm, m);
+      V::decode_q8_64(mu, x.v + i + k, sv, u);
+      for (int r = 0; r < 4; ++r) update(k + 16 * r, m[r], u[r]);
+    }
+  } else {  // W codes at a time
+    for (int64_t k = 0; k < kQ8Block; k += W) {
+      update(k, V::mul(V::decode_q8(ms, x.m + i + k), V::set1(x.sm[blk])),
+             V::mul(V::decode_q8(mu, x.v + i + k), V::set1(x.sv[blk])));
+    }
   }
   const float amax_m = V::hmax(am), amax_v = V::hmax(av);
   const float im = amax_m > 0.0f ? 1.0f / amax_m : 0.0f, iv = amax_v > 0.0f ? 1.0f / amax_v : 0.0f;

@@ -47,12 +47,20 @@ bool cpu_supports(SimdPath p) {
     case SimdPath::avx512: return __builtin_cpu_supports("avx512f");
     case SimdPath::avx512vbmi:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vbmi");
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi");
 #else
     default: return false;
 #endif
   }
   return false;
+}
+
+bool cpu_has_avx512bf16() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
 }
 
 SimdPath best_simd_path() {

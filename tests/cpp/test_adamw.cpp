@@ -2,6 +2,7 @@
 // lockstep over 20 steps on fresh random inputs of many sizes (empty, tails shorter than a vector,
 // tens of millions). Outputs start poisoned (the bf16/fp16 copy) so an unwritten element fails.
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include "hytrain/cpu_features.h"
 #include "hytrain/dtype.h"
 #include "hytrain/error.h"
+#include "hytrain/quant8.h"
 #include "hytrain/update_engine.h"
 
 using namespace hytrain;
@@ -249,6 +251,58 @@ TEST(gradient_and_weight_copy_may_share_a_buffer) {
       adamw_step(apart, c, 3, path);
       adamw_step(same, c, 3, path);
       CHECK(p == p2 && m == m2 && v == v2 && copy == shared);
+    }
+  }
+}
+
+TEST(bf16_weight_copies_round_every_class_of_float_as_the_scalar_conversion) {
+  // The weight copy (fp32 and 8-bit states, the copy apart and over the gradient) against dtype.h's
+  // f32_to_bf16 for floats of every class: a sweep of bit patterns (every sign, exponent and the
+  // mantissa's top and bottom bits), round-to-even ties both ways, denormals, zeros, infinities, NaNs
+  // of every sign and payload, and values that round up to infinity. With lr = 0 and no decay a
+  // finite weight stays (a NaN comes back quiet; an infinite one NaN, through the L2 term's 0 * inf),
+  // and each copy must be f32_to_bf16 of the weight written.
+  // One instruction rounds on CPUs with AVX512_BF16 (avx512vbmi) where a vector holds no NaN or
+  // denormal: the vectors here mix them in and leave them out.
+  std::vector<uint32_t> bits;
+  for (uint32_t sign : {0u, 0x80000000u}) {
+    for (uint32_t e = 0; e < 256; ++e) {
+      for (uint32_t mant : {0u, 1u, 0x7FFFu, 0x8000u, 0x8001u, 0x18000u, 0x10000u, 0x3FFFFFu, 0x400000u, 0x7FFFFFu}) {
+        bits.push_back(sign | (e << 23) | mant);
+      }
+    }
+  }
+  std::mt19937 rng(5);
+  for (int i = 0; i < 20000; ++i) bits.push_back(static_cast<uint32_t>(rng()));
+  for (int i = 0; i < 20000; ++i) bits.push_back(0x3F000000u + (static_cast<uint32_t>(rng()) & 0xFFFFFFu));  // normals only
+  const int64_t n = static_cast<int64_t>(bits.size());
+  for (DType states : {DType::f32, DType::q8}) {
+    for (bool shared : {false, true}) {
+      for (SimdPath path : runnable_paths()) {
+        std::vector<float> p(n);
+        for (int64_t i = 0; i < n; ++i) p[i] = bits_f32(bits[i]);
+        std::vector<uint16_t> g(n, 0), copy(n, 0x1234);
+        const int64_t sb = states == DType::q8 ? q8_state_bytes(n) : n * 4;
+        std::vector<uint8_t> m(sb, 0), v(sb, 0);
+        AdamWConfig c;
+        c.lr = 0.0;
+        c.weight_decay = 0.0;
+        AdamWTensor t{p.data(), m.data(), v.data(), nullptr, g.data(), DType::bf16,
+                      shared ? g.data() : copy.data(), DType::bf16, n};
+        t.state_dtype = states;
+        adamw_step(t, c, 2, path);
+        const std::vector<uint16_t>& out = shared ? g : copy;
+        int64_t wrong = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const bool finite = (bits[i] & 0x7F800000u) != 0x7F800000u;
+          wrong += finite && f32_bits(p[i]) != bits[i];  // the weight stayed
+          wrong += out[i] != f32_to_bf16(p[i]);
+        }
+        if (wrong) std::fprintf(stderr, "  %s, %s states, copy %s: %lld wrong\n", simd_path_name(path),
+                                states == DType::q8 ? "8-bit" : "fp32", shared ? "over the gradient" : "apart",
+                                static_cast<long long>(wrong));
+        CHECK(wrong == 0);
+      }
     }
   }
 }
