@@ -9,9 +9,10 @@
 // fmadd(a,b,c) = a*b+c, any_nan; I (W uint32 lanes) with iset1, lanes(at) = at + lane, iadd, ixor,
 // iand, imul (low 32 bits), isrl<n>; for 8-bit states abs, hmax (the largest lane), decode_q8 (the
 // values of W codes under a map) and store_q8 (W codes of x, quant8.h's encoding), or with kBlockQ8
-// decode_q8_64 (64 codes into four vectors) / encode_q8_block (a block's codes from an L1 buffer); and kStream: whether stream and stream_half
-// (non-temporal stores to aligned addresses) and fence exist. The tail (fewer than W elements) goes through W-element stack buffers,
-// so every path handles any size with the same full-width code and no allocation.
+// decode_q8_64 (64 codes into four vectors) and encode_q8_block (a block's codes from an L1
+// buffer); and kStream: whether stream and stream_half (non-temporal stores to aligned addresses)
+// and fence exist. The tail (fewer than W elements) goes through W-element stack buffers, so every
+// path handles any size with the same full-width code and no allocation.
 //
 // Non-temporal stores: an output the loop does not read (the weight copy when it is not the gradient
 // buffer, the new state of an out-of-place update) would otherwise be read from memory before it is
