@@ -281,6 +281,7 @@ def run_mode(args):
     if scaler is not None:
         rec["loss_scale"] = scaler.get_scale()
     rec["kept_grads"] = bool(args.keep_grads) if mode.startswith("hytrain") else None
+    rec["workers"] = args.workers if mode.startswith("hytrain") else None  # None: HybridAdamW's default
     if mode.startswith("hytrain"):
         stats = opt.schedule_stats()
         rec.update(speculative_from=stats.get("speculative_from"), speculation=dict(opt.speculation_counts),

@@ -43,12 +43,15 @@ struct VecAvx512 {
   }
   // vcvtneps2bf16 rounds to nearest even too, but reads denormals as zero and keeps a NaN's sign and
   // payload: a vector holding either (fpclass: quiet or signalling NaN, denormal) takes the portable
-  // rounding, so the bits are the same on every path.
+  // rounding, so the bits are the same on every path. fpclass classes a denormal as zero under
+  // MXCSR.DAZ: the caller runs kBf16 only where that bit is clear (adamw_avx512_vbmi.cpp).
   static __m256i pack_bf16(F x) {
     if constexpr (kBf16) {
+#ifdef HYTRAIN_HAVE_AVX512BF16
       if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0x01 | 0x20 | 0x80) == 0, 1)) {
         return (__m256i)_mm512_cvtneps_pbh(x);  // a same-size vector cast: the 16 bf16 bit patterns
       }
+#endif
     }
     return pack_bf16_portable(x);
   }
@@ -165,10 +168,9 @@ struct VecAvx512 {
   }
   // out[r] = value[codes[16 r + i]] * scale for the 64 codes at `codes`: exactly decode_q8's values.
   static void decode_q8_64(const Q8Map& map, const uint8_t* codes, F scale, F out[4]) {
-    if constexpr (kVbmi) {
-      lookup64(map.plane, _mm512_permutexvar_epi32(transpose4x4(), _mm512_loadu_si512(codes)), out);
-      for (int r = 0; r < 4; ++r) out[r] = _mm512_mul_ps(out[r], scale);
-    }
+    static_assert(kVbmi, "byte permutes: the VBMI unit only (kBlockQ8)");
+    lookup64(map.plane, _mm512_permutexvar_epi32(transpose4x4(), _mm512_loadu_si512(codes)), out);
+    for (int r = 0; r < 4; ++r) out[r] = _mm512_mul_ps(out[r], scale);
   }
   // codes[i] = the code of in[i] * inv, by the bucket table or by quant8.h's arithmetic encoder (no
   // gather: the estimate from the binade's cut and the group's step, the midpoint above it looked up 64

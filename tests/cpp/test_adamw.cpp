@@ -9,6 +9,10 @@
 #include <random>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <pmmintrin.h>  // MXCSR: _MM_DENORMALS_ZERO_ON
+#endif
+
 #include "check.h"
 #include "simd_paths.h"
 #include "hytrain/adamw.h"
@@ -275,6 +279,13 @@ TEST(bf16_weight_copies_round_every_class_of_float_as_the_scalar_conversion) {
   std::mt19937 rng(5);
   for (int i = 0; i < 20000; ++i) bits.push_back(static_cast<uint32_t>(rng()));
   for (int i = 0; i < 20000; ++i) bits.push_back(0x3F000000u + (static_cast<uint32_t>(rng()) & 0xFFFFFFu));  // normals only
+  // Runs of one class, 32 long, so whole vectors of them take the one-instruction rounding: zeros, the
+  // smallest normal, the largest finite (rounds up to infinity) and a tie below it that does too.
+  while (bits.size() % 32) bits.push_back(0x3F800000u);
+  for (uint32_t x : {0x00000000u, 0x80000000u, 0x00800000u, 0x80800000u, 0x7F7FFFFFu, 0xFF7FFFFFu, 0x7F7F8000u,
+                     0x7F7E8000u}) {
+    bits.insert(bits.end(), 32, x);
+  }
   const int64_t n = static_cast<int64_t>(bits.size());
   for (DType states : {DType::f32, DType::q8}) {
     for (bool shared : {false, true}) {
@@ -290,7 +301,7 @@ TEST(bf16_weight_copies_round_every_class_of_float_as_the_scalar_conversion) {
         AdamWTensor t{p.data(), m.data(), v.data(), nullptr, g.data(), DType::bf16,
                       shared ? g.data() : copy.data(), DType::bf16, n};
         t.state_dtype = states;
-        adamw_step(t, c, 2, path);
+        adamw_step(t, c, /*num_threads=*/2, path);
         const std::vector<uint16_t>& out = shared ? g : copy;
         int64_t wrong = 0;
         for (int64_t i = 0; i < n; ++i) {
@@ -306,6 +317,43 @@ TEST(bf16_weight_copies_round_every_class_of_float_as_the_scalar_conversion) {
     }
   }
 }
+
+#if defined(__x86_64__) || defined(__i386__)
+TEST(bf16_weight_copies_of_denormal_weights_under_daz_round_as_the_scalar_conversion) {
+  // MXCSR.DAZ (torch.set_flush_denormal(True)) on the updating thread: the arithmetic reads denormal
+  // inputs as zero, but new weights may still be denormal (no FTZ), and their copies must be
+  // f32_to_bf16's on every path, the vector paths' weights and copies the same bits. (vcvtneps2bf16's guard classes a denormal as zero
+  // under DAZ: the kernel then takes the portable rounding.) One thread: the calling one.
+  const int64_t n = 4096;
+  std::vector<float> p0(n);
+  for (int64_t i = 0; i < n; ++i) p0[i] = bits_f32(0x00800000u + static_cast<uint32_t>(i) * 517u);  // just above min normal
+  std::vector<uint16_t> ref_copy;
+  std::vector<float> ref_p;
+  for (SimdPath path : runnable_paths()) {
+    std::vector<float> p = p0, m(n, 0.0f), v(n, 0.0f);
+    std::vector<uint16_t> g(n, f32_to_bf16(1.0f)), copy(n, 0x1234);
+    AdamWConfig c;
+    c.lr = 2e-39;  // a first step moves p by -lr / (1 - beta1) = -2e-38 (normal): denormal results
+    c.weight_decay = 0.0;
+    AdamWTensor t{p.data(), m.data(), v.data(), nullptr, g.data(), DType::bf16, copy.data(), DType::bf16, n};
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr((csr | _MM_DENORMALS_ZERO_ON) & ~static_cast<unsigned>(_MM_FLUSH_ZERO_ON));
+    adamw_step(t, c, 1, path);
+    _mm_setcsr(csr);
+    int64_t denormal = 0, wrong = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      denormal += p[i] != 0.0f && std::fabs(p[i]) < 1.17549435e-38f;
+      wrong += copy[i] != f32_to_bf16(p[i]);
+    }
+    if (wrong) std::fprintf(stderr, "  %s: %lld copies wrong\n", simd_path_name(path), static_cast<long long>(wrong));
+    CHECK(wrong == 0);
+    if (path == SimdPath::scalar) continue;  // separate multiply and add: the denormal product read as 0
+    CHECK(denormal > n / 2);  // fused: most new weights denormal
+    if (ref_p.empty()) ref_p = p, ref_copy = copy;
+    CHECK(p == ref_p && copy == ref_copy);
+  }
+}
+#endif
 
 TEST(out_of_place_equals_in_place_and_leaves_the_input_alone) {
   // A speculative update writes the new state elsewhere: bit for bit what the in-place update

@@ -17,7 +17,7 @@ std::vector<SimdPath> compiled_simd_paths();
 // Whether this CPU (and OS) can execute the path.
 bool cpu_supports(SimdPath p);
 // Whether this CPU (and OS) has AVX512_BF16 (the avx512vbmi path then rounds bf16 weight copies with
-// vcvtneps2bf16; the bits are the same either way).
+// vcvtneps2bf16, where MXCSR.DAZ is clear; the bits are the same either way).
 bool cpu_has_avx512bf16();
 // The best compiled path this CPU supports.
 SimdPath best_simd_path();
