@@ -16,17 +16,30 @@ from . import _checks
 from ._native import native
 
 _SIMD_NAMES = ("auto", "scalar", "avx2", "avx512", "avx512vbmi")
-_simd_path = os.environ.get("HYTRAIN_SIMD", "auto")
+_simd_path = None  # set_simd_path's choice; None: HYTRAIN_SIMD's, else auto
+
+
+def _path_in_use() -> str:
+    """set_simd_path's choice, else HYTRAIN_SIMD's (checked on every use: a bad value is a ValueError
+    naming the variable), else "auto"."""
+    if _simd_path is not None:
+        return _simd_path
+    name = os.environ.get("HYTRAIN_SIMD", "auto")
+    try:
+        return _check_simd(name)
+    except ValueError as e:
+        raise ValueError(f"HYTRAIN_SIMD={name!r}: {e}") from None
 
 
 def simd_paths() -> dict:
     """The SIMD paths compiled in, which of them this CPU runs, and the one in use."""
     nat = native()
     compiled = list(nat.simd_paths_compiled())
+    path = _path_in_use()
     return {
         "compiled": compiled,
         "supported": [p for p in compiled if nat.cpu_supports(p)],
-        "selected": nat.best_simd_path() if _simd_path == "auto" else _simd_path,
+        "selected": nat.best_simd_path() if path == "auto" else path,
     }
 
 
@@ -108,7 +121,7 @@ def adamw_step(
     step, lr, beta1, beta2, eps, weight_decay, grad_scale = _checks.adamw_hparams(
         step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
     threads = 0 if num_threads is None else _checks.integer("num_threads", num_threads, lo=1)
-    path = _simd_path if simd is None else _check_simd(simd)
+    path = _path_in_use() if simd is None else _check_simd(simd)
 
     copy_code = _checks.DTYPE_CODES[param_copy.dtype] if param_copy is not None else 1
     addr = _checks.address

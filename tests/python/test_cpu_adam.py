@@ -167,3 +167,23 @@ def test_set_simd_path_forces_and_validates(monkeypatch):
     assert hytrain.simd_paths()["selected"] == before
     with pytest.raises(ValueError, match="simd"):
         hytrain.set_simd_path("sse9")
+
+
+def test_a_bad_hytrain_simd_is_refused_naming_the_variable(monkeypatch):
+    """HYTRAIN_SIMD is checked where it is used: simd_paths(), adamw_step() and HybridAdamW's
+    construction raise a ValueError naming the variable, nothing written; a good value is used, and
+    set_simd_path() takes precedence over it."""
+    monkeypatch.setattr(hytrain.cpu_adam, "_simd_path", None)  # no set_simd_path() choice
+    monkeypatch.setenv("HYTRAIN_SIMD", "sse9")
+    for call in (hytrain.simd_paths,
+                 lambda: hytrain.HybridAdamW([torch.nn.Parameter(torch.ones(3))], lr=1e-3)):
+        with pytest.raises(ValueError, match="HYTRAIN_SIMD='sse9'"):
+            call()
+    p, g, m, v = torch.ones(100), torch.full((100,), 0.1), torch.zeros(100), torch.zeros(100)
+    with pytest.raises(ValueError, match="HYTRAIN_SIMD"):
+        hytrain.adamw_step(p, g, m, v, step=1)
+    assert bool((p == 1).all() and (m == 0).all())
+    monkeypatch.setenv("HYTRAIN_SIMD", "scalar")
+    assert hytrain.simd_paths()["selected"] == "scalar"
+    hytrain.set_simd_path("auto")
+    assert hytrain.simd_paths()["selected"] == hytrain.native().best_simd_path()

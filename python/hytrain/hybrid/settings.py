@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import _checks, quant8
+from ..cpu_adam import simd_paths
 from ..distributed import default_workers
 from ..pool import PinnedPool, physical_memory_bytes
 
@@ -101,6 +102,7 @@ def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, sc
         raise TypeError(f"watch_writes must be True or False, got {watch_writes!r}")
     if not isinstance(state_format, str) or state_format not in STATE_FORMATS:
         raise ValueError(f"state_format must be one of {', '.join(map(repr, STATE_FORMATS))}; got {state_format!r}")
+    simd_paths()  # a bad HYTRAIN_SIMD is refused here, not at the first step()
     # Default: every usable core but one, which the training thread needs to keep the GPU fed.
     workers = workers if workers is not None else default_workers()
     return Settings(
