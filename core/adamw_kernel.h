@@ -267,6 +267,7 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
   constexpr int W = V::W;
   alignas(64) float mb[kQ8Block], vb[kQ8Block];
   F am = V::set1(0.0f), av = V::set1(0.0f);
+  const F sm = V::set1(x.sm[blk]), sv = V::set1(x.sv[blk]);  // read once: the stores below may alias
   // Element k of the block (W of them) from its decoded m and u.
   const auto update = [&](int64_t k, F m, F u) {
     F p = V::load(x.p + i + k);
@@ -283,7 +284,6 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
   };
   if constexpr (V::kBlockQ8) {
     static_assert(W == 16, "64 codes are four vectors");
-    const F sm = V::set1(x.sm[blk]), sv = V::set1(x.sv[blk]);
     for (int64_t k = 0; k < kQ8Block; k += 64) {
       F m[4], u[4];
       V::decode_q8_64(ms, x.m + i + k, sm, m);
@@ -292,8 +292,7 @@ inline void q8_block(const Body& body, const Q8Slice& x, int64_t i, int64_t blk,
     }
   } else {  // W codes at a time
     for (int64_t k = 0; k < kQ8Block; k += W) {
-      update(k, V::mul(V::decode_q8(ms, x.m + i + k), V::set1(x.sm[blk])),
-             V::mul(V::decode_q8(mu, x.v + i + k), V::set1(x.sv[blk])));
+      update(k, V::mul(V::decode_q8(ms, x.m + i + k), sm), V::mul(V::decode_q8(mu, x.v + i + k), sv));
     }
   }
   const float amax_m = V::hmax(am), amax_v = V::hmax(av);

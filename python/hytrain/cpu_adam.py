@@ -17,18 +17,21 @@ from ._native import native
 
 _SIMD_NAMES = ("auto", "scalar", "avx2", "avx512", "avx512vbmi")
 _simd_path = None  # set_simd_path's choice; None: HYTRAIN_SIMD's, else auto
+_env_checked = {}  # HYTRAIN_SIMD values found good
 
 
 def _path_in_use() -> str:
-    """set_simd_path's choice, else HYTRAIN_SIMD's (checked on every use: a bad value is a ValueError
+    """set_simd_path's choice, else HYTRAIN_SIMD's (a bad value is a ValueError, at every use
     naming the variable), else "auto"."""
     if _simd_path is not None:
         return _simd_path
     name = os.environ.get("HYTRAIN_SIMD", "auto")
-    try:
-        return _check_simd(name)
-    except ValueError as e:
-        raise ValueError(f"HYTRAIN_SIMD={name!r}: {e}") from None
+    if name not in _env_checked:  # checked once per value: adamw_step reads it at every call
+        try:
+            _env_checked[name] = _check_simd(name)
+        except ValueError as e:
+            raise ValueError(f"HYTRAIN_SIMD={name!r}: {e}") from None
+    return _env_checked[name]
 
 
 def simd_paths() -> dict:
