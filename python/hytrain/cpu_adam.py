@@ -21,8 +21,8 @@ _env_checked = {}  # HYTRAIN_SIMD values found good
 
 
 def _path_in_use() -> str:
-    """set_simd_path's choice, else HYTRAIN_SIMD's (a bad value is a ValueError, at every use
-    naming the variable), else "auto"."""
+    """set_simd_path's choice, else HYTRAIN_SIMD's (a bad value is a ValueError naming the
+    variable, at every use), else "auto"."""
     if _simd_path is not None:
         return _simd_path
     name = os.environ.get("HYTRAIN_SIMD", "auto")
