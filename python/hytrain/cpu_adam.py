@@ -58,8 +58,10 @@ def set_simd_path(name: str) -> None:
 def _check_simd(name) -> str:
     if not isinstance(name, str) or name not in _SIMD_NAMES:
         raise ValueError(f"simd must be one of {', '.join(_SIMD_NAMES)}; got {name!r}")
-    if name != "auto" and not native().cpu_supports(name):
-        raise ValueError(f"simd path {name!r} is not available on this CPU/build: {simd_paths()}")
+    nat = native()
+    if name != "auto" and not nat.cpu_supports(name):  # (not simd_paths(): it reads HYTRAIN_SIMD)
+        supported = [p for p in nat.simd_paths_compiled() if nat.cpu_supports(p)]
+        raise ValueError(f"simd path {name!r} is not available on this CPU/build (it runs {', '.join(supported)})")
     return name
 
 

@@ -187,3 +187,19 @@ def test_a_bad_hytrain_simd_is_refused_naming_the_variable(monkeypatch):
     assert hytrain.simd_paths()["selected"] == "scalar"
     hytrain.set_simd_path("auto")
     assert hytrain.simd_paths()["selected"] == hytrain.native().best_simd_path()
+
+
+def test_hytrain_simd_naming_a_path_this_cpu_lacks_is_a_value_error(monkeypatch):
+    """A real path the CPU or build lacks (here: every vector path, as on a CPU without AVX2) is
+    refused with the variable and what the CPU runs named (it once recursed through simd_paths())."""
+    nat = hytrain.native()
+    monkeypatch.setattr(nat, "cpu_supports", lambda p: p == "scalar")
+    monkeypatch.setattr(hytrain.cpu_adam, "_simd_path", None)
+    monkeypatch.setattr(hytrain.cpu_adam, "_env_checked", {})
+    monkeypatch.setenv("HYTRAIN_SIMD", "avx2")
+    for call in (hytrain.simd_paths,
+                 lambda: hytrain.HybridAdamW([torch.nn.Parameter(torch.ones(3))], lr=1e-3)):
+        with pytest.raises(ValueError, match=r"HYTRAIN_SIMD='avx2'.*not available.*it runs scalar"):
+            call()
+    with pytest.raises(ValueError, match=r"'avx512' is not available.*it runs scalar"):
+        hytrain.set_simd_path("avx512")
