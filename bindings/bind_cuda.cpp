@@ -189,6 +189,8 @@ void bind_cuda(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "Waits until the block's CPU update has finished, without consuming its pass.")
       .def("in_flight", &OffloadPipeline::in_flight)
+      .def("updated", &OffloadPipeline::updated, py::arg("block"),
+           "Whether the block's CPU update has finished (never waits; true with no pass in flight).")
       .def("last_pass", [](OffloadPipeline& p, int64_t block) {
         const BlockPass b = p.last_pass(block);
         py::dict d;

@@ -294,6 +294,14 @@ void OffloadPipeline::wait_updated(int64_t block) {
   }
 }
 
+bool OffloadPipeline::updated(int64_t block) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = passes_.find(block);
+  if (it == passes_.end()) return true;
+  const State s = it->second->state;
+  return s == State::ready || s == State::failed;
+}
+
 bool OffloadPipeline::in_flight(int64_t block) {
   std::lock_guard<std::mutex> lock(mutex_);
   return passes_.count(block) != 0;

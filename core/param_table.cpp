@@ -341,7 +341,9 @@ PassPlan ParamTable::offload_pass(const std::vector<int64_t>& handles, const std
     }
     const void* src = r.e.grad_dtype != DType::f32 ? static_cast<const void*>(new_copy)
                                                      : static_cast<const void*>(new_master);
-    plan.h2d.push_back({live[i].weight, src, bytes});
+    // A null live weight: the block's training copy lives on the host (a streamed block), where
+    // the update has just written it; nothing goes to the device.
+    if (live[i].weight) plan.h2d.push_back({live[i].weight, src, bytes});
     plan.jobs.push_back(j);
   }
   return plan;

@@ -13,6 +13,7 @@ from .cuda_adam import CudaAdamW
 from .grad_norm import CudaGradNorm, clip_multiplier
 from .hybrid import HybridAdamW
 from .pool import CapacityError, PinnedPool
+from .window import WeightWindow, stream_model
 from . import integrations  # imports transformers or Lightning only when they are used
 
 __version__ = "0.1.0"
@@ -38,4 +39,4 @@ def __getattr__(name):
 
 __all__ = ["CapacityError", "CopyStream", "CudaAdamW", "CudaGradNorm", "DeviceTimeoutError", "HybridAdamW", "PinnedPool",
            "PoolExhaustedError", "adamw_step", "build_info", "clip_multiplier", "cuda_available",
-           "set_simd_path", "simd_paths", "__version__"]
+           "set_simd_path", "simd_paths", "stream_model", "WeightWindow", "__version__"]

@@ -218,4 +218,46 @@ TEST(a_failed_copy_is_raised_in_the_waiting_thread_and_the_block_can_go_again) {
   CHECK(!pipe->in_flight(0));
 }
 
+TEST(a_streamed_block_writes_its_weights_on_the_host_and_copies_nothing_back) {
+  // A streamed block's training copy lives in host memory: the update writes the new weights into a
+  // host buffer of their own (not over the gradient staging) and the pass has no H2D copies. updated()
+  // tells, without waiting or consuming the pass, when that buffer may be read.
+  UpdateEngine engine(2, 4096, SimdPath::scalar);
+  auto pipe = make_pipeline(engine);
+  std::vector<Block> blocks = make_blocks(1, 9);
+  Block& blk = blocks[0];
+  std::mt19937 rng(10);
+  std::vector<std::vector<uint16_t>> homes;
+  for (Param& p : blk.params) homes.push_back(p.weight);
+  CHECK(pipe->updated(0));  // nothing in flight
+  for (int step = 0; step < 3; ++step) {
+    std::vector<UpdateJob> jobs;
+    for (std::size_t i = 0; i < blk.params.size(); ++i) {
+      Param& p = blk.params[i];
+      p.new_gradient(rng);
+      ++p.step;
+      UpdateJob j = p.job(1.0);
+      j.tensor.param_copy = homes[i].data();
+      jobs.push_back(j);
+    }
+    pipe->stage(0, blk.d2h(), jobs, {}, 0, true);
+    CHECK(!pipe->updated(0));  // held
+    pipe->release(0, 1.0);
+    while (!pipe->updated(0)) std::this_thread::yield();
+    for (std::size_t i = 0; i < blk.params.size(); ++i) {
+      Param& p = blk.params[i];
+      const std::vector<uint16_t> grad = p.grad;
+      p.reference_step(1.0);
+      CHECK(homes[i] == p.ref_weight);
+      CHECK(p.staging == grad);  // the gradient staging is left as it landed
+      CHECK(p.master == p.ref_master && p.m == p.ref_m && p.v == p.ref_v);
+    }
+    CHECK(pipe->in_flight(0));  // updated() did not consume the pass
+    pipe->wait_ready(0, 0);
+    const BlockPass info = pipe->last_pass(0);
+    CHECK(info.h2d_first == 0 && info.h2d_last == 0 && info.h2d_bytes == 0);
+    for (Param& p : blk.params) CHECK(p.weight != p.ref_weight);  // nothing was copied to the "device"
+  }
+}
+
 HYTEST_MAIN()

@@ -75,6 +75,9 @@ class OffloadPipeline {
   // its gradient copies have landed. Throws if the block has no held pass.
   void cancel(int64_t block);
   bool in_flight(int64_t block);
+  // Whether the block's CPU update has finished (or failed), without waiting or consuming the pass:
+  // true for a block with no pass in flight, false for a held one.
+  bool updated(int64_t block);
   // The last pass of `block` that wait_ready consumed.
   BlockPass last_pass(int64_t block);
 

@@ -21,6 +21,7 @@ import torch
 from .._native import native
 from ..pool import CapacityError
 from ..trace import Timeline
+from ..window import window_for
 from . import collectives
 from .fence import Fence
 from .hooks import forward_hooks
@@ -95,6 +96,7 @@ class Engine:
         pending = None
         try:
             store.prepare()
+            self._bind_window()
             # Where each block's state lives from the start: the host holds what it can (the
             # blocks from its floor on), the GPU the first k; checked on both sides first.
             # What optimizer.state holds before the state exists (a load, carried entries, the loop's
@@ -125,8 +127,46 @@ class Engine:
             self._state.update(pending or {})
             raise
 
+    def _bind_window(self) -> None:
+        """The model's weight window (window.py), if it has one: a streamed block's updates write its
+        home on the host, k stays below the first streamed block, and the window reads a layer ahead
+        only once its update has finished. A block must stream whole or not at all."""
+        window = window_for(self.plan.params)
+        if window is None:
+            return
+        plan, store = self.plan, self.store
+        if window.device != store.device:
+            raise ValueError(f"the model's weight window is on {window.device}, its parameters on {store.device}")
+        if self.shard_group is not None:
+            raise ValueError("streamed weights (stream_model) are not supported with FSDP2-sharded parameters")
+        layers = {}
+        for b, ps in enumerate(plan.blocks):
+            streaming = [window.streams(p) for p in ps]
+            if any(streaming) and not all(streaming):
+                raise ValueError(f"block {b} has parameters in streamed layers and others: with stream_model, "
+                                 "each streamed layer must be whole blocks (the default blocks are)")
+            for p in ps:
+                if window.streams(p):
+                    layers.setdefault(window.layer_of(p), set()).add(b)
+        store.window = window
+        blocks = store.streamed_blocks()
+        self.planner.max_k = min(blocks) if blocks else None
+        ref = weakref.ref(self)
+
+        def ready(layer):
+            engine = ref()
+            return engine is None or not engine.bound or all(engine.launcher.updated(b) for b in layers.get(layer, ()))
+
+        window.attach(ready)
+
+    def _detach_window(self) -> None:
+        window = self.store.window
+        if window is not None:
+            window.attach(None)
+
     def _unbind(self):
         """The parts as before the first step (the state dropped)."""
+        self._detach_window()
         self._remove_model_hooks()
         self.store.clear()
         self.launcher.stop()
@@ -166,6 +206,7 @@ class Engine:
         self.synchronize()
         self.fence.disarm(force=True)
         self.intake.close()
+        self._detach_window()
         self._remove_model_hooks()
         self.store.clear()
         self.launcher.stop()
@@ -480,6 +521,9 @@ class Engine:
             return
         if k and not self.store.cuda:
             raise ValueError("gpu_blocks > 0 needs CUDA parameters (these are on the CPU)")
+        if self.planner.max_k is not None and k > self.planner.max_k:
+            raise CapacityError(f"gpu_blocks={k}: blocks {self.planner.max_k} and up stream their weights from host "
+                                f"memory, so their states stay there (use gpu_blocks <= {self.planner.max_k})")
         if k < self.store.floor:
             raise CapacityError(f"gpu_blocks={k}: the host can hold the states of blocks {self.store.floor} "
                                 f"to {len(self.plan) - 1} only (use gpu_blocks >= {self.store.floor})")

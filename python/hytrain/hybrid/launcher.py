@@ -95,8 +95,9 @@ class Launcher:
         if not store.cuda:
             if rt.in_flight(b):  # its previous update (a step() right after step()) finishes first
                 self.wait_blocks([b])
+            self._stale(b)
             self.engine.submit(b, store.table, handles, [g.data_ptr() for _, g in pairs],
-                               [local(p).data_ptr() for p, _ in pairs], float(grad_scale))
+                               [store.weight_address(p) for p, _ in pairs], float(grad_scale))
             # The workers read the gradients and write the weights: both stay alive until waited for.
             self._alive[b] = [t for p, g in pairs for t in (g, local(p).detach())]
             self.fence.watch(b, [g for _, g in pairs])
@@ -107,8 +108,9 @@ class Launcher:
             if b in self._unchecked:  # its last pass is checked before a new one reads the state
                 self.wait_blocks([b])
             store.residency.migration_done(b, host=True)  # states that came down from the GPU have landed
+            self._stale(b)
             self.pipeline.stage(b, store.table, handles, [g.data_ptr() for _, g in pairs],
-                                [local(p).data_ptr() for p, _ in pairs], float(grad_scale), self._stream(),
+                                [store.weight_address(p) for p, _ in pairs], float(grad_scale), self._stream(),
                                 hold=hold, speculative=speculative, count=not (hold or speculative))
             self._landing.append((self.pipeline.d2h_issued, [g for _, g in pairs]))
             # The H2D copies write these weights: their storage stays alive until the pass is waited
@@ -151,6 +153,25 @@ class Launcher:
         else:
             self.pipeline.release(b, mult, self.store.table, self.rt.handed(b))
         self.rt.launch(b)
+
+    def _stale(self, b) -> None:
+        """Block b's weights are about to be written on the host: a streamed block's copy on the
+        GPU (its window's) is dropped first."""
+        window = self.store.window
+        if window is not None:
+            for layer in sorted({window.layer_of(p) for p in self.plan.blocks[b] if window.streams(p)}):
+                window.invalidate(layer)
+
+    def updated(self, b) -> bool:
+        """Whether block b's weights are final now, without waiting: no update in flight, or its CPU
+        update finished with nothing left to check (an undo record adopted is checked, and maybe redone,
+        when the block is waited for)."""
+        if not self.rt.in_flight(b):
+            return True
+        phases = native().BlockPhase
+        if self.pipeline is None or b in self._unchecked or self.rt.phase(b) in (phases.held, phases.speculated):
+            return False
+        return self.pipeline.updated(b)
 
     def staged(self, b):
         """The weights block b's pass in flight writes (None if none)."""
@@ -205,8 +226,9 @@ class Launcher:
             self.wait_blocks([b])  # the compute stream now follows the speculative weight copies
             table.undo(rt.handed(b))  # updates in place with an undo record: taken back
             ps = self.plan.of_handles(rt.handed(b))
-            for p in ps:
-                local(p).copy_(self.store.state[p]["master"], non_blocking=True)  # the weights are its rounding
+            self._stale(b)
+            for p in ps:  # the weights are its rounding (a streamed parameter's in its home)
+                self.store.weights(p).copy_(self.store.state[p]["master"], non_blocking=True)
             self.store.writes.note(ps, sharded=sharded)
             self._uncount(b)
             rt.drop(b)
@@ -247,7 +269,8 @@ class Launcher:
                 table.adopt(h)
             return
         ps = self.plan.of_handles(handles)
-        self.pipeline.stage(b, table, handles, [0] * len(ps), [local(p).data_ptr() for p in ps], mult,
+        self._stale(b)
+        self.pipeline.stage(b, table, handles, [0] * len(ps), [self.store.weight_address(p) for p in ps], mult,
                             self._stream(), redo=True)
         self.pipeline.wait_ready(b, self._stream())
         self.counts["adopted"] -= 1
@@ -290,7 +313,8 @@ class Launcher:
         if self.meter is not None:
             self._meter_owner[b] = self.meter.current
         self.store.sync_groups(self.groups)
-        self.pipeline.stage(b, self.store.table, handles, [0] * len(ps), [local(p).data_ptr() for p in ps],
+        self._stale(b)
+        self.pipeline.stage(b, self.store.table, handles, [0] * len(ps), [self.store.weight_address(p) for p in ps],
                             float(mult), self._stream(), redo=True)
         self._alive[b] = [local(p).detach() for p in ps]
         rt.set_in_flight(b)

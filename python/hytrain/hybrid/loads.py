@@ -11,7 +11,7 @@ from .. import quant8
 from .common import MOMENTS, STATE_KEYS, convert_moment, local
 
 
-def copy_in(plan, state, entries, *, reset_missing, reset=()) -> tuple[list, list]:
+def copy_in(plan, state, entries, *, reset_missing, reset=(), weights=local) -> tuple[list, list]:
     """Copies loaded state entries (parameter -> {key: tensor}, checked) into the buffers of
     ``state``; with ``reset_missing`` the parameters without an entry start afresh (step 0, zero
     moments, the master from the weights), else those in ``reset``. Returns (the parameters started
@@ -27,7 +27,7 @@ def copy_in(plan, state, entries, *, reset_missing, reset=()) -> tuple[list, lis
                     if key in mine:
                         copies.append((mine[key], None, key, p))
                 if "master" in mine:
-                    copies.append((mine["master"], local(p).detach(), "master", p))
+                    copies.append((mine["master"], weights(p).detach(), "master", p))
             continue
         if "master" in entry:
             mastered.append(p)

@@ -76,6 +76,9 @@ class Planner:
         self._pressure = 0  # bytes the state budget gives up: iterations where the allocator retried
         self._first_samples = []  # (block, GPU bytes in use) as each block completed in the first backward
         self.first_k = None  # (k, later) of the first step (initial_k)
+        # The first streamed block (window.py): blocks from there on keep their states on the host,
+        # where their weights live; k never passes it. None: no block streams.
+        self.max_k = None
 
     def initial_k(self, floor, shard_group, *, defer=False, early=False, kept=False) -> tuple[int, int]:
         """(k, later) for the state about to be created, at the first step, before any block has
@@ -98,8 +101,18 @@ class Planner:
         peak = max(torch.cuda.max_memory_allocated(store.device), allocated)
         if early:  # bound in the first backward: gradients in flight one block at a time, as later
             free = max(0, free - self._transient())
+        if self.max_k is not None and floor > self.max_k:
+            raise CapacityError(
+                f"the host can hold the optimizer states of blocks {floor} to {len(state_bytes) - 1} only, but "
+                f"blocks {self.max_k} and up stream their weights from host memory and must keep their states "
+                f"there too: {format_bytes(sum(state_bytes[self.max_k:floor]))} more host memory is needed, or "
+                "fewer streamed layers")
         if not s.auto:
             k = s.gpu_blocks
+            if self.max_k is not None and k > self.max_k:
+                raise CapacityError(
+                    f"gpu_blocks={k}, but blocks {self.max_k} and up stream their weights from host memory, so "
+                    f"their states stay there: use gpu_blocks <= {self.max_k}, or 'auto'")
             if k < floor:
                 raise CapacityError(
                     f"gpu_blocks={k} leaves the states of blocks {k} to {len(state_bytes) - 1} on the host, but "
@@ -135,6 +148,8 @@ class Planner:
             k = floor  # made now: it fits, if not with the margin
         if floor > max(k, later):
             raise store.gpu_refusal(floor, free + (sum(grads) - sum(grads[k:floor]) if grads else 0))
+        if self.max_k is not None:
+            k, later = min(k, self.max_k), min(later, self.max_k)
         self.first_k = (k, max(k, later))
         return self.first_k
 
@@ -312,6 +327,8 @@ class Planner:
                 self._give_way(k)
             sched.memory_budget = float(max(0, self._budget(self._nonstate_peak)))
             k = sched.decide(s.gpu_blocks)
+            if self.max_k is not None:
+                k = min(k, self.max_k)
         if self._agree_group is not None:
             # Sharded: each rank decides from its own measurements, and all take the smallest k --
             # within every rank's memory budget, and every rank's migration falls in the same step

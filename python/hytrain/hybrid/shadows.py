@@ -29,8 +29,9 @@ class Shadows:
     of a bf16/fp16 parameter), registered in ``table``; allocated from ``pool``. ``state``: the
     optimizer's state dict (the state a shadow stands beside)."""
 
-    def __init__(self, plan, settings, rt, state, pool, table):
+    def __init__(self, plan, settings, rt, state, pool, table, homes=lambda p: None):
         self.plan, self.settings, self.rt, self.state, self.pool, self.table = plan, settings, rt, state, pool, table
+        self.homes = homes  # a streamed parameter's home (its weights on the host), else None
         self.entries = {}
 
     def rebind(self, state) -> None:
@@ -123,8 +124,9 @@ class Shadows:
                 else:
                     sh = {key: like(self.pool.empty(st[key].shape, st[key].dtype), local(p))
                           for key in STATE_AND_MASTER if key in st}
-                if p.dtype != torch.float32:
-                    sh["copy"] = like(self.pool.empty(local(p).shape, p.dtype), local(p))
+                if p.dtype != torch.float32:  # (a streamed parameter's weights go to its home)
+                    home = self.homes(p)
+                    sh["copy"] = like(self.pool.empty(local(p).shape, p.dtype), local(p)) if home is None else home
                 self._set(p, sh)
         except MemoryError:
             for p in self.plan.blocks[b]:

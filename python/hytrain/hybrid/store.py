@@ -48,6 +48,9 @@ class StateStore:
         self.deferred = []  # GPU-resident blocks whose states the first step makes (create)
         self._groups_set = None  # the hyperparameters the table has
         self._state_bytes = plan.sizes()[2]
+        # The model's weight window (window.py), or None: a streamed parameter's training copy lives
+        # in its home on the host, which its updates write (set by the engine before create()).
+        self.window = None
         self._new_parts()
         self.writes = WeightWrites(plan, rt, state)
 
@@ -55,7 +58,36 @@ class StateStore:
         """The residency and the shadows over the device, pool and table of now (none before
         :meth:`create`)."""
         self.residency = Residency(self.plan, self.settings, self.rt, self.device, self.pool)
-        self.shadows = Shadows(self.plan, self.settings, self.rt, self.state, self.pool, self.table)
+        self.shadows = Shadows(self.plan, self.settings, self.rt, self.state, self.pool, self.table,
+                               homes=self.home)
+
+    # -- streamed weights -----------------------------------------------------------------------------
+
+    def home(self, p):
+        """A streamed parameter's training copy on the host (its window's home), else None."""
+        w = self.window
+        return w.home(p) if w is not None and w.streams(p) else None
+
+    def weights(self, p):
+        """The parameter's training copy as the optimizer reads it: its home when it streams, else its
+        local weights."""
+        home = self.home(p)
+        return local(p) if home is None else home
+
+    def weight_address(self, p) -> int:
+        """Where an update writes the parameter's new weights: on the CPU path its home or its
+        weights; on the CUDA path 0 for a streamed one (its staging entry is its home: nothing is
+        copied to the device), else the device weights."""
+        home = self.home(p)
+        if home is None:
+            return local(p).data_ptr()
+        return 0 if self.cuda else home.data_ptr()
+
+    def streamed_blocks(self) -> list:
+        """The blocks whose parameters all stream (the others hold none that do: checked at bind)."""
+        if self.window is None:
+            return []
+        return [b for b, ps in enumerate(self.plan.blocks) if ps and all(self.window.streams(p) for p in ps)]
 
     # -- creation -------------------------------------------------------------------------------------
 
@@ -103,11 +135,11 @@ class StateStore:
         self.settings.gpu_blocks = later
         if self.cuda:
             self.residency.start()
-        watched = [[p for p in blk if not is_sharded(p) and local(p).numel()
+        watched = [[p for p in blk if not is_sharded(p) and local(p).numel() and self.home(p) is None
                     and (p.dtype != torch.float32 or self.cuda)]  # (fp32 CPU weights are their own master)
                    for blk in plan.blocks]
         watch = WeightWatch(watched, self.device) if any(watched) and self.settings.watch_writes else None
-        self.writes = WeightWrites(plan, self.rt, self.state, watch)
+        self.writes = WeightWrites(plan, self.rt, self.state, watch, homes=self.home)
         self.bound = {id(p): (w.device, w.dtype, w.shape) for p in plan.params for w in (local(p),)}
         self.amsgrad_bound = [bool(g["amsgrad"]) for g in param_groups]
 
@@ -176,7 +208,7 @@ class StateStore:
         self._new_parts()
         self.deferred = []
         self._groups_set = None
-        self.writes = WeightWrites(self.plan, self.rt, self.state)
+        self.writes = WeightWrites(self.plan, self.rt, self.state, homes=self.home)
 
     # -- budgets (budgets.py) -------------------------------------------------------------------------
 
@@ -275,12 +307,15 @@ class StateStore:
             make = zeros if fill and key != "master" else empty
             out[key] = like(make(formats.key_shape(s, w, key), formats.key_dtype(s, key)), w)
         if fill and "master" in out:
-            out["master"].copy_(w.detach())
+            out["master"].copy_(self.weights(p).detach())
         if self.cuda:
             buf = like(empty(w.shape, p.dtype), w)
             out["grad"] = buf
             if p.dtype != torch.float32:
-                out["copy"] = buf
+                # A streamed parameter's update writes its new weights into its home (they stay
+                # there); the others' over the gradient they read, and the H2D copy sends them back.
+                home = self.home(p)
+                out["copy"] = buf if home is None else home
             self.staging[id(p)] = (buf, out.get("copy"))
         return out
 
@@ -318,7 +353,8 @@ class StateStore:
         """Copies loaded state entries (parameter -> {key: tensor}, checked) into the host buffers;
         with ``reset_missing`` the parameters without an entry start afresh (step 0, zero moments,
         the master from the weights), else those in ``reset``."""
-        fresh, mastered = loads.copy_in(self.plan, self.state, entries, reset_missing=reset_missing, reset=reset)
+        fresh, mastered = loads.copy_in(self.plan, self.state, entries, reset_missing=reset_missing, reset=reset,
+                                        weights=self.weights)
         # Masters made from the weights match them; loaded ones are checked against the weights at the
         # next step (WeightWrites.refresh). Entries without one (a torch checkpoint, a counter reset)
         # leave the weights' writes to be followed (Engine._follow_weight_writes).

@@ -119,8 +119,12 @@ class WeightWrites:
     weights at the next step) and their fingerprints (``watch``: a WeightWatch, or None).
     ``state``: the optimizer's state dict (whose masters :meth:`refresh` writes)."""
 
-    def __init__(self, plan, rt, state, watch=None):
+    def __init__(self, plan, rt, state, watch=None, homes=lambda p: None):
         self.plan, self.rt, self.state, self.watch = plan, rt, state, watch
+        # A streamed parameter's training copy is its home on the host (window.py), whose only writer
+        # is the optimizer: not watched (its device storage exists only while its layer runs), but a
+        # master loaded is checked against it.
+        self.homes = homes
         self._versions = {}  # id(p) -> (address, version) of the weights after our last write
         self.loaded_masters = set()  # ids of parameters whose master was loaded since the last step
 
@@ -138,7 +142,7 @@ class WeightWrites:
             return
         params = self.plan.params if params is None else params
         for p in params:
-            if "master" in self.state[p]:
+            if "master" in self.state[p] and self.homes(p) is None:
                 self._versions[id(p)] = (local(p).data_ptr(), local(p)._version)
         if self.watch is not None:
             self.watch.note(params)
@@ -179,7 +183,8 @@ class WeightWrites:
         changed = []
         with torch.no_grad():
             for p in params:
-                m, w = self.state[p]["master"], local(p).detach()
+                home = self.homes(p)
+                m, w = self.state[p]["master"], (local(p) if home is None else home).detach()
                 w = w.to(m.device, non_blocking=False) if w.device != m.device else w
                 differs = w != m.to(w.dtype)  # (NaN weights always differ: the master becomes NaN)
                 if bool(differs.any()):

@@ -1,0 +1,487 @@
+"""Streamed weights: the GPU holds a window of a model's repeated layers, not the whole model.
+
+A *streamed* layer's training copy (its bf16/fp16 weights) lives in pinned host memory, its *home*;
+the parameter keeps its shape, dtype and device, but its storage is empty (``resize_(0)``) except
+while the layer runs. The window copies a layer's home into freshly allocated storage on a copy stream
+of its own ahead of the layer's forward, and again ahead of its backward (an activation-checkpointed
+recomputation included), and lets the storage go once the forward has run (when no backward follows,
+or before it, as FSDP2 reshards) and once the layer's gradients have all been accumulated. The tensors
+autograd saved for the backward share the parameter's storage, so they see the weights again when
+they are copied back in.
+
+HybridAdamW (``model=``) finds the window of its model: the CPU AdamW writes a streamed block's new
+weights straight into its home (nothing is copied to the GPU at the update), the GPU-updated blocks
+(k) stay below the first streamed one, and the window's read-ahead waits for a layer's update to have
+finished. Without the optimizer the window works alone (a frozen or inference model).
+
+Which layers stream: the last ones, as few as leave the GPU room for the resident layers, a window
+of ``depth`` layers, and ``reserve_bytes`` for activations, gradients in flight and the optimizer's
+GPU side (:func:`plan_window`). A model that cannot fit even with every layer streamed is refused
+before anything is allocated, naming the bytes on each side.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .blocks import repeated_layers
+from .pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
+
+_WINDOWS: "weakref.WeakKeyDictionary[nn.Module, WeightWindow]" = weakref.WeakKeyDictionary()
+_OWNERS: dict = {}  # id(parameter) -> (weak parameter, weak window); by identity (tensors compare by value)
+_STREAMABLE = (torch.bfloat16, torch.float16)
+
+
+def window_of(model) -> "WeightWindow | None":
+    """The window :func:`stream_model` set up for ``model`` (or its compiled wrapper), if any."""
+    if model is None:
+        return None
+    return _WINDOWS.get(getattr(model, "_orig_mod", model))
+
+
+def window_for(params) -> "WeightWindow | None":
+    """The window that streams some of ``params``, if any (at most one may)."""
+    found = {}
+    for p in params:
+        refs = _OWNERS.get(id(p))
+        if refs is not None and refs[0]() is p and refs[1]() is not None:
+            found[id(refs[1]())] = refs[1]()
+    if len(found) > 1:
+        raise ValueError("these parameters belong to more than one streamed model (stream_model)")
+    return next(iter(found.values()), None)
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def plan_window(layer_bytes, fixed_bytes: int, free_bytes: int, *, depth: int, reserve_bytes: int,
+                streamable=None) -> int:
+    """How many of the last layers stream: the fewest for which the GPU holds what is not a layer
+    (``fixed_bytes``), the resident layers, the ``depth`` largest streamed layers at once and
+    ``reserve_bytes``, within ``free_bytes``. ``streamable[i]``: layer i may stream (a layer that
+    may not stops the streamed run: layers stream from the end). Raises CapacityError when even
+    streaming every streamable layer does not fit."""
+    n = len(layer_bytes)
+    streamable = [True] * n if streamable is None else list(streamable)
+    most = 0
+    while most < n and streamable[n - 1 - most]:
+        most += 1
+    need = None
+    for count in range(most + 1):
+        resident = sum(layer_bytes[:n - count])
+        window = sum(sorted(layer_bytes[n - count:], reverse=True)[:depth]) if count else 0
+        need = fixed_bytes + resident + window + reserve_bytes
+        if need <= free_bytes:
+            return count
+    raise CapacityError(
+        f"the model does not fit on the GPU even with {most} of its {n} layers streamed from host memory: "
+        f"it needs {format_bytes(need)} there ({format_bytes(fixed_bytes)} outside the layers, "
+        f"{format_bytes(sum(layer_bytes[:n - most]))} of layers that cannot stream, a window of {depth} "
+        f"layers, {format_bytes(reserve_bytes)} reserved for activations and the optimizer), and "
+        f"{format_bytes(free_bytes)} is free")
+
+
+class WeightWindow:
+    """The streamed layers of one model (made by :func:`stream_model`). ``streamed``: the indices of
+    the streamed layers among ``layers``; ``home(p)``: a streamed parameter's pinned host copy."""
+
+    def __init__(self, model, layers, streamed, device, depth, pool):
+        self.model, self.layers, self.device, self.depth, self.pool = model, layers, device, depth, pool
+        self.streamed = list(streamed)
+        self.cuda = device.type == "cuda"
+        self._params = {i: [p for p in layers[i].parameters()] for i in self.streamed}
+        self._trainable = {i: [p for p in ps if p.requires_grad] for i, ps in self._params.items()}
+        self._homes = {}  # id(p) -> pinned host tensor
+        self._layer_of = {id(p): i for i, ps in self._params.items() for p in ps}
+        self._loaded = {}  # layer -> the copy's event not yet waited for on the compute stream (or None)
+        self._arrived = {i: 0 for i in self.streamed}
+        self._ready = None  # layer -> whether its home may be read now (the optimizer's updates)
+        self._stale_hook = None
+        self._hooks = []
+        self._stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
+        self.stats = {"loads": 0, "prefetched": 0, "max_loaded": 0, "bytes_in": 0}
+
+    # -- what the optimizer asks ----------------------------------------------------------------------
+
+    def streams(self, p) -> bool:
+        return id(p) in self._layer_of
+
+    def home(self, p) -> torch.Tensor:
+        return self._homes[id(p)]
+
+    def layer_of(self, p) -> int:
+        return self._layer_of[id(p)]
+
+    @property
+    def params(self) -> list:
+        return [p for i in self.streamed for p in self._params[i]]
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._homes.values())
+
+    def layer_bytes(self, i) -> int:
+        return sum(p.numel() * p.element_size() for p in self._params[i])
+
+    def attach(self, ready=None) -> None:
+        """``ready(layer) -> bool``: whether the layer's home may be read now (no update of it in
+        flight); None: always (no optimizer)."""
+        self._ready = ready
+
+    def invalidate(self, layer) -> None:
+        """The layer's home is about to be written (an update, a restore): a copy on the GPU is stale."""
+        if layer in self._loaded:
+            self._free(layer)
+
+    # -- placement ------------------------------------------------------------------------------------
+
+    def _place(self, i) -> None:
+        """Layer i's weights move to their homes; the parameters keep an empty storage on the device."""
+        for p in self._params[i]:
+            with torch.no_grad():
+                home = self.pool.copy_of(p.detach())
+                gpu = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                gpu.untyped_storage().resize_(0)
+                p.data = gpu
+            self._homes[id(p)] = home
+            _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(self))
+            p.__class__ = StreamedParameter
+
+    # -- loads and frees ------------------------------------------------------------------------------
+
+    def _load(self, i) -> None:
+        with torch._C.DisableTorchFunction():
+            ps = self._params[i]
+            if not self.cuda:
+                for p in ps:
+                    p.untyped_storage().resize_(p.numel() * p.element_size())
+                    p.data.copy_(self._homes[id(p)])
+                self._loaded[i] = None
+            else:
+                compute = torch.cuda.current_stream(self.device)
+                for p in ps:
+                    p.untyped_storage().resize_(p.numel() * p.element_size())
+                allocated = torch.cuda.Event()
+                allocated.record(compute)  # the memory's last user on the compute stream is done first
+                self._stream.wait_event(allocated)
+                with torch.cuda.stream(self._stream):
+                    for p in ps:
+                        p.data.copy_(self._homes[id(p)], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+                self._loaded[i] = done
+        self.stats["loads"] += 1
+        self.stats["bytes_in"] += self.layer_bytes(i)
+        self.stats["max_loaded"] = max(self.stats["max_loaded"], len(self._loaded))
+
+    def _use(self, i) -> None:
+        """Layer i is about to run: loaded, and the compute stream after its copy."""
+        if i not in self._loaded:
+            self._load(i)
+        done = self._loaded[i]
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+            self._loaded[i] = None
+
+    def _free(self, i) -> None:
+        done = self._loaded.pop(i)
+        with torch._C.DisableTorchFunction():
+            if done is not None:  # read ahead and never used: the copy ends before the memory is reused
+                torch.cuda.current_stream(self.device).wait_event(done)
+            for p in self._params[i]:
+                p.untyped_storage().resize_(0)
+
+    def _read_ahead(self, i, step) -> None:
+        """Loads the next streamed layers after i in this direction (``step`` +1 forward, -1 backward),
+        keeping at most ``depth`` loaded, only where their homes are final."""
+        if not self.cuda:
+            return
+        j = i + step
+        while 0 <= j < len(self.layers) and len(self._loaded) < self.depth:
+            if j in self._arrived and j not in self._loaded:
+                if self._ready is not None and not self._ready(j):
+                    return
+                self._load(j)
+                self.stats["prefetched"] += 1
+            j += step
+            if abs(j - i) >= self.depth:
+                return
+
+    # -- hooks ----------------------------------------------------------------------------------------
+
+    def _pre_forward(self, i) -> None:
+        backward = _in_backward()
+        if i in self._arrived:
+            self._use(i)
+        self._read_ahead(i, -1 if backward else 1)
+
+    def _post_forward(self, i, output) -> None:
+        if _in_backward():
+            return  # a recomputation: the layer's backward follows and needs the weights
+        if i in self._arrived:
+            self._arrived[i] = 0
+        outs = [t for t in _tensors(output) if t.requires_grad]
+        if torch.is_grad_enabled() and outs:
+            ref = weakref.ref(self)
+
+            def before_backward(_grads, i=i):
+                w = ref()
+                if w is not None:
+                    w._pre_backward(i)
+
+            torch.autograd.graph.register_multi_grad_hook(outs, before_backward, mode="any")
+        if i in self._loaded:
+            self._free(i)
+
+    def _pre_backward(self, i) -> None:
+        if i in self._arrived:
+            self._use(i)
+        self._read_ahead(i, -1)
+
+    def _grad_arrived(self, i) -> None:
+        self._arrived[i] += 1
+        if self._arrived[i] >= len(self._trainable[i]) and i in self._loaded:
+            self._free(i)
+
+    def _install(self) -> None:
+        ref = weakref.ref(self)
+        for i, layer in enumerate(self.layers):
+            self._hooks.append(layer.register_forward_pre_hook(_Call(ref, "_pre_forward", i)))
+            self._hooks.append(layer.register_forward_hook(_Call(ref, "_post_forward", i, with_output=True)))
+        for i in self.streamed:
+            for p in self._trainable[i]:
+                self._hooks.append(p.register_post_accumulate_grad_hook(_Call(ref, "_grad_arrived", i)))
+        self._hooks.append(self.model.register_state_dict_post_hook(_Call(ref, "_state_dict", with_args=True)))
+
+    def _state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        """A streamed parameter's entry in the model's state_dict is its home (a CPU tensor): the
+        device copy is empty between uses, and a large model's weights would not fit there anyway."""
+        by_id = {id(p): p for p in self.params}
+        for name, p in module.named_parameters(prefix=prefix.rstrip(".") if prefix else ""):
+            if id(p) in by_id and name in state_dict:
+                state_dict[name] = self._homes[id(p)]
+
+    def remove(self) -> None:
+        """Every streamed layer back on the device, resident (if it fits), and the hooks removed."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for i in self.streamed:
+            if i in self._loaded:
+                self._free(i)
+            for p in self._params[i]:
+                with torch.no_grad():
+                    p.data = self._homes[id(p)].to(self.device)
+                p.__class__ = nn.Parameter
+                _OWNERS.pop(id(p), None)
+        self._homes = {}
+        _WINDOWS.pop(self.model, None)
+
+    def __repr__(self) -> str:
+        return (f"WeightWindow({len(self.streamed)} of {len(self.layers)} layers streamed, depth {self.depth}, "
+                f"{format_bytes(self.host_bytes())} on the host)")
+
+
+# What may be asked of a streamed parameter whose layer is not on the device: its metadata, its
+# gradient, hooks, aliases (which stay guarded). Everything else would read or write freed memory.
+_METADATA = frozenset({
+    "shape", "size", "dim", "ndim", "dtype", "device", "layout", "numel", "nelement", "element_size", "itemsize",
+    "nbytes", "stride", "storage_offset", "is_contiguous", "is_cuda", "is_cpu", "is_meta", "is_sparse",
+    "is_quantized", "is_nested", "is_floating_point", "is_complex", "get_device", "data_ptr", "untyped_storage",
+    "requires_grad", "requires_grad_", "grad", "_grad", "grad_fn", "is_leaf", "retains_grad", "_version",
+    "_base", "_is_view", "output_nr", "names", "data", "detach", "register_hook",
+    "register_post_accumulate_grad_hook", "empty_like", "new_empty", "__reduce_ex__", "__setstate__",
+    "__class__", "_cdata", "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__",
+})
+_ALIASES = frozenset({"data", "detach"})
+
+
+def _func_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        return getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def _guard(cls, func, types, args=(), kwargs=None):
+    kwargs = kwargs or {}
+    name = _func_name(func)
+    with torch._C.DisableTorchFunctionSubclass():
+        if name not in _METADATA:
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, _GUARDED) and t.numel() and t.untyped_storage().nbytes() == 0:
+                    raise RuntimeError(
+                        f"{name}() on a streamed parameter of shape {tuple(t.shape)} outside its layer's forward "
+                        "and backward: its weights live in host memory then (hytrain.stream_model); read "
+                        "model.state_dict() or WeightWindow.home(p) instead")
+        out = func(*args, **kwargs)
+    if name in _ALIASES and isinstance(out, torch.Tensor) and not isinstance(out, _GUARDED):
+        out = out.as_subclass(StreamedTensor)  # an alias of the same storage stays guarded
+    return out
+
+
+class StreamedParameter(nn.Parameter):
+    """A streamed parameter (its class while its layer streams): an operation that would read or
+    write its weights while its layer is off the device raises RuntimeError instead of touching freed
+    memory. Metadata, ``.grad`` and hooks pass."""
+
+    __torch_function__ = classmethod(_guard)
+
+
+class StreamedTensor(torch.Tensor):
+    """An alias of a streamed parameter (``p.data``, ``p.detach()``), guarded as it is."""
+
+    __torch_function__ = classmethod(_guard)
+
+
+_GUARDED = (StreamedParameter, StreamedTensor)
+
+
+class _Call:
+    """A hook calling ``window.name(*args)`` through a weak reference; copies do nothing."""
+
+    def __init__(self, ref, name, *args, with_output=False, with_args=False):
+        self.ref, self.name, self.args, self.with_output, self.with_args = ref, name, args, with_output, with_args
+
+    @torch.compiler.disable
+    def __call__(self, *hook_args):
+        w = self.ref() if self.ref is not None else None
+        if w is None:
+            return None
+        if self.with_output:
+            getattr(w, self.name)(*self.args, hook_args[-1])
+        elif self.with_args:
+            getattr(w, self.name)(*hook_args)
+        else:
+            getattr(w, self.name)(*self.args)
+        return None
+
+    def __reduce__(self):
+        return (_Call, (None, self.name))
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y)
+    elif hasattr(x, "to_tuple"):  # transformers' ModelOutput
+        yield from _tensors(x.to_tuple())
+
+
+def _streamable_layers(model, layers) -> list[bool]:
+    """Layer i may stream when it has trainable parameters, all of them bf16/fp16, none shared with
+    anything outside it (tied weights)."""
+    inside = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            inside[id(p)] = i
+    shared = set()
+    for name, module in model.named_modules():
+        for p in module.parameters(recurse=False):
+            i = inside.get(id(p))
+            if i is not None and not any(module is m for m in layers[i].modules()):
+                shared.add(i)
+    out = []
+    for i, layer in enumerate(layers):
+        ps = list(layer.parameters())
+        out.append(i not in shared and any(p.requires_grad for p in ps)
+                   and all(p.dtype in _STREAMABLE for p in ps))
+    return out
+
+
+def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2, reserve_bytes=None,
+                 pool: PinnedPool | None = None) -> WeightWindow:
+    """Places ``model`` on ``device`` (default: the current CUDA device, else the CPU) with its last
+    repeated layers streamed from pinned host memory, and returns the window. The model may be on
+    the CPU (it is moved layer by layer, each layer's CPU memory freed as it goes) or already on the
+    device. Build HybridAdamW with ``model=model`` afterwards or before (its state is made at the
+    first step); it finds the window.
+
+    ``stream``: ``"auto"`` (as few layers as leave room, :func:`plan_window`), a number of layers
+    (the last ones), or 0. ``depth``: streamed layers on the GPU at once (at least 1; 2 lets the next
+    layer's copy run beside the current one's compute). ``reserve_bytes``: GPU memory kept for
+    everything but the weights (activations, gradients in flight, the optimizer's GPU side; default
+    a quarter of the GPU's memory). A model that does not fit even streamed is refused before
+    anything moves (CapacityError)."""
+    if window_of(model) is not None:
+        raise ValueError("this model already streams its weights (stream_model was called on it)")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"stream_model places models on a CUDA device (or the CPU, for tests), not {device}")
+    inner = getattr(model, "_orig_mod", model)
+    layers = repeated_layers(inner)
+    if layers is None:
+        raise ValueError("stream_model needs a model with repeated layers (an nn.ModuleList or nn.Sequential "
+                         "of layers of one type): none was found")
+    layers = list(layers)
+    n = len(layers)
+    ok = _streamable_layers(inner, layers)
+    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    fixed = sum(p.numel() * p.element_size() for p in inner.parameters() if id(p) not in in_layers)
+    fixed += sum(b.numel() * b.element_size() for b in inner.buffers())
+    if stream == "auto":
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            # What is on the device already stays there, or moves into its home.
+            on_device = sum(p.numel() * p.element_size() for p in inner.parameters() if p.device == device)
+            reserve = total // 4 if reserve_bytes is None else int(reserve_bytes)
+            count = plan_window(layer_bytes, fixed, free + on_device, depth=depth, reserve_bytes=reserve,
+                                streamable=ok)
+        else:
+            count = 0
+    else:
+        if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream <= n:
+            raise ValueError(f"stream must be 'auto' or a number of layers in [0, {n}], got {stream!r}")
+        count = stream
+        bad = [i for i in range(n - count, n) if not ok[i]]
+        if bad:
+            raise ValueError(f"layer {bad[0]} cannot stream: its parameters must all be bfloat16 or float16, "
+                             "some trainable, and none shared with modules outside it (tied weights)")
+    streamed = list(range(n - count, n))
+    host_need = sum(layer_bytes[i] for i in streamed)
+    room = available_memory_bytes()
+    if room is not None and host_need > room:
+        raise CapacityError(f"streaming {count} layers needs {format_bytes(host_need)} of pinned host memory for "
+                            f"their weights, and {format_bytes(room)} is available")
+    if pool is None and count:
+        pool = PinnedPool(None, slab_bytes=max(256 << 20, max(layer_bytes[i] for i in streamed) + 4096),
+                          pinned=True if device.type == "cuda" else "auto")
+        if pool.page_locked:
+            pool.reserve_for([p.numel() * p.element_size() for i in streamed for p in layers[i].parameters()])
+    window = WeightWindow(inner, layers, streamed, device, depth, pool)
+    stream_ids = {id(p) for i in streamed for p in layers[i].parameters()}
+    # Layer by layer (a model built on the CPU never has two copies of much at once): the streamed
+    # layers' weights to their homes, everything else to the device.
+    for i, layer in enumerate(layers):
+        if i in window._arrived:
+            window._place(i)
+            for b in layer.buffers(recurse=True):
+                b.data = b.data.to(device)
+        else:
+            layer.to(device)
+    with torch.no_grad():
+        for p in inner.parameters():
+            if id(p) not in stream_ids and p.device != device:
+                p.data = p.data.to(device)
+        for b in inner.buffers():
+            if b.device != device:
+                b.data = b.data.to(device)
+    window._install()
+    _WINDOWS[inner] = window
+    return window

@@ -1,0 +1,199 @@
+"""Streamed weights (hytrain.stream_model) on the CPU: the window's plan on fake budgets, its refusals,
+and training with the last layers streamed against the same model resident, bit for bit (weights,
+masters, moments, losses), with activation checkpointing, accumulation, clipping and the state formats.
+The CPU path runs the same window logic as CUDA (loads, frees, the optimizer writing the homes); the
+copy stream and read-ahead run on the GPU tests (test_window_cuda.py)."""
+
+import copy
+
+import pytest
+import torch
+
+import hytrain
+from hytrain.models import LlamaConfig, LlamaModel
+from hytrain.window import plan_window, window_of
+
+CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_layers=4, num_heads=4,
+                  num_kv_heads=2, max_seq_len=64)
+GiB = 1 << 30
+
+
+# -- the plan -------------------------------------------------------------------------------------------
+
+def test_plan_keeps_everything_resident_when_it_fits():
+    assert plan_window([GiB] * 8, GiB, 20 * GiB, depth=2, reserve_bytes=4 * GiB) == 0
+
+
+def test_plan_streams_the_fewest_last_layers_that_make_room():
+    # 8 layers of 1 GiB, 1 GiB outside them, 4 GiB reserved, 10 GiB free: resident layers + a window
+    # of 2 must fit in 5 GiB -> 3 resident, 5 streamed (3 + 2 = 5).
+    assert plan_window([GiB] * 8, GiB, 10 * GiB, depth=2, reserve_bytes=4 * GiB) == 5
+    # A deeper window costs a layer more.
+    assert plan_window([GiB] * 8, GiB, 10 * GiB, depth=3, reserve_bytes=4 * GiB) == 6
+    # The window holds the largest streamed layers.
+    # (Streaming n layers through a window of d saves n - d of them.)
+    assert plan_window([GiB] * 4, 0, 3 * GiB, depth=1, reserve_bytes=0) == 2
+    assert plan_window([GiB, GiB, GiB, 2 * GiB], 0, 3 * GiB, depth=1, reserve_bytes=0) == 3
+
+
+def test_plan_refuses_in_one_line_naming_the_bytes():
+    with pytest.raises(hytrain.CapacityError) as e:
+        plan_window([GiB] * 8, 6 * GiB, 10 * GiB, depth=2, reserve_bytes=4 * GiB)
+    msg = str(e.value)
+    assert "\n" not in msg and "12.00 GiB" in msg and "10.00 GiB" in msg and "8 of its 8 layers" in msg
+
+
+def test_plan_streams_only_a_run_of_streamable_last_layers():
+    ok = [True, True, False, True, True]
+    assert plan_window([GiB] * 5, 0, 4 * GiB, depth=1, reserve_bytes=0, streamable=ok) == 2
+    with pytest.raises(hytrain.CapacityError, match="2 of its 5 layers"):
+        plan_window([GiB] * 5, 0, 3 * GiB, depth=1, reserve_bytes=0, streamable=ok)
+
+
+# -- refusals -------------------------------------------------------------------------------------------
+
+def model(dtype=torch.bfloat16, seed=0, checkpointing=False):
+    torch.manual_seed(seed)
+    return LlamaModel(CFG, checkpointing=checkpointing).to(dtype)
+
+
+def test_bad_arguments_are_refused():
+    m = model()
+    with pytest.raises(ValueError, match="stream must be"):
+        hytrain.stream_model(m, "cpu", stream=5)
+    with pytest.raises(ValueError, match="depth"):
+        hytrain.stream_model(m, "cpu", stream=1, depth=0)
+    with pytest.raises(ValueError, match="repeated layers"):
+        hytrain.stream_model(torch.nn.Linear(4, 4).to(torch.bfloat16), "cpu", stream=0)
+    with pytest.raises(ValueError, match="layer 3 cannot stream: its parameters must all be bfloat16"):
+        hytrain.stream_model(model(torch.float32), "cpu", stream=1)
+    hytrain.stream_model(m, "cpu", stream=1)
+    with pytest.raises(ValueError, match="already streams"):
+        hytrain.stream_model(m, "cpu", stream=1)
+
+
+def test_a_layer_sharing_a_weight_with_another_module_does_not_stream():
+    m = model()
+    m.norm.weight = m.layers[3].mlp_norm.weight  # tied: used outside the layer too
+    with pytest.raises(ValueError, match="layer 3 cannot stream"):
+        hytrain.stream_model(m, "cpu", stream=1)
+    hytrain.stream_model(m, "cpu", stream=0)  # nothing streamed: nothing to refuse
+
+
+def test_auto_on_the_cpu_streams_nothing():
+    w = hytrain.stream_model(model(), "cpu")
+    assert w.streamed == [] and w.host_bytes() == 0
+
+
+# -- training, streamed against resident --------------------------------------------------------------
+
+def batches(n, micro=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, CFG.vocab_size, (2, 33), generator=g) for _ in range(micro)] for _ in range(n)]
+
+
+def train(m, opt, data, *, scaler_like=None):
+    losses = []
+    for micro in data:
+        for tokens in micro:
+            loss = m(tokens[:, :-1], tokens[:, 1:]) / len(micro)
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def weights(m, window=None):
+    out = {}
+    for name, p in m.named_parameters():
+        out[name] = (window.home(p) if window is not None and window.streams(p) else p.detach()).clone()
+    return out
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "bf16", "8bit"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_streamed_training_is_the_resident_training_bit_for_bit(state_format, checkpointing):
+    resident = model(checkpointing=checkpointing)
+    streamed = copy.deepcopy(resident)
+    window = hytrain.stream_model(streamed, "cpu", stream=3)
+    assert window.streamed == [1, 2, 3] and window_of(streamed) is window
+    data = batches(6)
+    kw = dict(lr=3e-3, weight_decay=0.1, state_format=state_format)
+    opt_r = hytrain.HybridAdamW(resident.parameters(), model=resident, **kw)
+    ref_losses = train(resident, opt_r, data)
+    opt_s = hytrain.HybridAdamW(streamed.parameters(), model=streamed, **kw)
+    losses = train(streamed, opt_s, data)
+    assert losses == ref_losses
+    a, b = weights(resident), weights(streamed, window)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    for (pr, ps) in zip(resident.parameters(), streamed.parameters()):
+        for key, val in opt_r.state[pr].items():
+            assert torch.equal(val, opt_s.state[ps][key]), key
+    # Between uses a streamed layer holds no memory on its device; the others do.
+    for i, layer in enumerate(streamed.layers):
+        for p in layer.parameters():
+            assert (p.untyped_storage().nbytes() == 0) == (i >= 1)
+    assert window.stats["max_loaded"] <= window.depth
+
+
+def test_accumulation_and_clipping_streamed_match_resident():
+    resident = model(seed=1)
+    streamed = copy.deepcopy(resident)
+    window = hytrain.stream_model(streamed, "cpu", stream=2)
+    data = batches(5, micro=2, seed=1)
+    kw = dict(lr=1e-2, max_grad_norm=0.05, accumulation_steps=2)
+    opt_r = hytrain.HybridAdamW(resident.parameters(), model=resident, **kw)
+    ref_losses = train(resident, opt_r, data)
+    opt_s = hytrain.HybridAdamW(streamed.parameters(), model=streamed, **kw)
+    assert train(streamed, opt_s, data) == ref_losses
+    a, b = weights(resident), weights(streamed, window)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_inference_and_state_dict_of_a_streamed_model():
+    resident = model(seed=2)
+    streamed = copy.deepcopy(resident)
+    window = hytrain.stream_model(streamed, "cpu", stream=4)
+    tokens = batches(1, seed=2)[0][0]
+    with torch.no_grad():
+        assert torch.equal(resident(tokens), streamed(tokens))
+    sd_r, sd_s = resident.state_dict(), streamed.state_dict()
+    assert sd_r.keys() == sd_s.keys()
+    assert all(torch.equal(sd_r[k], sd_s[k]) for k in sd_r)
+    assert all(p.untyped_storage().nbytes() == 0 for p in window.params)
+    window.remove()
+    assert window_of(streamed) is None
+    with torch.no_grad():
+        assert torch.equal(resident(tokens), streamed(tokens))
+
+
+def test_a_plan_block_mixing_streamed_and_resident_parameters_is_refused():
+    m = model(seed=3)
+    hytrain.stream_model(m, "cpu", stream=1)
+    ps = list(m.parameters())
+    last = list(m.layers[3].parameters())
+    ids = {id(p) for p in last}
+    others = [p for p in ps if id(p) not in ids]
+    blocks = [others[:-1], [others[-1], *last]]
+    opt = hytrain.HybridAdamW(ps, model=m, blocks=blocks)
+    loss = m(*(lambda t: (t[:, :-1], t[:, 1:]))(batches(1, seed=3)[0][0]))
+    loss.backward()
+    with pytest.raises(ValueError, match="streamed layer must be whole blocks"):
+        opt.step()
+
+
+def test_touching_a_streamed_weight_outside_its_layer_raises_instead_of_reading_freed_memory():
+    m = model(seed=4)
+    window = hytrain.stream_model(m, "cpu", stream=2)
+    p = m.layers[3].q.weight
+    assert isinstance(p, torch.nn.Parameter) and p.shape == (64, 64) and p.dtype == torch.bfloat16
+    for touch in (lambda: p.sum(), lambda: p.detach().norm(), lambda: p.data.clone(), lambda: p * 2,
+                  lambda: copy.deepcopy(m), lambda: torch.nn.utils.parameters_to_vector(m.parameters())):
+        with pytest.raises(RuntimeError, match="streamed parameter of shape"):
+            touch()
+    assert window.home(p).shape == p.shape and bool(window.home(p).abs().sum() > 0)
+    tokens = batches(1, seed=4)[0][0]
+    m(tokens[:, :-1], tokens[:, 1:]).backward()  # inside forward and backward it works
+    assert p.grad is not None and p.grad.shape == p.shape

@@ -1,0 +1,122 @@
+"""Streamed weights on the GPU: the same model trained with its last layers streamed through a window
+(hytrain.stream_model) and resident, one run after the other, bit for bit -- weights, masters,
+moments, losses -- for k auto, 0 and 2; clipping with speculation; bf16 and fp16 under a GradScaler
+with an overflow; fp32, bf16 and 8-bit states; accumulation; activation checkpointing. And what the
+window saves: streamed layers hold no device memory between uses, the read-ahead runs, k stays below
+the first streamed block."""
+
+import copy
+
+import pytest
+import torch
+
+import hytrain
+from hytrain.models import LlamaConfig, LlamaModel
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+CFG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_layers=6, num_heads=4,
+                  num_kv_heads=2, max_seq_len=64)
+STREAMED = 4  # layers 2..5: blocks 3..6 (block 0 is the embedding, 7 the norm and head)
+
+
+def make(dtype=torch.bfloat16, seed=0, checkpointing=False):
+    torch.manual_seed(seed)
+    return LlamaModel(CFG, checkpointing=checkpointing).to(dtype).to(DEV)
+
+
+def data(n, micro=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(0, CFG.vocab_size, (4, 65), generator=g).to(DEV) for _ in range(micro)] for _ in range(n)]
+
+
+def run(m, opt, batches, scaler=None, overflow_at=None):
+    losses = []
+    for i, micro in enumerate(batches):
+        for t in micro:
+            loss = m(t[:, :-1], t[:, 1:]) / len(micro)
+            if i == overflow_at:
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            losses.append(loss.item())
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return losses
+
+
+def both(kw, *, dtype=torch.bfloat16, checkpointing=False, micro=1, steps=8, scaled=False, seed=0):
+    """The resident run, then the streamed one (never interleaved); returns both and the window."""
+    batches = data(steps, micro, seed)
+    out = []
+    for streamed in (False, True):
+        m = make(dtype, seed, checkpointing)
+        window = hytrain.stream_model(m, DEV, stream=STREAMED) if streamed else None
+        opt = hytrain.HybridAdamW(m.parameters(), model=m, workers=2, **kw)
+        scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=3) if scaled else None
+        losses = run(m, opt, batches, scaler, overflow_at=4 if scaled else None)
+        out.append((m, opt, losses, window))
+    return out
+
+
+def assert_same(resident, streamed):
+    (mr, opt_r, lr_, _), (ms, opt_s, ls, window) = resident, streamed
+    assert lr_ == ls
+    for (name, pr), ps in zip(mr.named_parameters(), ms.parameters()):
+        got = window.home(ps) if window.streams(ps) else ps.detach().cpu()
+        assert torch.equal(pr.detach().cpu(), got.cpu()), name
+        for key, val in opt_r.state[pr].items():
+            assert torch.equal(val.cpu(), opt_s.state[ps][key].cpu()), (name, key)
+
+
+@pytest.mark.parametrize("gpu_blocks", ["auto", 0, 2])
+def test_streamed_is_resident_bit_for_bit_for_any_k(gpu_blocks):
+    r, s = both(dict(lr=1e-3, weight_decay=0.1, gpu_blocks=gpu_blocks))
+    assert_same(r, s)
+    window, opt = s[3], s[1]
+    assert window.streamed == [2, 3, 4, 5]
+    assert all(p.untyped_storage().nbytes() == 0 for p in window.params)
+    assert max(opt.residency()["gpu"], default=-1) < 3  # k stays below the first streamed block
+    assert window.stats["prefetched"] > 0 and window.stats["max_loaded"] <= window.depth
+
+
+@pytest.mark.parametrize("state_format", ["bf16", "8bit"])
+def test_streamed_state_formats_with_clipping_and_speculation(state_format):
+    r, s = both(dict(lr=2e-3, max_grad_norm=0.5, gpu_blocks=1, state_format=state_format, speculate=3), steps=10)
+    assert_same(r, s)
+    counts = s[1].speculation_counts
+    assert counts["adopted"] + counts["redone"] > 0, counts
+
+
+def test_streamed_fp32_states_with_undo_records_and_checkpointing():
+    r, s = both(dict(lr=2e-3, max_grad_norm=0.3, gpu_blocks=0, speculate=2), checkpointing=True, steps=10)
+    assert_same(r, s)
+
+
+def test_streamed_accumulation():
+    r, s = both(dict(lr=1e-3, accumulation_steps=2, gpu_blocks=1), micro=2)
+    assert_same(r, s)
+
+
+def test_streamed_fp16_grad_scaler_with_an_overflow():
+    r, s = both(dict(lr=1e-3, max_grad_norm=1e6, gpu_blocks=1, speculate=3), dtype=torch.float16, scaled=True,
+                steps=10)
+    assert_same(r, s)
+
+
+def test_the_window_frees_device_memory_and_k_cannot_pass_it():
+    m = make(seed=1)
+    before = torch.cuda.memory_allocated()
+    window = hytrain.stream_model(m, DEV, stream=STREAMED)
+    layer_bytes = sum(window.layer_bytes(i) for i in window.streamed)
+    assert before - torch.cuda.memory_allocated() >= layer_bytes
+    opt = hytrain.HybridAdamW(m.parameters(), model=m, gpu_blocks=4)
+    t = data(1, seed=1)[0][0]
+    m(t[:, :-1], t[:, 1:]).backward()
+    with pytest.raises(hytrain.CapacityError, match="gpu_blocks=4, but blocks 3 and up stream"):
+        opt.step()
