@@ -25,6 +25,12 @@ Systems:
                      except the k blocks the scheduler keeps on the GPU
   hytrain_bf16       the same with compact states (state_format="bf16": bf16 m and v beside fp32 masters)
   hytrain_8bit       the same with 8-bit states (state_format="8bit": blockwise-quantised m and v)
+  hytrain_stream, hytrain_stream_bf16, hytrain_stream_8bit
+                     the same three with streamed weights: the model is built on the meta device,
+                     materialised in bf16 on the CPU and initialised there (as fsdp2_offload), then
+                     hytrain.stream_model(model, "cuda", stream=--stream) keeps the last layers' weights in
+                     pinned host memory and streams them through a window of 2 layers; "auto" streams as
+                     few as leave a quarter of the GPU for everything but the weights
   deepspeed_offload  DeepSpeed ZeRO-2, offload_optimizer cpu (DeepSpeedCPUAdam), configured as in
                      train_bench.py; only when `import deepspeed` works (else a record says skipped)
   fsdp2_offload      torch FSDP2 at world size 1: fully_shard on each decoder layer, then the root, with
@@ -84,12 +90,29 @@ SIZES = {  # in increasing order
     "7b": dict(hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008, vocab=VOCAB),
     "13b": dict(hidden_size=5120, num_layers=40, num_heads=40, intermediate_size=13824, vocab=VOCAB),
     "20b": dict(hidden_size=6144, num_layers=44, num_heads=48, intermediate_size=16384, vocab=VOCAB),
+    "24b": dict(hidden_size=6144, num_layers=52, num_heads=48, intermediate_size=16384, vocab=VOCAB),
     "30b": dict(hidden_size=6656, num_layers=60, num_heads=52, intermediate_size=17920, vocab=VOCAB),
+    "34b": dict(hidden_size=5120, num_layers=64, num_heads=40, intermediate_size=27648, vocab=VOCAB),
+    "50b": dict(hidden_size=8192, num_layers=60, num_heads=64, intermediate_size=22016, vocab=VOCAB),
 }
-SYSTEMS = ("hytrain", "hytrain_bf16", "hytrain_8bit", "deepspeed_offload", "fsdp2_offload")
-HYTRAIN_FORMATS = {"hytrain": "fp32", "hytrain_bf16": "bf16", "hytrain_8bit": "8bit"}
+SYSTEMS = ("hytrain", "hytrain_bf16", "hytrain_8bit", "hytrain_stream", "hytrain_stream_bf16", "hytrain_stream_8bit",
+           "deepspeed_offload", "fsdp2_offload")
+HYTRAIN_FORMATS = {"hytrain": "fp32", "hytrain_bf16": "bf16", "hytrain_8bit": "8bit", "hytrain_stream": "fp32",
+                   "hytrain_stream_bf16": "bf16", "hytrain_stream_8bit": "8bit"}
 INIT_STD = 0.02
 INIT_POOL = 4194301  # a prime: the tiled init pattern does not repeat along rows of any matrix here
+
+
+def materialize_cpu(model, dtype):
+    """Parameters on the meta device -> uninitialised CPU tensors of ``dtype`` (initialised by
+    init_params); buffers are where the model built them."""
+    import torch
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                module._parameters[name] = torch.nn.Parameter(torch.empty(p.shape, dtype=dtype),
+                                                              requires_grad=p.requires_grad)
 
 
 def expected_params(size):
@@ -270,6 +293,16 @@ def run_one(args):
         if system == "fsdp2_offload":
             model, loss_fn, layers = build_model(size, torch.float32, device, use_tf, meta_params=True)
             shard_fsdp2(model, layers, device)
+        elif system.startswith("hytrain_stream"):
+            import hytrain
+
+            model, loss_fn, layers = build_model(size, torch.bfloat16, device, use_tf, meta_params=True)
+            materialize_cpu(model, torch.bfloat16)
+            init_params(list(model.parameters()))
+            stream = {"auto": "auto", "all": len(layers)}.get(args.stream) or int(args.stream)
+            window = hytrain.stream_model(model, device, stream=stream)
+            rec["streamed_layers"] = len(window.streamed)
+            rec["window_host_gb"] = window.host_bytes() / 1e9
         else:
             model, loss_fn, _ = build_model(size, torch.bfloat16 if cuda else torch.float32, device, use_tf)
         if cuda:
@@ -304,7 +337,7 @@ def run_one(args):
             raise ValueError(f"unknown system {system!r}")
 
         g = torch.Generator(device=device).manual_seed(0)
-        x = torch.randint(0, SIZES[size]["vocab"], (BATCH, SEQ), device=device, generator=g)
+        x = torch.randint(0, SIZES[size]["vocab"], (args.batch, args.seq), device=device, generator=g)
 
         def iteration():
             loss = loss_fn(x)
@@ -337,7 +370,8 @@ def run_one(args):
                 ks.append(opt.gpu_blocks)
         iter_s = statistics.median(times[args.warmup:])
         losses = [float(v) for v in losses]
-        rec.update(trains=True, iter_s=iter_s, tokens_per_s=BATCH * SEQ / iter_s,
+        rec.update(trains=True, iter_s=iter_s, tokens_per_s=args.batch * args.seq / iter_s,
+                   mean_iter_s=statistics.mean(times[args.warmup:]), tokens=args.batch * args.seq,
                    iter_times_s=[round(t, 4) for t in times], loss_first=losses[0], loss_last=losses[-1],
                    finite_loss=all(v == v and abs(v) != float("inf") for v in losses))
         if system.startswith("hytrain"):
@@ -345,6 +379,9 @@ def run_one(args):
             rec["k"] = stats.get("k", opt.gpu_blocks)
             rec["first_k"] = stats.get("first_k")  # (made at once, made in the first step)
             rec["k_per_iteration"] = ks
+            rec["gpu_wait_frac"] = stats.get("gpu_wait_frac")
+            if system.startswith("hytrain_stream"):
+                rec["window_stats"] = dict(window.stats)
             try:
                 rec["blocks"] = len(opt.blocks)
             except Exception:  # noqa: BLE001 -- informational
@@ -420,7 +457,8 @@ def last_exception_line(text):
 
 def child(system, size, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--one", system, "--sizes", size, "--device", args.device,
-           "--warmup", str(args.warmup), "--iters", str(args.iters)]
+           "--warmup", str(args.warmup), "--iters", str(args.iters), "--batch", str(args.batch), "--seq",
+           str(args.seq), "--stream", args.stream]
     if args.own_model:
         cmd.append("--own-model")
     if args.inject_failure:
@@ -516,6 +554,9 @@ def main(argv=None):
     ap.add_argument("--timeout", type=int, default=600, help="seconds per (system, size) run")
     ap.add_argument("--keep-going", action="store_true", help="try larger sizes after a system failed at one")
     ap.add_argument("--own-model", action="store_true", help="hytrain's Llama model even when transformers exists")
+    ap.add_argument("--batch", type=int, default=BATCH, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
+    ap.add_argument("--stream", default="auto", help="hytrain_stream*: layers streamed: auto, all or a number")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--machine-info", action="store_true", help=argparse.SUPPRESS)
     # Makes every child fail right after building its model ('memory': a MemoryError; 'kill': SIGKILL

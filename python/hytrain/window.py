@@ -101,10 +101,29 @@ class WeightWindow:
         self._loaded = {}  # layer -> the copy's event not yet waited for on the compute stream (or None)
         self._arrived = {i: 0 for i in self.streamed}
         self._ready = None  # layer -> whether its home may be read now (the optimizer's updates)
+        self._current = None  # parameter -> its weights where its home does not hold them now, else None
         self._stale_hook = None
         self._hooks = []
         self._stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.stats = {"loads": 0, "prefetched": 0, "max_loaded": 0, "bytes_in": 0}
+        # Layer by layer (a model built on the CPU never has two copies of much at once): the streamed
+        # layers' weights to their homes, everything else to the device.
+        stream_ids = {id(p) for i in self.streamed for p in self._params[i]}
+        for i, layer in enumerate(layers):
+            if i in self._arrived:
+                self._place(i)
+                for b in layer.buffers(recurse=True):
+                    b.data = b.data.to(device)
+            else:
+                layer.to(device)
+        with torch.no_grad():
+            for p in model.parameters():
+                if id(p) not in stream_ids and p.device != device:
+                    p.data = p.data.to(device)
+            for b in model.buffers():
+                if b.device != device:
+                    b.data = b.data.to(device)
+        self._install()
 
     # -- what the optimizer asks ----------------------------------------------------------------------
 
@@ -127,10 +146,18 @@ class WeightWindow:
     def layer_bytes(self, i) -> int:
         return sum(p.numel() * p.element_size() for p in self._params[i])
 
-    def attach(self, ready=None) -> None:
-        """``ready(layer) -> bool``: whether the layer's home may be read now (no update of it in
-        flight); None: always (no optimizer)."""
-        self._ready = ready
+    def attach(self, ready=None, current=None) -> None:
+        """The optimizer's answers (None: no optimizer, the homes are always final).
+        ``ready(layer) -> bool``: whether the layer's home holds its final weights now (no update of
+        it in flight, its gradients not staged there); ``current(p)``: the parameter's weights where
+        its home does not hold them now, else None."""
+        self._ready, self._current = ready, current
+
+    def weights(self, p) -> torch.Tensor:
+        """A streamed parameter's weights as of now, on the host (its home, or what the optimizer says
+        they are while its home stages gradients)."""
+        now = self._current(p) if self._current is not None else None
+        return self._homes[id(p)] if now is None else now
 
     def invalidate(self, layer) -> None:
         """The layer's home is about to be written (an update, a restore): a copy on the GPU is stale."""
@@ -226,14 +253,8 @@ class WeightWindow:
             self._arrived[i] = 0
         outs = [t for t in _tensors(output) if t.requires_grad]
         if torch.is_grad_enabled() and outs:
-            ref = weakref.ref(self)
-
-            def before_backward(_grads, i=i):
-                w = ref()
-                if w is not None:
-                    w._pre_backward(i)
-
-            torch.autograd.graph.register_multi_grad_hook(outs, before_backward, mode="any")
+            torch.autograd.graph.register_multi_grad_hook(outs, _Call(weakref.ref(self), "_pre_backward", i),
+                                                          mode="any")
         if i in self._loaded:
             self._free(i)
 
@@ -263,7 +284,7 @@ class WeightWindow:
         by_id = {id(p): p for p in self.params}
         for name, p in module.named_parameters(prefix=prefix.rstrip(".") if prefix else ""):
             if id(p) in by_id and name in state_dict:
-                state_dict[name] = self._homes[id(p)]
+                state_dict[name] = self.weights(p)
 
     def remove(self) -> None:
         """Every streamed layer back on the device, resident (if it fits), and the hooks removed."""
@@ -294,7 +315,8 @@ _METADATA = frozenset({
     "is_quantized", "is_nested", "is_floating_point", "is_complex", "get_device", "data_ptr", "untyped_storage",
     "requires_grad", "requires_grad_", "grad", "_grad", "grad_fn", "is_leaf", "retains_grad", "_version",
     "_base", "_is_view", "output_nr", "names", "data", "detach", "register_hook",
-    "register_post_accumulate_grad_hook", "empty_like", "new_empty", "__reduce_ex__", "__setstate__",
+    "register_post_accumulate_grad_hook", "empty_like", "zeros_like", "ones_like", "full_like", "new_empty",
+    "new_zeros", "new_ones", "new_full", "__reduce_ex__", "__setstate__",
     "__class__", "_cdata", "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__",
 })
 _ALIASES = frozenset({"data", "detach"})
@@ -465,23 +487,5 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
         if pool.page_locked:
             pool.reserve_for([p.numel() * p.element_size() for i in streamed for p in layers[i].parameters()])
     window = WeightWindow(inner, layers, streamed, device, depth, pool)
-    stream_ids = {id(p) for i in streamed for p in layers[i].parameters()}
-    # Layer by layer (a model built on the CPU never has two copies of much at once): the streamed
-    # layers' weights to their homes, everything else to the device.
-    for i, layer in enumerate(layers):
-        if i in window._arrived:
-            window._place(i)
-            for b in layer.buffers(recurse=True):
-                b.data = b.data.to(device)
-        else:
-            layer.to(device)
-    with torch.no_grad():
-        for p in inner.parameters():
-            if id(p) not in stream_ids and p.device != device:
-                p.data = p.data.to(device)
-        for b in inner.buffers():
-            if b.device != device:
-                b.data = b.data.to(device)
-    window._install()
     _WINDOWS[inner] = window
     return window

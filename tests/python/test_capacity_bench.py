@@ -70,3 +70,13 @@ def test_a_failing_child_is_reported_and_larger_sizes_not_tried(kind, failure, r
     assert big["trains"] is None and big["skipped"] == "not tried: failed at tiny", big
     assert summary["largest"]["hytrain"] is None
     assert summary["systems"]["hytrain"]["first_failure"]["size"] == "tiny"
+
+
+def test_tiny_trains_streamed():
+    records, summary, out = bench("--sizes", "tiny", "--systems", "hytrain_stream", "--stream", "all",
+                                  "--warmup", "1", "--iters", "1", "--timeout", "120")
+    (r,) = records
+    assert r["trains"] is True and r["finite_loss"], r
+    assert r["streamed_layers"] == 2 and r["window_host_gb"] > 0, r
+    assert r["window_stats"]["loads"] > 0, r
+    assert summary["largest"]["hytrain_stream"] == "tiny"

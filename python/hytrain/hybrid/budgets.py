@@ -46,10 +46,11 @@ def in_pool(settings, sizes) -> list[int]:
     return [-(-size // align) * align for size in sizes]
 
 
-def tensor_bytes(plan, settings, cuda, b) -> list[int]:
+def tensor_bytes(plan, settings, cuda, b, homes=lambda p: None) -> list[int]:
     """The pool bytes of every host tensor of block b's parameters (``StateStore._host_state``):
     m, v (and amsgrad's max v), the fp32 master of a CUDA or low-precision parameter, the staging of
-    a CUDA one; each rounded up to the pool's alignment."""
+    a CUDA one (none for a streamed one: ``homes(p)`` is its home, which stages its gradients); each
+    rounded up to the pool's alignment."""
     out = []
     for p in plan.blocks[b]:
         n = local(p).numel()
@@ -58,15 +59,15 @@ def tensor_bytes(plan, settings, cuda, b) -> list[int]:
         sizes = [plan.moment_bytes(n)] * 2 + ([4 * n] if plan.amsgrad(p) else [])  # m, v, max v
         if p.dtype != torch.float32 or cuda:
             sizes.append(4 * n)  # master
-        if cuda:
+        if cuda and homes(p) is None:
             sizes.append(p.element_size() * n)  # staging
         out += in_pool(settings, sizes)
     return out
 
 
-def block_host_bytes(plan, settings, cuda) -> list[int]:
+def block_host_bytes(plan, settings, cuda, homes=lambda p: None) -> list[int]:
     """Per block, the pinned host bytes its state and staging take while the CPU updates it."""
-    return [sum(tensor_bytes(plan, settings, cuda, b)) for b in range(len(plan))]
+    return [sum(tensor_bytes(plan, settings, cuda, b, homes)) for b in range(len(plan))]
 
 
 def pool_bytes(per_block, floor, cuda, settings) -> int:

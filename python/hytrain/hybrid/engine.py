@@ -21,8 +21,7 @@ import torch
 from .._native import native
 from ..pool import CapacityError
 from ..trace import Timeline
-from ..window import window_for
-from . import collectives
+from . import collectives, streamed
 from .fence import Fence
 from .hooks import forward_hooks
 from .intake import GradientIntake
@@ -128,41 +127,10 @@ class Engine:
             raise
 
     def _bind_window(self) -> None:
-        """The model's weight window (window.py), if it has one: a streamed block's updates write its
-        home on the host, k stays below the first streamed block, and the window reads a layer ahead
-        only once its update has finished. A block must stream whole or not at all."""
-        window = window_for(self.plan.params)
-        if window is None:
-            return
-        plan, store = self.plan, self.store
-        if window.device != store.device:
-            raise ValueError(f"the model's weight window is on {window.device}, its parameters on {store.device}")
-        if self.shard_group is not None:
-            raise ValueError("streamed weights (stream_model) are not supported with FSDP2-sharded parameters")
-        layers = {}
-        for b, ps in enumerate(plan.blocks):
-            streaming = [window.streams(p) for p in ps]
-            if any(streaming) and not all(streaming):
-                raise ValueError(f"block {b} has parameters in streamed layers and others: with stream_model, "
-                                 "each streamed layer must be whole blocks (the default blocks are)")
-            for p in ps:
-                if window.streams(p):
-                    layers.setdefault(window.layer_of(p), set()).add(b)
-        store.window = window
-        blocks = store.streamed_blocks()
-        self.planner.max_k = min(blocks) if blocks else None
-        ref = weakref.ref(self)
-
-        def ready(layer):
-            engine = ref()
-            return engine is None or not engine.bound or all(engine.launcher.updated(b) for b in layers.get(layer, ()))
-
-        window.attach(ready)
+        streamed.bind(weakref.ref(self), self.plan, self.store, self.planner, sharded=self.shard_group is not None)
 
     def _detach_window(self) -> None:
-        window = self.store.window
-        if window is not None:
-            window.attach(None)
+        streamed.detach(self.store)
 
     def _unbind(self):
         """The parts as before the first step (the state dropped)."""

@@ -222,6 +222,13 @@ class Launcher:
                 self.pipeline.cancel(b)
                 self._uncount(b)
             rt.drop(b)
+            if self.store.streams(b):
+                # Its home stages its gradients: once they have landed, the weights go back there
+                # (they are the master's rounding, as every update leaves them).
+                self.wait_blocks([b])
+                self._stale(b)
+                for p in self.plan.blocks[b]:
+                    self.store.weights(p).copy_(self.store.state[p]["master"])
         for b in rt.in_phase(phases.speculated):
             self.wait_blocks([b])  # the compute stream now follows the speculative weight copies
             table.undo(rt.handed(b))  # updates in place with an undo record: taken back

@@ -124,9 +124,8 @@ class Shadows:
                 else:
                     sh = {key: like(self.pool.empty(st[key].shape, st[key].dtype), local(p))
                           for key in STATE_AND_MASTER if key in st}
-                if p.dtype != torch.float32:  # (a streamed parameter's weights go to its home)
-                    home = self.homes(p)
-                    sh["copy"] = like(self.pool.empty(local(p).shape, p.dtype), local(p)) if home is None else home
+                if p.dtype != torch.float32:
+                    sh["copy"] = like(self.pool.empty(local(p).shape, p.dtype), local(p))
                 self._set(p, sh)
         except MemoryError:
             for p in self.plan.blocks[b]:
@@ -143,6 +142,11 @@ class Shadows:
         rt, n = self.rt, len(self.plan)
         has = [self.has(b) for b in range(n)]
         need = [0 if has[b] else self._need(b) for b in range(n)]
+        # A streamed block's home stages its gradients, which a speculative update would have to keep
+        # beside the weights it writes: it does not speculate (nor the blocks below it).
+        for b in range(n):
+            if any(self.homes(p) is not None for p in self.plan.blocks[b]):
+                has[b], need[b] = False, 1 << 62
         room = 0
         # Host headroom, read only if some block needs memory, and only once the host memory of
         # states that went to the GPU has been given back (their copies may still read it).

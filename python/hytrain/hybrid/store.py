@@ -83,6 +83,10 @@ class StateStore:
             return local(p).data_ptr()
         return 0 if self.cuda else home.data_ptr()
 
+    def streams(self, b) -> bool:
+        """Whether block b's parameters stream (its home stages its gradients: it never speculates)."""
+        return self.window is not None and any(self.window.streams(p) for p in self.plan.blocks[b])
+
     def streamed_blocks(self) -> list:
         """The blocks whose parameters all stream (the others hold none that do: checked at bind)."""
         if self.window is None:
@@ -119,7 +123,7 @@ class StateStore:
         self._new_parts()
         if self.pool.page_locked:  # page-locking is the slow part: every slab at once, in parallel
             self.pool.reserve_for([n for b in range(later, len(plan))
-                                   for n in budgets.tensor_bytes(plan, self.settings, self.cuda, b)])
+                                   for n in budgets.tensor_bytes(plan, self.settings, self.cuda, b, self.home)])
         for p in plan.params:
             b = plan.block_of[id(p)]
             if k <= b < later and local(p).numel():
@@ -214,7 +218,7 @@ class StateStore:
 
     def block_host_bytes(self) -> list[int]:
         """Per block, the pinned host bytes its state and staging take while the CPU updates it."""
-        return budgets.block_host_bytes(self.plan, self.settings, self.cuda)
+        return budgets.block_host_bytes(self.plan, self.settings, self.cuda, self.home)
 
     def host_floor(self) -> int:
         """The smallest k for which the host can hold the states of blocks >= k, which k never goes
@@ -309,13 +313,15 @@ class StateStore:
         if fill and "master" in out:
             out["master"].copy_(self.weights(p).detach())
         if self.cuda:
-            buf = like(empty(w.shape, p.dtype), w)
+            # A streamed parameter's home is its staging: its gradients land there once its layer's
+            # backward has read the weights, and the update writes the new weights over them, where
+            # they stay (nothing goes back to the device). The others get a buffer of their own,
+            # and the H2D copy sends the new weights back.
+            home = self.home(p)
+            buf = like(empty(w.shape, p.dtype), w) if home is None else home
             out["grad"] = buf
             if p.dtype != torch.float32:
-                # A streamed parameter's update writes its new weights into its home (they stay
-                # there); the others' over the gradient they read, and the H2D copy sends them back.
-                home = self.home(p)
-                out["copy"] = buf if home is None else home
+                out["copy"] = buf
             self.staging[id(p)] = (buf, out.get("copy"))
         return out
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Streamed weights on one GPU (use a machine kind with a large host: nvidia-h100-x2 has 270 GB), in
+# stages (one call or several, the machine kept warm):
+#   build   installs this tree
+#   tests   test_window_cuda.py (streamed against resident, bit for bit), test_window.py, and
+#           test_hybrid_adam_cuda.py (the resident pipeline the streamed blocks share)
+#   speed   capacity_bench.py at $SPEED_SIZE (7b): resident (hytrain_8bit) against every layer
+#           streamed (hytrain_stream_8bit --stream all), $BATCH x 1024 tokens a step (16: 16 K tokens)
+#   cap     capacity_bench.py --sizes $SIZES (24b,30b) --systems $SYSTEMS (hytrain_stream_8bit), the
+#           window planned by itself (--stream auto), $BATCH x 1024 tokens a step
+# Logs go to $OUT (or ./device-out).
+set -uo pipefail
+source "$(dirname "$0")/stage_env.sh"
+for stage in "$@"; do
+  case "$stage" in
+    build) install_tree ;;
+    tests)
+      timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rs \
+        tests/python/test_window_cuda.py tests/python/test_window.py tests/python/test_hybrid_adam_cuda.py 2>&1 \
+        | tee "$out/gpu_window.log" | grep -E "^FAILED|^ERROR|^E  .*Error|passed|failed" | cut -c1-240 | head -40 ;;
+    speed)
+      python3 bench/capacity_bench.py --sizes "${SPEED_SIZE:-7b}" --systems hytrain_8bit,hytrain_stream_8bit \
+        --stream all --batch "${BATCH:-16}" --warmup "${WARMUP:-3}" --iters "${ITERS_TIMED:-5}" \
+        --timeout "${CAP_TIMEOUT:-280}" --keep-going 2>&1 | tee "$out/stream_speed.log" \
+        | grep -vE "^PROGRESS" | cut -c1-1500 | tail -12 ;;
+    cap)
+      python3 bench/capacity_bench.py --sizes "${SIZES:-24b,30b}" --systems "${SYSTEMS:-hytrain_stream_8bit}" \
+        --batch "${BATCH:-16}" --warmup 1 --iters 2 --timeout "${CAP_TIMEOUT:-420}" --keep-going 2>&1 \
+        | tee "$out/stream_capacity.log" | grep -vE "^PROGRESS" | cut -c1-1500 | tail -12 ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done

@@ -1,0 +1,67 @@
+"""The optimizer's side of streamed weights (``hytrain.stream_model``, window.py).
+
+A streamed block's training copy lives in its *home* in pinned host memory, which also stages its
+gradients: they land there once the layer's backward has read the weights, and the CPU update
+writes the new weights over them, where they stay (its passes copy nothing to the device: the
+``ParamTable`` pass gets no live weight address). So such a block's home holds gradients from its
+hand-off until its update has finished, and it does not speculate (a speculative update would have
+to keep the gradients beside the weights it writes). The GPU-updated blocks (k) stay below the first
+streamed block, whose states live on the host with its weights.
+
+The window asks two things of the optimizer: whether a layer's home holds its final weights now
+(``ready``: it reads a layer ahead only then), and the weights of a parameter whose home does not
+(``current``, for the model's ``state_dict()`` between backward and ``step()``: the master's
+rounding, which is what the weights are at a step's end)."""
+
+from __future__ import annotations
+
+from .._native import native
+from ..window import window_for
+
+
+def bind(ref, plan, store, planner, *, sharded) -> None:
+    """Finds the window of the plan's parameters, if any, checks it against the plan, and connects
+    both sides (``ref``: a weak reference to the engine)."""
+    window = window_for(plan.params)
+    if window is None:
+        return
+    if window.device != store.device:
+        raise ValueError(f"the model's weight window is on {window.device}, its parameters on {store.device}")
+    if sharded:
+        raise ValueError("streamed weights (stream_model) are not supported with FSDP2-sharded parameters")
+    layers = {}
+    for b, ps in enumerate(plan.blocks):
+        streaming = [window.streams(p) for p in ps]
+        if any(streaming) and not all(streaming):
+            raise ValueError(f"block {b} has parameters in streamed layers and others: with stream_model, "
+                             "each streamed layer must be whole blocks (the default blocks are)")
+        for p in ps:
+            if window.streams(p):
+                layers.setdefault(window.layer_of(p), set()).add(b)
+    store.window = window
+    blocks = store.streamed_blocks()
+    planner.max_k = min(blocks) if blocks else None
+
+    def ready(layer) -> bool:
+        engine = ref()
+        return engine is None or not engine.bound or all(engine.launcher.updated(b) for b in layers.get(layer, ()))
+
+    def current(p):
+        """The parameter's weights where its home does not hold them now (else None)."""
+        engine = ref()
+        if engine is None or not engine.bound:
+            return None
+        b = plan.block_of[id(p)]
+        if engine.launcher.updated(b):
+            return None
+        if engine.rt.phase(b) == native().BlockPhase.held:  # the gradients are there until step()
+            return engine.store.state[p]["master"].to(p.dtype)
+        engine.wait_blocks([b])  # an update under way: its weights, once written
+        return None
+
+    window.attach(ready, current)
+
+
+def detach(store) -> None:
+    if store.window is not None:
+        store.window.attach(None)
