@@ -91,6 +91,7 @@ SIZES = {  # in increasing order
     "13b": dict(hidden_size=5120, num_layers=40, num_heads=40, intermediate_size=13824, vocab=VOCAB),
     "20b": dict(hidden_size=6144, num_layers=44, num_heads=48, intermediate_size=16384, vocab=VOCAB),
     "24b": dict(hidden_size=6144, num_layers=52, num_heads=48, intermediate_size=16384, vocab=VOCAB),
+    "28b": dict(hidden_size=6656, num_layers=52, num_heads=52, intermediate_size=17920, vocab=VOCAB),
     "30b": dict(hidden_size=6656, num_layers=60, num_heads=52, intermediate_size=17920, vocab=VOCAB),
     "34b": dict(hidden_size=5120, num_layers=64, num_heads=40, intermediate_size=27648, vocab=VOCAB),
     "50b": dict(hidden_size=8192, num_layers=60, num_heads=64, intermediate_size=22016, vocab=VOCAB),

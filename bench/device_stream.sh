@@ -16,7 +16,7 @@ for stage in "$@"; do
     build) install_tree ;;
     tests)
       timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rs \
-        tests/python/test_window_cuda.py tests/python/test_window.py tests/python/test_hybrid_adam_cuda.py 2>&1 \
+        tests/python/test_window_cuda.py tests/python/test_window.py ${MORE_TESTS-tests/python/test_hybrid_adam_cuda.py} 2>&1 \
         | tee "$out/gpu_window.log" | grep -E "^FAILED|^ERROR|^E  .*Error|passed|failed" | cut -c1-240 | head -40 ;;
     speed)
       python3 bench/capacity_bench.py --sizes "${SPEED_SIZE:-7b}" --systems hytrain_8bit,hytrain_stream_8bit \

@@ -29,6 +29,7 @@ from torch import nn
 
 from .blocks import repeated_layers
 from .pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
+from .streamed_params import StreamedParameter
 
 _WINDOWS: "weakref.WeakKeyDictionary[nn.Module, WeightWindow]" = weakref.WeakKeyDictionary()
 _OWNERS: dict = {}  # id(parameter) -> (weak parameter, weak window); by identity (tensors compare by value)
@@ -90,10 +91,17 @@ class WeightWindow:
     """The streamed layers of one model (made by :func:`stream_model`). ``streamed``: the indices of
     the streamed layers among ``layers``; ``home(p)``: a streamed parameter's pinned host copy."""
 
-    def __init__(self, model, layers, streamed, device, depth, pool):
+    def __init__(self, model, layers, streamed, device, depth, pool, measure=False):
         self.model, self.layers, self.device, self.depth, self.pool = model, layers, device, depth, pool
         self.streamed = list(streamed)
         self.cuda = device.type == "cuda"
+        # ``measure``: the second forward's peak decides which streamed layers stay on the device from
+        # the third on (kept: their homes still stage their gradients and take their updates, whose
+        # new weights are then copied to the device, as for any resident block).
+        self._measure = measure and self.cuda
+        self._forwards = 0
+        self._kept = set()  # layers kept on the device
+        self._keep = set()  # layers to keep from their next forward on
         self._params = {i: [p for p in layers[i].parameters()] for i in self.streamed}
         self._trainable = {i: [p for p in ps if p.requires_grad] for i, ps in self._params.items()}
         self._homes = {}  # id(p) -> pinned host tensor
@@ -102,10 +110,9 @@ class WeightWindow:
         self._arrived = {i: 0 for i in self.streamed}
         self._ready = None  # layer -> whether its home may be read now (the optimizer's updates)
         self._current = None  # parameter -> its weights where its home does not hold them now, else None
-        self._stale_hook = None
         self._hooks = []
         self._stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
-        self.stats = {"loads": 0, "prefetched": 0, "max_loaded": 0, "bytes_in": 0}
+        self.stats = {"loads": 0, "prefetched": 0, "max_loaded": 0, "bytes_in": 0, "kept": 0}
         # Layer by layer (a model built on the CPU never has two copies of much at once): the streamed
         # layers' weights to their homes, everything else to the device.
         stream_ids = {id(p) for i in self.streamed for p in self._params[i]}
@@ -128,7 +135,17 @@ class WeightWindow:
     # -- what the optimizer asks ----------------------------------------------------------------------
 
     def streams(self, p) -> bool:
+        """Whether p belongs to a layer of the window (its home holds its weights and stages its
+        gradients), kept on the device or not."""
         return id(p) in self._layer_of
+
+    def kept(self, p) -> bool:
+        """Whether p's layer stays on the device (its updates copy the new weights there)."""
+        return self._layer_of.get(id(p)) in self._kept
+
+    @property
+    def kept_layers(self) -> list:
+        return sorted(self._kept)
 
     def home(self, p) -> torch.Tensor:
         return self._homes[id(p)]
@@ -160,8 +177,9 @@ class WeightWindow:
         return self._homes[id(p)] if now is None else now
 
     def invalidate(self, layer) -> None:
-        """The layer's home is about to be written (an update, a restore): a copy on the GPU is stale."""
-        if layer in self._loaded:
+        """The layer's home is about to be written (an update, a restore): a copy on the GPU is stale
+        (a kept layer's gets the update's own copy)."""
+        if layer in self._loaded and layer not in self._kept:
             self._free(layer)
 
     # -- placement ------------------------------------------------------------------------------------
@@ -203,7 +221,11 @@ class WeightWindow:
                 self._loaded[i] = done
         self.stats["loads"] += 1
         self.stats["bytes_in"] += self.layer_bytes(i)
-        self.stats["max_loaded"] = max(self.stats["max_loaded"], len(self._loaded))
+        self.stats["max_loaded"] = max(self.stats["max_loaded"], self._in_window())
+
+    def _in_window(self) -> int:
+        """Streamed layers on the device now (kept ones not counted)."""
+        return sum(1 for i in self._loaded if i not in self._kept)
 
     def _use(self, i) -> None:
         """Layer i is about to run: loaded, and the compute stream after its copy."""
@@ -228,7 +250,7 @@ class WeightWindow:
         if not self.cuda:
             return
         j = i + step
-        while 0 <= j < len(self.layers) and len(self._loaded) < self.depth:
+        while 0 <= j < len(self.layers) and self._in_window() < self.depth:
             if j in self._arrived and j not in self._loaded:
                 if self._ready is not None and not self._ready(j):
                     return
@@ -242,6 +264,8 @@ class WeightWindow:
 
     def _pre_forward(self, i) -> None:
         backward = _in_backward()
+        if i == 0 and not backward and torch.is_grad_enabled():
+            self._count_forward()
         if i in self._arrived:
             self._use(i)
         self._read_ahead(i, -1 if backward else 1)
@@ -252,10 +276,14 @@ class WeightWindow:
         if i in self._arrived:
             self._arrived[i] = 0
         outs = [t for t in _tensors(output) if t.requires_grad]
-        if torch.is_grad_enabled() and outs:
+        if torch.is_grad_enabled() and outs and i not in self._kept:
             torch.autograd.graph.register_multi_grad_hook(outs, _Call(weakref.ref(self), "_pre_backward", i),
                                                           mode="any")
-        if i in self._loaded:
+        if i in self._keep and i in self._loaded:
+            self._keep.discard(i)
+            self._kept.add(i)
+            self.stats["kept"] = len(self._kept)
+        if i in self._loaded and i not in self._kept:
             self._free(i)
 
     def _pre_backward(self, i) -> None:
@@ -265,8 +293,28 @@ class WeightWindow:
 
     def _grad_arrived(self, i) -> None:
         self._arrived[i] += 1
-        if self._arrived[i] >= len(self._trainable[i]) and i in self._loaded:
+        if self._arrived[i] >= len(self._trainable[i]) and i in self._loaded and i not in self._kept:
             self._free(i)
+
+    def _count_forward(self) -> None:
+        """A training forward begins. With ``measure``: the second one's peak memory is sampled, and
+        at the third the streamed layers that fit beside it stay on the device from then on, first
+        layers first (a kept layer costs no copies), leaving 1 GiB and 5 % of the device free."""
+        if not self._measure:
+            return
+        self._forwards += 1
+        if self._forwards == 2:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._forwards == 3:
+            self._measure = False
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            room = total - torch.cuda.max_memory_reserved(self.device) - (1 << 30) - total // 20
+            for i in self.streamed:
+                need = self.layer_bytes(i)
+                if need > room:
+                    break
+                room -= need
+                self._keep.add(i)
 
     def _install(self) -> None:
         ref = weakref.ref(self)
@@ -305,62 +353,6 @@ class WeightWindow:
     def __repr__(self) -> str:
         return (f"WeightWindow({len(self.streamed)} of {len(self.layers)} layers streamed, depth {self.depth}, "
                 f"{format_bytes(self.host_bytes())} on the host)")
-
-
-# What may be asked of a streamed parameter whose layer is not on the device: its metadata, its
-# gradient, hooks, aliases (which stay guarded). Everything else would read or write freed memory.
-_METADATA = frozenset({
-    "shape", "size", "dim", "ndim", "dtype", "device", "layout", "numel", "nelement", "element_size", "itemsize",
-    "nbytes", "stride", "storage_offset", "is_contiguous", "is_cuda", "is_cpu", "is_meta", "is_sparse",
-    "is_quantized", "is_nested", "is_floating_point", "is_complex", "get_device", "data_ptr", "untyped_storage",
-    "requires_grad", "requires_grad_", "grad", "_grad", "grad_fn", "is_leaf", "retains_grad", "_version",
-    "_base", "_is_view", "output_nr", "names", "data", "detach", "register_hook",
-    "register_post_accumulate_grad_hook", "empty_like", "zeros_like", "ones_like", "full_like", "new_empty",
-    "new_zeros", "new_ones", "new_full", "__reduce_ex__", "__setstate__",
-    "__class__", "_cdata", "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__",
-})
-_ALIASES = frozenset({"data", "detach"})
-
-
-def _func_name(func) -> str:
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__", "__delete__"):
-        return getattr(getattr(func, "__self__", None), "__name__", name)
-    return name
-
-
-def _guard(cls, func, types, args=(), kwargs=None):
-    kwargs = kwargs or {}
-    name = _func_name(func)
-    with torch._C.DisableTorchFunctionSubclass():
-        if name not in _METADATA:
-            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-                if isinstance(t, _GUARDED) and t.numel() and t.untyped_storage().nbytes() == 0:
-                    raise RuntimeError(
-                        f"{name}() on a streamed parameter of shape {tuple(t.shape)} outside its layer's forward "
-                        "and backward: its weights live in host memory then (hytrain.stream_model); read "
-                        "model.state_dict() or WeightWindow.home(p) instead")
-        out = func(*args, **kwargs)
-    if name in _ALIASES and isinstance(out, torch.Tensor) and not isinstance(out, _GUARDED):
-        out = out.as_subclass(StreamedTensor)  # an alias of the same storage stays guarded
-    return out
-
-
-class StreamedParameter(nn.Parameter):
-    """A streamed parameter (its class while its layer streams): an operation that would read or
-    write its weights while its layer is off the device raises RuntimeError instead of touching freed
-    memory. Metadata, ``.grad`` and hooks pass."""
-
-    __torch_function__ = classmethod(_guard)
-
-
-class StreamedTensor(torch.Tensor):
-    """An alias of a streamed parameter (``p.data``, ``p.detach()``), guarded as it is."""
-
-    __torch_function__ = classmethod(_guard)
-
-
-_GUARDED = (StreamedParameter, StreamedTensor)
 
 
 class _Call:
@@ -428,11 +420,14 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
     device. Build HybridAdamW with ``model=model`` afterwards or before (its state is made at the
     first step); it finds the window.
 
-    ``stream``: ``"auto"`` (as few layers as leave room, :func:`plan_window`), a number of layers
-    (the last ones), or 0. ``depth``: streamed layers on the GPU at once (at least 1; 2 lets the next
+    ``stream``: ``"auto"``, a number of layers (the last ones), or 0. Auto: none where the weights
+    leave a quarter of the device free; else every layer that can, until the second training
+    forward has been measured, after which the first streamed layers that fit beside its peak stay
+    on the device for good (with ``reserve_bytes`` given: as few as :func:`plan_window` says, no
+    measurement). ``depth``: streamed layers on the GPU at once (at least 1; 2 lets the next
     layer's copy run beside the current one's compute). ``reserve_bytes``: GPU memory kept for
     everything but the weights (activations, gradients in flight, the optimizer's GPU side; default
-    a quarter of the GPU's memory). A model that does not fit even streamed is refused before
+    measured, see ``stream``). A model that does not fit even streamed is refused before
     anything moves (CapacityError)."""
     if window_of(model) is not None:
         raise ValueError("this model already streams its weights (stream_model was called on it)")
@@ -457,16 +452,31 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     fixed = sum(p.numel() * p.element_size() for p in inner.parameters() if id(p) not in in_layers)
     fixed += sum(b.numel() * b.element_size() for b in inner.buffers())
+    measure = False
     if stream == "auto":
+        count = 0
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             # What is on the device already stays there, or moves into its home.
             on_device = sum(p.numel() * p.element_size() for p in inner.parameters() if p.device == device)
-            reserve = total // 4 if reserve_bytes is None else int(reserve_bytes)
-            count = plan_window(layer_bytes, fixed, free + on_device, depth=depth, reserve_bytes=reserve,
-                                streamable=ok)
-        else:
-            count = 0
+            if reserve_bytes is not None:
+                count = plan_window(layer_bytes, fixed, free + on_device, depth=depth,
+                                    reserve_bytes=int(reserve_bytes), streamable=ok)
+            else:
+                try:  # everything resident, with a quarter of the device for the rest: no window
+                    count = plan_window(layer_bytes, fixed, free + on_device, depth=depth,
+                                        reserve_bytes=total // 4, streamable=ok)
+                except CapacityError:
+                    count = None
+                if count != 0:
+                    # Every layer that can stream does, until the second forward has shown what the
+                    # rest takes; then the first ones that fit beside it stay (_count_forward). Refused
+                    # here only where even the window alone leaves no margin.
+                    count = plan_window(layer_bytes, fixed, free + on_device, depth=depth,
+                                        reserve_bytes=(1 << 30) + total // 20, streamable=ok)
+                    while count < n and ok[n - 1 - count]:
+                        count += 1
+                    measure = True
     else:
         if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream <= n:
             raise ValueError(f"stream must be 'auto' or a number of layers in [0, {n}], got {stream!r}")
@@ -486,6 +496,6 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
                           pinned=True if device.type == "cuda" else "auto")
         if pool.page_locked:
             pool.reserve_for([p.numel() * p.element_size() for i in streamed for p in layers[i].parameters()])
-    window = WeightWindow(inner, layers, streamed, device, depth, pool)
+    window = WeightWindow(inner, layers, streamed, device, depth, pool, measure=measure)
     _WINDOWS[inner] = window
     return window

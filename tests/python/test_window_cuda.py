@@ -50,13 +50,14 @@ def run(m, opt, batches, scaler=None, overflow_at=None):
     return losses
 
 
-def both(kw, *, dtype=torch.bfloat16, checkpointing=False, micro=1, steps=8, scaled=False, seed=0):
+def both(kw, *, dtype=torch.bfloat16, checkpointing=False, micro=1, steps=8, scaled=False, seed=0,
+         stream=STREAMED):
     """The resident run, then the streamed one (never interleaved); returns both and the window."""
     batches = data(steps, micro, seed)
     out = []
     for streamed in (False, True):
         m = make(dtype, seed, checkpointing)
-        window = hytrain.stream_model(m, DEV, stream=STREAMED) if streamed else None
+        window = hytrain.stream_model(m, DEV, stream=stream) if streamed else None
         opt = hytrain.HybridAdamW(m.parameters(), model=m, workers=2, **kw)
         scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=3) if scaled else None
         losses = run(m, opt, batches, scaler, overflow_at=4 if scaled else None)
@@ -89,7 +90,7 @@ def test_streamed_is_resident_bit_for_bit_for_any_k(gpu_blocks):
 def test_streamed_state_formats_with_clipping_and_speculation(state_format):
     r, s = both(dict(lr=2e-3, max_grad_norm=0.5, gpu_blocks=1, state_format=state_format, speculate=3), steps=10)
     assert_same(r, s)
-    counts = s[1].speculation_counts
+    counts = r[1].speculation_counts  # the resident run speculated; streamed blocks never do
     assert counts["adopted"] + counts["redone"] > 0, counts
 
 
@@ -120,3 +121,26 @@ def test_the_window_frees_device_memory_and_k_cannot_pass_it():
     m(t[:, :-1], t[:, 1:]).backward()
     with pytest.raises(hytrain.CapacityError, match="gpu_blocks=4, but blocks 3 and up stream"):
         opt.step()
+
+
+def test_auto_streams_every_layer_then_keeps_what_fits_bit_for_bit(monkeypatch):
+    # Auto where the weights would not leave a quarter of the device: every layer streams until the
+    # second forward is measured, then those that fit stay (here all of them: the model is small).
+    import hytrain.window as window_module
+
+    real = window_module.plan_window
+    calls = []
+
+    def squeezed(layer_bytes, fixed, free, *, depth, reserve_bytes, streamable=None):
+        calls.append(reserve_bytes)
+        if len(calls) == 1:  # the quarter: pretend it does not fit
+            raise hytrain.CapacityError("squeezed")
+        return real(layer_bytes, fixed, free, depth=depth, reserve_bytes=reserve_bytes, streamable=streamable)
+
+    monkeypatch.setattr(window_module, "plan_window", squeezed)
+    r, s = both(dict(lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, gpu_blocks="auto"), stream="auto", steps=8)
+    assert_same(r, s)
+    window = s[3]
+    assert window.streamed == list(range(CFG.num_layers)) and window.kept_layers == window.streamed
+    assert window.stats["kept"] == CFG.num_layers and window.stats["loads"] > CFG.num_layers
+    assert all(p.untyped_storage().nbytes() > 0 for p in window.params)  # kept on the device now

@@ -77,10 +77,10 @@ class StateStore:
     def weight_address(self, p) -> int:
         """Where an update writes the parameter's new weights: on the CPU path its home or its
         weights; on the CUDA path 0 for a streamed one (its staging entry is its home: nothing is
-        copied to the device), else the device weights."""
+        copied to the device), else the device weights (a kept layer's too)."""
         home = self.home(p)
-        if home is None:
-            return local(p).data_ptr()
+        if home is None or (self.cuda and self.window.kept(p)):
+            return local(p).data_ptr()  # (a kept layer's update is copied from its home to the device)
         return 0 if self.cuda else home.data_ptr()
 
     def streams(self, b) -> bool:
