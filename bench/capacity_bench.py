@@ -29,8 +29,9 @@ Systems:
                      the same three with streamed weights: the model is built on the meta device,
                      materialised in bf16 on the CPU and initialised there (as fsdp2_offload), then
                      hytrain.stream_model(model, "cuda", stream=--stream) keeps the last layers' weights in
-                     pinned host memory and streams them through a window of 2 layers; "auto" streams as
-                     few as leave a quarter of the GPU for everything but the weights
+                     pinned host memory and streams them through a window of 2 layers; "auto": none
+                     where the weights leave half the GPU free, else every layer until the second
+                     iteration has been measured, then the first layers that fit beside its peak stay
   deepspeed_offload  DeepSpeed ZeRO-2, offload_optimizer cpu (DeepSpeedCPUAdam), configured as in
                      train_bench.py; only when `import deepspeed` works (else a record says skipped)
   fsdp2_offload      torch FSDP2 at world size 1: fully_shard on each decoder layer, then the root, with

@@ -421,7 +421,7 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
     first step); it finds the window.
 
     ``stream``: ``"auto"``, a number of layers (the last ones), or 0. Auto: none where the weights
-    leave a quarter of the device free; else every layer that can, until the second training
+    leave half of the device free; else every layer that can, until the second training
     forward has been measured, after which the first streamed layers that fit beside its peak stay
     on the device for good (with ``reserve_bytes`` given: as few as :func:`plan_window` says, no
     measurement). ``depth``: streamed layers on the GPU at once (at least 1; 2 lets the next
@@ -463,9 +463,9 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
                 count = plan_window(layer_bytes, fixed, free + on_device, depth=depth,
                                     reserve_bytes=int(reserve_bytes), streamable=ok)
             else:
-                try:  # everything resident, with a quarter of the device for the rest: no window
+                try:  # everything resident, with half of the device for the rest: no window
                     count = plan_window(layer_bytes, fixed, free + on_device, depth=depth,
-                                        reserve_bytes=total // 4, streamable=ok)
+                                        reserve_bytes=total // 2, streamable=ok)
                 except CapacityError:
                     count = None
                 if count != 0:
