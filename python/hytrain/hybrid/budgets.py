@@ -131,12 +131,12 @@ def trim(pool, settings) -> None:
         pool.trim()
 
 
-def host_floor(plan, settings, cuda) -> int:
+def host_floor(plan, settings, cuda, homes=lambda p: None) -> int:
     """The smallest k for which the host can hold the states of blocks >= k (the rest live on
     the GPU), within the memory this process can still take (or the given pool's room). Without
     CUDA every state lives on the host: one that does not fit is refused here, before anything
     is allocated."""
-    per_block = block_host_bytes(plan, settings, cuda)
+    per_block = block_host_bytes(plan, settings, cuda, homes)
     room = host_room(settings)
     if room is None:
         return 0
@@ -156,10 +156,10 @@ def host_floor(plan, settings, cuda) -> int:
 
 # -- refusals ------------------------------------------------------------------------------------------
 
-def gpu_refusal(plan, settings, cuda, state_bytes, k, free) -> CapacityError:
+def gpu_refusal(plan, settings, cuda, state_bytes, k, free, homes=lambda p: None) -> CapacityError:
     """The error for a state whose first k blocks must live on the GPU (``state_bytes``: each
     block's there), where ``free`` bytes are left for them: the bytes on each side."""
-    per_block = block_host_bytes(plan, settings, cuda)
+    per_block = block_host_bytes(plan, settings, cuda, homes)
     on_gpu = sum(state_bytes[:k])
     room = host_room(settings)
     return CapacityError(

@@ -224,13 +224,13 @@ class StateStore:
         """The smallest k for which the host can hold the states of blocks >= k, which k never goes
         below from now on (:func:`budgets.host_floor`: without CUDA, a state that does not fit is
         refused there, before anything is allocated)."""
-        self.floor = budgets.host_floor(self.plan, self.settings, self.cuda)
+        self.floor = budgets.host_floor(self.plan, self.settings, self.cuda, self.home)
         return self.floor
 
     def gpu_refusal(self, k, free):
         """The error for a state whose first k blocks must live on the GPU, where ``free`` bytes are
         left for them: the bytes on each side."""
-        return budgets.gpu_refusal(self.plan, self.settings, self.cuda, self._state_bytes, k, free)
+        return budgets.gpu_refusal(self.plan, self.settings, self.cuda, self._state_bytes, k, free, self.home)
 
     def trimmed(self) -> None:
         """A pool of our own gives its wholly free slabs back to the system."""
