@@ -197,3 +197,42 @@ def test_touching_a_streamed_weight_outside_its_layer_raises_instead_of_reading_
     tokens = batches(1, seed=4)[0][0]
     m(tokens[:, :-1], tokens[:, 1:]).backward()  # inside forward and backward it works
     assert p.grad is not None and p.grad.shape == p.shape
+
+
+def test_a_streamed_run_resumed_from_its_state_dicts_is_the_uninterrupted_run():
+    data = batches(6, seed=5)
+    kw = dict(lr=3e-3, weight_decay=0.1, state_format="bf16")
+    resident = model(seed=5)
+    first = copy.deepcopy(resident)
+    opt_r = hytrain.HybridAdamW(resident.parameters(), model=resident, **kw)
+    ref_losses = train(resident, opt_r, data)
+
+    hytrain.stream_model(first, "cpu", stream=3)
+    opt = hytrain.HybridAdamW(first.parameters(), model=first, **kw)
+    losses = train(first, opt, data[:3])
+    saved_model = copy.deepcopy(first.state_dict())  # the streamed weights come from their homes
+    saved_opt = copy.deepcopy(opt.state_dict())
+
+    second = model(seed=99)  # other weights: the saved ones are loaded, then it streams
+    second.load_state_dict(saved_model)
+    window = hytrain.stream_model(second, "cpu", stream=3)
+    opt2 = hytrain.HybridAdamW(second.parameters(), model=second, **kw)
+    opt2.load_state_dict(saved_opt)
+    losses += train(second, opt2, data[3:])
+    assert losses == ref_losses
+    a, b = weights(resident), weights(second, window)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_loading_an_optimizer_state_rounds_its_masters_into_the_homes():
+    data = batches(2, seed=6)
+    m = model(seed=6)
+    window = hytrain.stream_model(m, "cpu", stream=2)
+    opt = hytrain.HybridAdamW(m.parameters(), model=m, lr=1e-2)
+    train(m, opt, data)
+    sd = copy.deepcopy(opt.state_dict())
+    p = m.layers[3].q.weight
+    i = [id(q) for q in m.parameters()].index(id(p))
+    sd["state"][i]["master"] = torch.full_like(sd["state"][i]["master"], 0.125)
+    opt.load_state_dict(sd)
+    assert bool((window.home(p) == 0.125).all())

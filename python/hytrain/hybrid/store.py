@@ -365,8 +365,18 @@ class StateStore:
         # next step (WeightWrites.refresh). Entries without one (a torch checkpoint, a counter reset)
         # leave the weights' writes to be followed (Engine._follow_weight_writes).
         self.writes.note([p for p in fresh if "master" in self.state[p]], sharded=sharded)
+        # A streamed parameter's weights are the optimizer's alone to write: they take its loaded
+        # master's rounding now (a held block's home stages gradients: its update writes them).
+        streamed = [p for p in mastered if self.home(p) is not None]
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            for p in streamed:
+                if not self.rt.in_flight(self.plan.block_of[id(p)]):
+                    self.home(p).copy_(self.state[p]["master"])
+                    if self.cuda and self.window.kept(p):
+                        local(p).copy_(self.home(p), non_blocking=True)
         if not sharded:
-            self.writes.masters_loaded(mastered)
+            ids = {id(p) for p in streamed}
+            self.writes.masters_loaded([p for p in mastered if id(p) not in ids])
 
     def _own(self, p) -> None:
         self._owned[id(p)] = dict(self.state[p])

@@ -168,21 +168,7 @@ class WeightWrites:
         quiet = [b for b in range(len(self.plan)) if not rt.in_flight(b) or rt.phase(b) == phases.held]
         if self.loaded_masters:  # masters loaded since: checked against the weights
             seen = {id(p) for p in out}
-            for b in quiet:
-                for p in self.plan.blocks[b]:
-                    if id(p) not in self.loaded_masters or id(p) in seen:
-                        continue
-                    home = self.homes(p)
-                    if home is None:
-                        out.append(p)
-                        continue
-                    # A streamed parameter's weights are written by the optimizer alone: they take the
-                    # loaded master's rounding (held, its home stages gradients, and the step's
-                    # update writes them from that master).
-                    if not rt.in_flight(b):
-                        with torch.no_grad():
-                            home.copy_(self.state[p]["master"])
-                    self.loaded_masters.discard(id(p))
+            out += [p for b in quiet for p in self.plan.blocks[b] if id(p) in self.loaded_masters and id(p) not in seen]
         if self.watch is not None:
             seen = {id(p) for p in out}
             out += [p for p in self.watch.written(quiet) if id(p) not in seen]
