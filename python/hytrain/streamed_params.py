@@ -18,6 +18,7 @@ _METADATA = frozenset({
     "register_post_accumulate_grad_hook", "empty_like", "zeros_like", "ones_like", "full_like", "new_empty",
     "new_zeros", "new_ones", "new_full", "__reduce_ex__", "__setstate__",
     "__class__", "_cdata", "_backward_hooks", "_post_accumulate_grad_hooks", "__dict__",
+    "_has_compatible_shallow_copy_type", "is_set_to", "_is_zerotensor", "is_inference", "is_pinned",
 })
 _ALIASES = frozenset({"data", "detach"})
 
@@ -29,11 +30,42 @@ def _func_name(func) -> str:
     return name
 
 
+def _stays(name, args, kwargs) -> bool:
+    """Whether ``to``/``cuda``/``cpu`` on args[0] asks for the device and dtype it has (a module's
+    ``.to(device)`` of a streamed model, as the Trainer, accelerate and Lightning do: a no-op)."""
+    t = args[0] if args else None
+    if not isinstance(t, torch.Tensor):
+        return False
+    if name == "to":
+        try:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
+        except (TypeError, RuntimeError):
+            return False
+        if device is not None and torch.device(device).type == t.device.type and torch.device(device).index is None:
+            device = t.device
+        return (device is None or torch.device(device) == t.device) and (dtype is None or dtype == t.dtype) \
+            and memory_format in (None, torch.preserve_format)
+    if name == "cuda":
+        want = args[1] if len(args) > 1 else kwargs.get("device")
+        if want is None:
+            return t.is_cuda and t.device.index == torch.cuda.current_device()
+        want = torch.device("cuda", want) if isinstance(want, int) else torch.device(want)
+        return t.is_cuda and (want.index is None or want == t.device)
+    if name == "cpu":
+        return t.device.type == "cpu"
+    return False
+
+
 def _guard(cls, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
     name = _func_name(func)
     with torch._C.DisableTorchFunctionSubclass():
-        if name not in _METADATA:
+        if name == "__repr__" and args and isinstance(args[0], _GUARDED) and args[0].numel() \
+                and args[0].untyped_storage().nbytes() == 0:
+            t = args[0]
+            return (f"{type(t).__name__}(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}: streamed, "
+                    "its weights in host memory)")
+        if name not in _METADATA and not (name in ("to", "cuda", "cpu") and _stays(name, args, kwargs)):
             for t in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, _GUARDED) and t.numel() and t.untyped_storage().nbytes() == 0:
                     raise RuntimeError(

@@ -236,3 +236,15 @@ def test_loading_an_optimizer_state_rounds_its_masters_into_the_homes():
     sd["state"][i]["master"] = torch.full_like(sd["state"][i]["master"], 0.125)
     opt.load_state_dict(sd)
     assert bool((window.home(p) == 0.125).all())
+
+
+def test_moving_a_streamed_model_where_it_is_passes_and_elsewhere_raises():
+    m = model(seed=7)
+    window = hytrain.stream_model(m, "cpu", stream=2)
+    p = m.layers[3].q.weight
+    assert m.to("cpu") is m and m.layers[3].q.weight is p and p.untyped_storage().nbytes() == 0
+    m.cpu()
+    m.to(torch.device("cpu"), non_blocking=True)
+    with pytest.raises(RuntimeError, match="streamed parameter"):
+        m.to(torch.float32)
+    assert window.home(p).dtype == torch.bfloat16
