@@ -212,6 +212,7 @@ class Engine:
         store, s = self.store, self.settings
         try:
             store.prepare()
+            self._bind_window()  # (streamed blocks: their homes stage, k stops below them)
         except (RuntimeError, ValueError):
             return  # refused at step(), where the state is made
         if not store.cuda or self.shard_group is not None:
