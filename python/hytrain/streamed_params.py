@@ -71,7 +71,7 @@ def _guard(cls, func, types, args=(), kwargs=None):
                     raise RuntimeError(
                         f"{name}() on a streamed parameter of shape {tuple(t.shape)} outside its layer's forward "
                         "and backward: its weights live in host memory then (hytrain.stream_model); read "
-                        "model.state_dict() or WeightWindow.home(p) instead")
+                        "model.state_dict() or WeightWindow.weights(p) instead")
         out = func(*args, **kwargs)
     if name in _ALIASES and isinstance(out, torch.Tensor) and not isinstance(out, _GUARDED):
         out = out.as_subclass(StreamedTensor)  # an alias of the same storage stays guarded

@@ -89,7 +89,9 @@ def plan_window(layer_bytes, fixed_bytes: int, free_bytes: int, *, depth: int, r
 
 class WeightWindow:
     """The streamed layers of one model (made by :func:`stream_model`). ``streamed``: the indices of
-    the streamed layers among ``layers``; ``home(p)``: a streamed parameter's pinned host copy."""
+    the streamed layers among ``layers``; ``weights(p)``: a streamed parameter's weights now (its
+    optimizer's updates waited for); ``home(p)``: its pinned host buffer as it is (an update may be
+    writing it, or gradients be staged there)."""
 
     def __init__(self, model, layers, streamed, device, depth, pool, measure=False):
         self.model, self.layers, self.device, self.depth, self.pool = model, layers, device, depth, pool

@@ -107,7 +107,7 @@ def train(m, opt, data, *, scaler_like=None):
 def weights(m, window=None):
     out = {}
     for name, p in m.named_parameters():
-        out[name] = (window.home(p) if window is not None and window.streams(p) else p.detach()).clone()
+        out[name] = (window.weights(p) if window is not None and window.streams(p) else p.detach()).clone()
     return out
 
 

@@ -69,7 +69,7 @@ def assert_same(resident, streamed):
     (mr, opt_r, lr_, _), (ms, opt_s, ls, window) = resident, streamed
     assert lr_ == ls
     for (name, pr), ps in zip(mr.named_parameters(), ms.parameters()):
-        got = window.home(ps) if window.streams(ps) else ps.detach().cpu()
+        got = window.weights(ps) if window.streams(ps) else ps.detach().cpu()
         assert torch.equal(pr.detach().cpu(), got.cpu()), name
         for key, val in opt_r.state[pr].items():
             assert torch.equal(val.cpu(), opt_s.state[ps][key].cpu()), (name, key)
