@@ -4,6 +4,8 @@ naming the problem instead of touching freed memory (which would crash the inter
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 
@@ -70,8 +72,8 @@ def _guard(cls, func, types, args=(), kwargs=None):
                 if isinstance(t, _GUARDED) and t.numel() and t.untyped_storage().nbytes() == 0:
                     raise RuntimeError(
                         f"{name}() on a streamed parameter of shape {tuple(t.shape)} outside its layer's forward "
-                        "and backward: its weights live in host memory then (hytrain.stream_model); read "
-                        "model.state_dict() or WeightWindow.weights(p) instead")
+                        "and backward: its weights live in host memory then (hytrain.stream_model). Read them "
+                        "with model.state_dict() or WeightWindow.weights(p); change them before stream_model")
         out = func(*args, **kwargs)
     if name in _ALIASES and isinstance(out, torch.Tensor) and not isinstance(out, _GUARDED):
         out = out.as_subclass(StreamedTensor)  # an alias of the same storage stays guarded
@@ -81,9 +83,17 @@ def _guard(cls, func, types, args=(), kwargs=None):
 class StreamedParameter(nn.Parameter):
     """A streamed parameter (its class while its layer streams): an operation that would read or
     write its weights while its layer is off the device raises RuntimeError instead of touching freed
-    memory. Metadata, ``.grad`` and hooks pass."""
+    memory. Metadata, ``.grad`` and hooks pass. Pickled (``torch.save(model)``), it is a plain
+    parameter holding its weights as of now, on the host."""
 
     __torch_function__ = classmethod(_guard)
+
+    def __reduce_ex__(self, proto):
+        from .window import window_for
+
+        window = window_for([self])
+        data = window.weights(self) if window is not None else torch.empty(0, dtype=self.dtype)
+        return (torch._utils._rebuild_parameter, (data.detach().clone(), self.requires_grad, OrderedDict()))
 
 
 class StreamedTensor(torch.Tensor):

@@ -337,7 +337,12 @@ class WeightWindow:
                 state_dict[name] = self.weights(p)
 
     def remove(self) -> None:
-        """Every streamed layer back on the device, resident (if it fits), and the hooks removed."""
+        """Every streamed layer back on the device, resident (if it fits), and the hooks removed.
+        Refused while an optimizer's state uses the homes (they stage its gradients)."""
+        if self._ready is not None:
+            raise RuntimeError("this window's homes stage the gradients of an optimizer's state (HybridAdamW "
+                               "made its state with them): remove() the window before that optimizer's first "
+                               "step, or build a new optimizer after removing it")
         for h in self._hooks:
             h.remove()
         self._hooks = []

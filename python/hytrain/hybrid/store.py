@@ -365,15 +365,18 @@ class StateStore:
         # next step (WeightWrites.refresh). Entries without one (a torch checkpoint, a counter reset)
         # leave the weights' writes to be followed (Engine._follow_weight_writes).
         self.writes.note([p for p in fresh if "master" in self.state[p]], sharded=sharded)
-        # A streamed parameter's weights are the optimizer's alone to write: they take its loaded
-        # master's rounding now (a held block's home stages gradients: its update writes them).
+        # A streamed parameter's loaded master is checked against its weights now, as the others' are
+        # at the next step (WeightWrites.refresh: where a weight is not the master's rounding, the
+        # master takes the weight); its home holds them now, which at the next step it may not (its
+        # gradients are staged there). A held block's home stages gradients already: left as loaded.
         streamed = [p for p in mastered if self.home(p) is not None]
         with torch.no_grad(), torch._C.DisableTorchFunction():
             for p in streamed:
                 if not self.rt.in_flight(self.plan.block_of[id(p)]):
-                    self.home(p).copy_(self.state[p]["master"])
-                    if self.cuda and self.window.kept(p):
-                        local(p).copy_(self.home(p), non_blocking=True)
+                    m, w = self.state[p]["master"], self.home(p)
+                    differs = w != m.to(w.dtype)
+                    if bool(differs.any()):
+                        m.copy_(torch.where(differs, w.to(m.dtype), m))
         if not sharded:
             ids = {id(p) for p in streamed}
             self.writes.masters_loaded([p for p in mastered if id(p) not in ids])
