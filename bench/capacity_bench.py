@@ -81,6 +81,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_bench  # noqa: E402  -- the workload's constants (vocab, AdamW, clipping)
+from timed_window import window_figures  # noqa: E402
 
 VOCAB, LR, WD, CLIP = train_bench.VOCAB, train_bench.LR, train_bench.WD, train_bench.CLIP
 BATCH, SEQ = 4, 1024
@@ -373,7 +374,7 @@ def run_one(args):
         iter_s = statistics.median(times[args.warmup:])
         losses = [float(v) for v in losses]
         rec.update(trains=True, iter_s=iter_s, tokens_per_s=args.batch * args.seq / iter_s,
-                   mean_iter_s=statistics.mean(times[args.warmup:]), tokens=args.batch * args.seq,
+                   tokens=args.batch * args.seq, **window_figures(times[args.warmup:], args.batch * args.seq),
                    iter_times_s=[round(t, 4) for t in times], loss_first=losses[0], loss_last=losses[-1],
                    finite_loss=all(v == v and abs(v) != float("inf") for v in losses))
         if system.startswith("hytrain"):

@@ -28,6 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timed_window import window_figures  # noqa: E402
+
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32),
@@ -120,7 +123,8 @@ def run_job(model: Path, data: Path, out: Path, args, size: str) -> dict:
                if any("gpu_wait_frac" in r for r in later) else None,
                loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"], params=summary["params"],
                peak_gpu_reserved_gb=summary.get("peak_gpu_reserved_gb"), peak_host_gb=summary["peak_host_gb"],
-               model_dir=summary.get("model_dir"))
+               model_dir=summary.get("model_dir"),
+               **window_figures([r["step_s"] for r in later], args.batch_size * args.seq_len))
     return rec
 
 

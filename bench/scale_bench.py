@@ -30,6 +30,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timed_window import window_figures  # noqa: E402
+
 MODES = ("deepspeed_offload", "hytrain", "hytrain_8bit", "fsdp2_cpu_offload")  # DeepSpeed first: its peak caps hytrain
 STATE_FORMATS = {"hytrain": "fp32", "hytrain_8bit": "8bit"}
 # Host bytes the CPU update moves per parameter (bf16 gradient in, bf16 weight out): fp32 master, m
@@ -187,7 +190,7 @@ def report(args, model, timing, rank, world, extra):
     mine = {"first_step_s": first, "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
             "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if cuda else None,
             "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
-            "iter_s": statistics.median(times), **extra}
+            "iter_s": statistics.median(times), "times_s": list(times), **extra}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -196,6 +199,9 @@ def report(args, model, timing, rank, world, extra):
                "iter_s": max(r["iter_s"] for r in everyone),
                "first_step_s": round(max(r["first_step_s"] for r in everyone), 2),
                "tokens_per_s_per_gpu": args.batch * args.seq / max(r["iter_s"] for r in everyone),
+               # what the job gets: the slowest rank's timed window, iteration by iteration
+               **window_figures([max(ts) for ts in zip(*(r["times_s"] for r in everyone))],
+                                args.batch * args.seq),
                **{key: None if args.device == "cpu" else max(r[key] for r in everyone)
                   for key in ("peak_gpu_gb", "peak_gpu_reserved_gb")},
                "cap_gb": everyone[0].get("cap_gb"),

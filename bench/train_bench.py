@@ -48,6 +48,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timed_window import window_figures  # noqa: E402
+
 WORKLOADS = {
     "l3b": dict(hidden_size=3072, num_layers=26, num_heads=24, intermediate_size=8192, checkpointing=False),
     "l7b": dict(hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008, checkpointing=True),
@@ -277,7 +280,8 @@ def run_mode(args):
            "cap_gb": cap if mode.startswith("hytrain") else None, "k": None, "predicted_iter_s": None,
            # times the caching allocator hit the memory limit, freed its cache and retried (a device sync each)
            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
-           "warmup": warmup, "iter_times_s": [round(t, 4) for t in times]}
+           "warmup": warmup, "iter_times_s": [round(t, 4) for t in times],
+           **window_figures(times[warmup:], BATCH * SEQ)}
     if scaler is not None:
         rec["loss_scale"] = scaler.get_scale()
     rec["kept_grads"] = bool(args.keep_grads) if mode.startswith("hytrain") else None

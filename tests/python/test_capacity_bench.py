@@ -47,6 +47,8 @@ def test_tiny_trains_under_hytrain_and_fsdp2():
         assert r["trains"] is True, r
         assert r["size"] == "tiny" and r["params"] == r["expected_params"] > 0, r
         assert math.isfinite(r["iter_s"]) and r["iter_s"] > 0, r
+        assert r["iter_s_median"] == r["iter_s"] and r["window_iterations"] == 1, r
+        assert r["wall_tokens_per_s"] == pytest.approx(4 * 1024 / r["window_s"]), r
         assert r["first_step_s"] > 0 and r["build_s"] >= 0 and r["peak_host_gb"] > 0, r
         assert r["finite_loss"] and math.isfinite(r["loss_last"]), r  # FSDP2's CPU initialisation is sane
         assert r["peak_gpu_reserved_gb"] is None and r["peak_gpu_allocated_gb"] is None, r

@@ -37,6 +37,9 @@ def test_the_harness_on_cpu_ranks():
         assert "error" not in r, r
         assert r["params"] == 791680 and r["iter_s"] > 0 and r["first_step_s"] > 0 and len(r["iter_times_s"]) == 2
         assert r["tokens_per_s_per_gpu"] == pytest.approx(2 * 32 / r["iter_s"])
+        # what the job gets: the slowest rank's window, tokens over its whole time
+        assert r["wall_tokens_per_s"] == pytest.approx(2 * 32 * 2 / r["window_s"])
+        assert r["iter_s_max"] >= r["iter_s_p90"] >= r["iter_s_median"] > 0 and r["window_iterations"] == 2
         assert len(r["k"]) == n and r["peak_host_gb_per_rank"] > 0 and r["peak_gpu_gb"] is None
     assert runs[("hytrain", 2)]["k"] == [0, 0]  # CPU parameters: every block updated by the CPU workers
     for fmt, mode in ((28, "hytrain"), (16, "hytrain_8bit")):
