@@ -301,7 +301,9 @@ class WeightWindow:
     def _count_forward(self) -> None:
         """A training forward begins. With ``measure``: the second one's peak memory is sampled, and
         at the third the streamed layers that fit beside it stay on the device from then on, first
-        layers first (a kept layer costs no copies), leaving 1 GiB and 5 % of the device free."""
+        layers first (a kept layer costs no copies), leaving 1 GiB and 5 % of the device free and a
+        tenth for the allocator's fragmentation. The peak is what was allocated: the reserved peak
+        counts the blocks the window's frees left cached, which the kept layers would reuse."""
         if not self._measure:
             return
         self._forwards += 1
@@ -310,7 +312,7 @@ class WeightWindow:
         elif self._forwards == 3:
             self._measure = False
             total = torch.cuda.get_device_properties(self.device).total_memory
-            room = total - torch.cuda.max_memory_reserved(self.device) - (1 << 30) - total // 20
+            room = total - torch.cuda.max_memory_allocated(self.device) - (1 << 30) - total // 20 - total // 10
             for i in self.streamed:
                 need = self.layer_bytes(i)
                 if need > room:
