@@ -58,24 +58,41 @@ def _stays(name, args, kwargs) -> bool:
     return False
 
 
+def _empty(t) -> bool:
+    return isinstance(t, _GUARDED) and t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def _first_empty(args, kwargs):
+    """The first guarded tensor with an empty storage among the arguments (and in lists or tuples of
+    them, as torch.cat and the foreach operations take them), else None."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            for t in a:
+                if _empty(t):
+                    return t
+        elif _empty(a):
+            return a
+    return None
+
+
 def _guard(cls, func, types, args=(), kwargs=None):
+    # Hot: every operation on a streamed parameter, in its layer's forward too. What costs is only
+    # looked at where a guarded argument is empty (its layer off the device).
     kwargs = kwargs or {}
-    name = _func_name(func)
     with torch._C.DisableTorchFunctionSubclass():
-        if name == "__repr__" and args and isinstance(args[0], _GUARDED) and args[0].numel() \
-                and args[0].untyped_storage().nbytes() == 0:
-            t = args[0]
-            return (f"{type(t).__name__}(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}: streamed, "
-                    "its weights in host memory)")
-        if name not in _METADATA and not (name in ("to", "cuda", "cpu") and _stays(name, args, kwargs)):
-            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
-                if isinstance(t, _GUARDED) and t.numel() and t.untyped_storage().nbytes() == 0:
-                    raise RuntimeError(
-                        f"{name}() on a streamed parameter of shape {tuple(t.shape)} outside its layer's forward "
-                        "and backward: its weights live in host memory then (hytrain.stream_model). Read them "
-                        "with model.state_dict() or WeightWindow.weights(p); change them before stream_model")
+        t = _first_empty(args, kwargs)
+        if t is not None:
+            name = _func_name(func)
+            if name == "__repr__" and args and args[0] is t:
+                return (f"{type(t).__name__}(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device}: streamed, "
+                        "its weights in host memory)")
+            if name not in _METADATA and not (name in ("to", "cuda", "cpu") and _stays(name, args, kwargs)):
+                raise RuntimeError(
+                    f"{name}() on a streamed parameter of shape {tuple(t.shape)} outside its layer's forward "
+                    "and backward: its weights live in host memory then (hytrain.stream_model). Read them "
+                    "with model.state_dict() or WeightWindow.weights(p); change them before stream_model")
         out = func(*args, **kwargs)
-    if name in _ALIASES and isinstance(out, torch.Tensor) and not isinstance(out, _GUARDED):
+    if isinstance(out, torch.Tensor) and not isinstance(out, _GUARDED) and _func_name(func) in _ALIASES:
         out = out.as_subclass(StreamedTensor)  # an alias of the same storage stays guarded
     return out
 
