@@ -157,10 +157,11 @@ class Launcher:
     def _stale(self, b) -> None:
         """Block b's weights are about to be written on the host: a streamed block's copy on the
         GPU (its window's) is dropped first."""
+        if not self.store.streams(b):
+            return
         window = self.store.window
-        if window is not None:
-            for layer in sorted({window.layer_of(p) for p in self.plan.blocks[b] if window.streams(p)}):
-                window.invalidate(layer)
+        for layer in sorted({window.layer_of(p) for p in self.plan.blocks[b]}):
+            window.invalidate(layer)
 
     def updated(self, b) -> bool:
         """Whether block b's weights are final now, without waiting: no update in flight, or its CPU

@@ -325,10 +325,11 @@ class Planner:
             self._nonstate_peak = max(self._nonstate_peak, summary["nonstate_peak_bytes"])
             if summary.get("alloc_retries"):
                 self._give_way(k)
-            sched.memory_budget = float(max(0, self._budget(self._nonstate_peak)))
+            budget = max(0, self._budget(self._nonstate_peak))
+            if self.max_k is not None:  # the streamed blocks' states stay on the host: beyond the budget
+                budget = min(budget, sum(self.plan.sizes()[2][:self.max_k]))
+            sched.memory_budget = float(budget)
             k = sched.decide(s.gpu_blocks)
-            if self.max_k is not None:
-                k = min(k, self.max_k)
         if self._agree_group is not None:
             # Sharded: each rank decides from its own measurements, and all take the smallest k --
             # within every rank's memory budget, and every rank's migration falls in the same step

@@ -29,9 +29,9 @@ class Shadows:
     of a bf16/fp16 parameter), registered in ``table``; allocated from ``pool``. ``state``: the
     optimizer's state dict (the state a shadow stands beside)."""
 
-    def __init__(self, plan, settings, rt, state, pool, table, homes=lambda p: None):
+    def __init__(self, plan, settings, rt, state, pool, table, streams=lambda b: False):
         self.plan, self.settings, self.rt, self.state, self.pool, self.table = plan, settings, rt, state, pool, table
-        self.homes = homes  # a streamed parameter's home (its weights on the host), else None
+        self.streams = streams  # whether a block streams its weights (window.py)
         self.entries = {}
 
     def rebind(self, state) -> None:
@@ -145,7 +145,7 @@ class Shadows:
         # A streamed block's home stages its gradients, which a speculative update would have to keep
         # beside the weights it writes: it does not speculate (nor the blocks below it).
         for b in range(n):
-            if any(self.homes(p) is not None for p in self.plan.blocks[b]):
+            if self.streams(b):
                 has[b], need[b] = False, 1 << 62
         room = 0
         # Host headroom, read only if some block needs memory, and only once the host memory of

@@ -49,8 +49,10 @@ class StateStore:
         self._groups_set = None  # the hyperparameters the table has
         self._state_bytes = plan.sizes()[2]
         # The model's weight window (window.py), or None: a streamed parameter's training copy lives
-        # in its home on the host, which its updates write (set by the engine before create()).
+        # in its home on the host, which its updates write; and the blocks that stream (set_window,
+        # before create()).
         self.window = None
+        self.streamed = frozenset()
         self._new_parts()
         self.writes = WeightWrites(plan, rt, state)
 
@@ -59,7 +61,7 @@ class StateStore:
         :meth:`create`)."""
         self.residency = Residency(self.plan, self.settings, self.rt, self.device, self.pool)
         self.shadows = Shadows(self.plan, self.settings, self.rt, self.state, self.pool, self.table,
-                               homes=self.home)
+                               streams=self.streams)
 
     # -- streamed weights -----------------------------------------------------------------------------
 
@@ -83,15 +85,13 @@ class StateStore:
             return local(p).data_ptr()  # (a kept layer's update is copied from its home to the device)
         return 0 if self.cuda else home.data_ptr()
 
-    def streams(self, b) -> bool:
-        """Whether block b's parameters stream (its home stages its gradients: it never speculates)."""
-        return self.window is not None and any(self.window.streams(p) for p in self.plan.blocks[b])
+    def set_window(self, window, blocks) -> None:
+        """The weight window whose homes hold the weights of ``blocks`` (each streams whole)."""
+        self.window, self.streamed = window, frozenset(blocks)
 
-    def streamed_blocks(self) -> list:
-        """The blocks whose parameters all stream (the others hold none that do: checked at bind)."""
-        if self.window is None:
-            return []
-        return [b for b, ps in enumerate(self.plan.blocks) if ps and all(self.window.streams(p) for p in ps)]
+    def streams(self, b) -> bool:
+        """Whether block b streams (its home stages its gradients: it never speculates)."""
+        return b in self.streamed
 
     # -- creation -------------------------------------------------------------------------------------
 
@@ -370,13 +370,7 @@ class StateStore:
         # master takes the weight); its home holds them now, which at the next step it may not (its
         # gradients are staged there). A held block's home stages gradients already: left as loaded.
         streamed = [p for p in mastered if self.home(p) is not None]
-        with torch.no_grad(), torch._C.DisableTorchFunction():
-            for p in streamed:
-                if not self.rt.in_flight(self.plan.block_of[id(p)]):
-                    m, w = self.state[p]["master"], self.home(p)
-                    differs = w != m.to(w.dtype)
-                    if bool(differs.any()):
-                        m.copy_(torch.where(differs, w.to(m.dtype), m))
+        self.writes.refresh([p for p in streamed if not self.rt.in_flight(self.plan.block_of[id(p)])])
         if not sharded:
             ids = {id(p) for p in streamed}
             self.writes.masters_loaded([p for p in mastered if id(p) not in ids])

@@ -29,7 +29,7 @@ def bind(ref, plan, store, planner, *, sharded) -> None:
         raise ValueError(f"the model's weight window is on {window.device}, its parameters on {store.device}")
     if sharded:
         raise ValueError("streamed weights (stream_model) are not supported with FSDP2-sharded parameters")
-    layers = {}
+    layers = {}  # streamed layer -> its blocks
     for b, ps in enumerate(plan.blocks):
         streaming = [window.streams(p) for p in ps]
         if any(streaming) and not all(streaming):
@@ -38,8 +38,8 @@ def bind(ref, plan, store, planner, *, sharded) -> None:
         for p in ps:
             if window.streams(p):
                 layers.setdefault(window.layer_of(p), set()).add(b)
-    store.window = window
-    blocks = store.streamed_blocks()
+    blocks = {b for bs in layers.values() for b in bs}
+    store.set_window(window, blocks)
     planner.max_k = min(blocks) if blocks else None
 
     def ready(layer) -> bool:
