@@ -28,6 +28,7 @@ PYTHON_EXAMPLES = {
     "trainer.py": ("transformers",),
     "accelerate_loop.py": ("accelerate",),
     "lightning_module.py": ("lightning",),
+    "streamed_model.py": ("transformers",),
 }
 COVERED = {*PYTHON_EXAMPLES, "fsdp2_torchrun.py", "finetune.sh", "slurm.sbatch"}
 
