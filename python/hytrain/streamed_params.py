@@ -79,6 +79,11 @@ def _guard(cls, func, types, args=(), kwargs=None):
     # Hot: every operation on a streamed parameter, in its layer's forward too. What costs is only
     # looked at where a guarded argument is empty (its layer off the device).
     kwargs = kwargs or {}
+    if getattr(func, "__name__", "") == "__set__" and _func_name(func) == "data" and len(args) > 1 \
+            and isinstance(args[0], _GUARDED) and args[1] is not args[0]:  # (a module's no-op .to sets itself)
+        raise RuntimeError(  # the window would load its home into the new storage: the write would be lost
+            f"assigning .data of a streamed parameter of shape {tuple(args[0].shape)}: its weights live in host "
+            "memory (hytrain.stream_model); change them before stream_model")
     with torch._C.DisableTorchFunctionSubclass():
         t = _first_empty(args, kwargs)
         if t is not None:

@@ -175,6 +175,8 @@ class WeightWindow:
     def weights(self, p) -> torch.Tensor:
         """A streamed parameter's weights as of now, on the host (its home, or what the optimizer says
         they are while its home stages gradients)."""
+        if id(p) not in self._homes:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} that this window does not stream")
         now = self._current(p) if self._current is not None else None
         return self._homes[id(p)] if now is None else now
 
@@ -329,6 +331,21 @@ class WeightWindow:
             for p in self._trainable[i]:
                 self._hooks.append(p.register_post_accumulate_grad_hook(_Call(ref, "_grad_arrived", i)))
         self._hooks.append(self.model.register_state_dict_post_hook(_Call(ref, "_state_dict", with_args=True)))
+        self._hooks.append(self.model.register_load_state_dict_pre_hook(_Call(ref, "_load_state_dict",
+                                                                             with_args=True)))
+
+    def _load_state_dict(self, module, state_dict, prefix, *_) -> None:
+        """The model's load_state_dict, before it writes anything: refused where it would write a
+        streamed parameter (a rollback would otherwise leave the resident ones loaded and the
+        streamed ones not)."""
+        by_id = {id(p) for p in self.params}
+        names = [name for name, p in module.named_parameters(prefix=prefix.rstrip(".") if prefix else "")
+                 if id(p) in by_id and name in state_dict]
+        if names:
+            raise RuntimeError(
+                f"load_state_dict would write {len(names)} streamed parameters ({names[0]}, ...), whose weights "
+                "live in host memory (hytrain.stream_model): nothing was loaded. Load the weights into the model "
+                "before stream_model (a new model, then a new HybridAdamW and its load_state_dict)")
 
     def _state_dict(self, module, state_dict, prefix, local_metadata) -> None:
         """A streamed parameter's entry in the model's state_dict is its home (a CPU tensor): the
@@ -352,9 +369,9 @@ class WeightWindow:
             if i in self._loaded:
                 self._free(i)
             for p in self._params[i]:
+                p.__class__ = nn.Parameter
                 with torch.no_grad():
                     p.data = self._homes[id(p)].to(self.device)
-                p.__class__ = nn.Parameter
                 _OWNERS.pop(id(p), None)
         self._homes = {}
         _WINDOWS.pop(self.model, None)

@@ -269,3 +269,22 @@ def test_moving_a_streamed_model_where_it_is_passes_and_elsewhere_raises():
     with pytest.raises(RuntimeError, match="streamed parameter"):
         m.to(torch.float32)
     assert window.home(p).dtype == torch.bfloat16
+
+
+def test_a_rollback_with_load_state_dict_is_refused_before_anything_is_written():
+    m = model(seed=9)
+    saved = copy.deepcopy(m.state_dict())
+    window = hytrain.stream_model(m, "cpu", stream=2)
+    opt = hytrain.HybridAdamW(m.parameters(), model=m, lr=1e-2)
+    train(m, opt, batches(2, seed=9))
+    before = copy.deepcopy(m.state_dict())
+    with pytest.raises(RuntimeError, match="load_state_dict would write 18 streamed parameters"):
+        m.load_state_dict(saved)
+    after = m.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the resident ones untouched too
+    p = m.layers[3].q.weight
+    with pytest.raises(RuntimeError, match="assigning .data of a streamed parameter"):
+        p.data = torch.zeros_like(window.home(p))
+    with pytest.raises(ValueError, match="does not stream"):
+        window.weights(m.layers[0].q.weight)
+    train(m, opt, batches(1, seed=10))  # training goes on
