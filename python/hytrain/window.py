@@ -30,10 +30,10 @@ from torch import nn
 from .blocks import repeated_layers
 from .pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
 from .streamed_params import StreamedParameter
+from .window_plan import plan_window, streamable_layers
 
 _WINDOWS: "weakref.WeakKeyDictionary[nn.Module, WeightWindow]" = weakref.WeakKeyDictionary()
 _OWNERS: dict = {}  # id(parameter) -> (weak parameter, weak window); by identity (tensors compare by value)
-_STREAMABLE = (torch.bfloat16, torch.float16)
 
 
 def window_of(model) -> "WeightWindow | None":
@@ -58,33 +58,6 @@ def window_for(params) -> "WeightWindow | None":
 def _in_backward() -> bool:
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
-
-
-def plan_window(layer_bytes, fixed_bytes: int, free_bytes: int, *, depth: int, reserve_bytes: int,
-                streamable=None) -> int:
-    """How many of the last layers stream: the fewest for which the GPU holds what is not a layer
-    (``fixed_bytes``), the resident layers, the ``depth`` largest streamed layers at once and
-    ``reserve_bytes``, within ``free_bytes``. ``streamable[i]``: layer i may stream (a layer that
-    may not stops the streamed run: layers stream from the end). Raises CapacityError when even
-    streaming every streamable layer does not fit."""
-    n = len(layer_bytes)
-    streamable = [True] * n if streamable is None else list(streamable)
-    most = 0
-    while most < n and streamable[n - 1 - most]:
-        most += 1
-    need = None
-    for count in range(most + 1):
-        resident = sum(layer_bytes[:n - count])
-        window = sum(sorted(layer_bytes[n - count:], reverse=True)[:depth]) if count else 0
-        need = fixed_bytes + resident + window + reserve_bytes
-        if need <= free_bytes:
-            return count
-    raise CapacityError(
-        f"the model does not fit on the GPU even with {most} of its {n} layers streamed from host memory: "
-        f"it needs {format_bytes(need)} there ({format_bytes(fixed_bytes)} outside the layers, "
-        f"{format_bytes(sum(layer_bytes[:n - most]))} of layers that cannot stream, a window of {depth} "
-        f"layers, {format_bytes(reserve_bytes)} reserved for activations and the optimizer), and "
-        f"{format_bytes(free_bytes)} is free")
 
 
 class WeightWindow:
@@ -417,27 +390,6 @@ def _tensors(x):
         yield from _tensors(x.to_tuple())
 
 
-def _streamable_layers(model, layers) -> list[bool]:
-    """Layer i may stream when it has trainable parameters, all of them bf16/fp16, none shared with
-    anything outside it (tied weights)."""
-    inside = {}
-    for i, layer in enumerate(layers):
-        for p in layer.parameters():
-            inside[id(p)] = i
-    shared = set()
-    for name, module in model.named_modules():
-        for p in module.parameters(recurse=False):
-            i = inside.get(id(p))
-            if i is not None and not any(module is m for m in layers[i].modules()):
-                shared.add(i)
-    out = []
-    for i, layer in enumerate(layers):
-        ps = list(layer.parameters())
-        out.append(i not in shared and any(p.requires_grad for p in ps)
-                   and all(p.dtype in _STREAMABLE for p in ps))
-    return out
-
-
 def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2, reserve_bytes=None,
                  pool: PinnedPool | None = None) -> WeightWindow:
     """Places ``model`` on ``device`` (default: the current CUDA device, else the CPU) with its last
@@ -473,7 +425,7 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
                          "of layers of one type): none was found")
     layers = list(layers)
     n = len(layers)
-    ok = _streamable_layers(inner, layers)
+    ok = streamable_layers(inner, layers)
     layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     fixed = sum(p.numel() * p.element_size() for p in inner.parameters() if id(p) not in in_layers)
