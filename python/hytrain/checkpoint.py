@@ -418,11 +418,11 @@ def verify(path: Path) -> dict:
     return meta
 
 
-def load(path: Path, model, opt, sched) -> int:
-    """Verifies, then restores the model, optimizer, scheduler and RNG states; returns the step."""
+def load_weights(path: Path, model) -> None:
+    """The model's weights from a verified checkpoint (before its weights stream: a streamed
+    parameter takes no load_state_dict)."""
     from safetensors.torch import load_file
 
-    meta = verify(path)
     weights = load_file(str(Path(path) / "model.safetensors"))
     try:
         getattr(model, "saved_module", model).load_state_dict(weights, strict=True)
@@ -432,6 +432,14 @@ def load(path: Path, model, opt, sched) -> int:
         more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
         raise CheckpointError(f"{path} was written for a different model: {first}{more} (resume with the "
                               "model and options the run was started with)") from None
+
+
+def load(path: Path, model, opt, sched, weights: bool = True) -> int:
+    """Verifies, then restores the model (unless ``weights`` is False: :func:`load_weights` did),
+    optimizer, scheduler and RNG states; returns the step."""
+    meta = verify(path)
+    if weights:
+        load_weights(path, model)
     opt.load_state_dict(torch.load(Path(path) / "optimizer.pt", map_location="cpu", weights_only=True))
     trainer = torch.load(Path(path) / "trainer.pt", map_location="cpu", weights_only=True)
     if sched is not None and trainer["scheduler"] is not None:

@@ -27,10 +27,9 @@ import weakref
 import torch
 from torch import nn
 
-from .blocks import repeated_layers
 from .pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
 from .streamed_params import StreamedParameter
-from .window_plan import plan_window, streamable_layers
+from .window_plan import fits_resident, layout, plan_window
 
 _WINDOWS: "weakref.WeakKeyDictionary[nn.Module, WeightWindow]" = weakref.WeakKeyDictionary()
 _OWNERS: dict = {}  # id(parameter) -> (weak parameter, weak window); by identity (tensors compare by value)
@@ -419,17 +418,8 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"stream_model places models on a CUDA device (or the CPU, for tests), not {device}")
     inner = getattr(model, "_orig_mod", model)
-    layers = repeated_layers(inner)
-    if layers is None:
-        raise ValueError("stream_model needs a model with repeated layers (an nn.ModuleList or nn.Sequential "
-                         "of layers of one type): none was found")
-    layers = list(layers)
+    layers, ok, layer_bytes, fixed = layout(inner)
     n = len(layers)
-    ok = streamable_layers(inner, layers)
-    layer_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
-    in_layers = {id(p) for layer in layers for p in layer.parameters()}
-    fixed = sum(p.numel() * p.element_size() for p in inner.parameters() if id(p) not in in_layers)
-    fixed += sum(b.numel() * b.element_size() for b in inner.buffers())
     measure = False
     if stream == "auto":
         count = 0
@@ -440,12 +430,9 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
             if reserve_bytes is not None:
                 count = plan_window(layer_bytes, fixed, free + on_device, depth=depth,
                                     reserve_bytes=int(reserve_bytes), streamable=ok)
-            else:
-                try:  # everything resident, with half of the device for the rest: no window
-                    count = plan_window(layer_bytes, fixed, free + on_device, depth=depth,
-                                        reserve_bytes=total // 2, streamable=ok)
-                except CapacityError:
-                    count = None
+            else:  # everything resident, with half of the device for the rest: no window
+                count = 0 if fits_resident(layer_bytes, fixed, free + on_device, total, depth=depth,
+                                           streamable=ok) else None
                 if count != 0:
                     # Every layer that can stream does, until the second forward has shown what the
                     # rest takes; then the first ones that fit beside it stay (_count_forward). Refused

@@ -146,6 +146,12 @@ def load_causal_lm(name_or_path: str, *, device: torch.device, dtype: torch.dtyp
     return model, cfg.to_dict()
 
 
+def meta_causal_lm(name_or_path: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The model of a directory's config with its parameters on the meta device (shapes only: what a
+    plan reads before anything is allocated)."""
+    return _empty(_config(model_dir(name_or_path)), dtype)
+
+
 def _empty(cfg, dtype):
     """The model with its parameters on the meta device, its buffers real (rotary tables: computed),
     tied as its config says, built in ``dtype`` (None: the default) as ``from_pretrained`` does."""

@@ -33,7 +33,7 @@ from ..hybrid import HybridAdamW
 from ..pool import CapacityError, PinnedPool, parse_bytes
 from .data import inputs_and_targets, open_data
 from .metrics import Metrics, Power, evaluate
-from .models import build_model, check_fit, job_tokenizer
+from .models import build_model, check_fit, job_tokenizer, stream_plan
 from .outputs import export_at_end, finish
 from .lock import RunLock
 from .options import DATA_OPTIONS, DTYPES, ConfigError, add_arguments, resolve_options, resumed_options
@@ -249,7 +249,11 @@ def _run(args, ranks, say, out) -> int:
     check_fit(args, tokenizer)
     data = open_data(args, tokenizer, cursor)
     val_batches = data.validation(args.eval_batches)
-    model, n_params, model_cfg, sharded = build_model(args, device, dtype, shard=lambda m: ranks.shard(m, device))
+    stream = stream_plan(args, device, dtype, ranks.distributed)
+    resumed = resume_dir is not None and not sharded_ckpt  # (its weights in before any of them stream)
+    model, n_params, model_cfg, sharded, window = build_model(
+        args, device, dtype, shard=lambda m: ranks.shard(m, device), stream=stream,
+        weights=(lambda m: ckpt.load_weights(resume_dir, m)) if resumed else None)
     state_bytes = n_params * (16 if device.type == "cuda" else 12) // ranks.world + (256 << 20)
     pool = None
     if args.pin_limit is not None:
@@ -296,7 +300,7 @@ def _run(args, ranks, say, out) -> int:
             sched.load_state_dict(info["extra"]["scheduler"])
             start = info["step"]
         else:
-            start = ckpt.load(resume_dir, model, opt, sched)
+            start = ckpt.load(resume_dir, model, opt, sched, weights=False)
         if scaler is not None and saved_config.get("grad_scaler"):
             scaler.load_state_dict(saved_config["grad_scaler"])
         say(f"resumed from {resume_dir} at step {start}", flush=True)
@@ -321,6 +325,8 @@ def _run(args, ranks, say, out) -> int:
     if ranks.main:
         (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
     where = f"{ranks.world} processes ({device.type}, FSDP2)" if ranks.distributed else str(device)
+    if window is not None and window.streamed:
+        where += f", {len(window.streamed)} of {len(window.layers)} layers streamed from host memory"
     say(f"hytrain train: {args.model} ({n_params / 1e6:.2f} M parameters, {dtype}) on {where}, "
         f"k={opt.gpu_blocks}, data {data.description}", flush=True)
 
@@ -441,7 +447,7 @@ def _run(args, ranks, say, out) -> int:
     # A run stopped without checkpoints (--keep 0) leaves its model so far: nothing else would remain.
     done = step == args.steps and not stopped
     exported = export_at_end(model, out, args, ranks) if args.export and (done or (stopped and not args.keep)) else None
-    summary = finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks, exported)
+    summary = finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks, exported, window)
     say(json.dumps(summary), flush=True)
     ranks.close()
     # A stop by signal is not a finished run: 128 + the signal's number, as a shell reports it, so

@@ -55,9 +55,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--max-grad-norm", type=float, default=1.0, help="global-norm clipping (0: off)")
     a("--gpu-blocks", type=_k_option, default="auto",
       help="k: leading blocks updated on the GPU (CUDA only), or 'auto': the scheduler picks k each step")
-    a("--speculate", type=_speculate_option, default="auto",
+    a("--speculate", type=_auto_off_or_int, default="auto",
       help="CPU updates during backward under clipping (CUDA): 'auto' (the scheduler picks from which "
            "block), 'off', or N (blocks >= N); redone exactly when clipping fires")
+    a("--stream", type=_auto_off_or_int, default="auto",
+      help="weights streamed from host memory through a window of layers on the GPU (one CUDA process, "
+           "bf16/fp16 weights): 'auto' (where the weights would leave less than half of the GPU free: the "
+           "model is then read into host memory, never whole onto the GPU), 'off', or N (the last N layers)")
     a("--gpu-memory-limit", default=None,
       help="GPU memory hytrain may plan with, e.g. 40GiB (default: the device's); resident states fit in it")
     a("--state-format", choices=("fp32", "bf16", "8bit"), default=None,
@@ -197,9 +201,9 @@ def _check_config_type(path, key, value, action) -> None:
         ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
     elif action.type is float:
         ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-    elif action.type in (_k_option, _speculate_option):
+    elif action.type in (_k_option, _auto_off_or_int):
         ok = (isinstance(value, int) and not isinstance(value, bool)) or value in ("auto", "off") or value is False
-        want = "an integer or 'auto'" + (" or 'off'" if action.type is _speculate_option else "")
+        want = "an integer or 'auto'" + (" or 'off'" if action.type is _auto_off_or_int else "")
     elif action.choices is not None:
         ok, want = value in action.choices, "one of " + ", ".join(map(str, action.choices))
     else:
@@ -212,7 +216,7 @@ def _k_option(text):
     return text if text == "auto" else int(text)
 
 
-def _speculate_option(text):
+def _auto_off_or_int(text):
     return text if text in ("auto", "off") else int(text)
 
 
@@ -234,6 +238,10 @@ def check_options(args) -> None:
         args.speculate = "off"
     if args.speculate not in ("auto", "off"):
         positive("speculate", 0)
+    if args.stream is False or args.stream == 0:  # a TOML boolean; no layer
+        args.stream = "off"
+    if args.stream not in ("auto", "off"):
+        positive("stream", 1)
     for name in ("gpu_memory_limit", "pin_limit"):
         if getattr(args, name) is not None:
             try:

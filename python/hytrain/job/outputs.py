@@ -38,7 +38,8 @@ def export_at_end(model, out, args, ranks) -> Path:
     return target
 
 
-def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks, exported=None) -> dict | None:
+def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks, exported=None,
+           window=None) -> dict | None:
     """Traces (rank 0's as trace.json, the others' beside it), pictures and summary.json (rank 0)."""
     if not ranks.main:
         opt.export_trace(out / f"trace.rank{ranks.rank}.json")
@@ -68,6 +69,9 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
     summary.update(k=len(placed["gpu"]), state_format=opt.state_format, state_host_gb=placed["host_bytes"] / 1e9,
                    state_gpu_gb=placed["gpu_bytes"] / 1e9, shadows_host_gb=placed["shadow_bytes"] / 1e9,
                    peak_host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
+    if window is not None:  # streamed weights: how many layers, and of them kept on the GPU after measuring
+        summary.update(streamed_layers=len(window.streamed), layers=len(window.layers),
+                       kept_layers=len(window.kept_layers), window_host_gb=window.host_bytes() / 1e9)
     if torch.device(device).type == "cuda":
         summary["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
     if energy > 0:

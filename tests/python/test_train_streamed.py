@@ -1,0 +1,109 @@
+"""`hytrain train --stream`: the job with its last layers' weights in host memory. On the CPU (the same
+window logic as on the GPU): a streamed run is the resident run bit for bit (losses, checkpoint,
+exported model), resumed too; what `--stream auto` decides on fake GPU budgets, before anything is
+allocated; and the refusals in one line. On the GPU: a streamed run resumed from its checkpoint."""
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hytrain import checkpoint as ckpt
+from hytrain.job import main
+from hytrain.job.models import stream_plan
+from hytrain.job.options import ConfigError
+from hytrain.models import LlamaConfig, LlamaModel
+from hytrain.models.presets import PRESETS
+from hytrain.window_plan import streams_when_auto
+
+FAST = ["--batch-size", "4", "--seq-len", "64", "--no-progress", "--device", "cpu", "--workers", "1",
+        "--precision", "bf16", "--eval-every", "0"]
+GiB = 1 << 30
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def test_a_streamed_run_and_its_resume_are_the_resident_run_bit_for_bit(tmp_path, capsys):
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    assert main(["--steps", "6", "--out", a, *FAST]) == 0
+    assert main(["--steps", "6", "--out", b, "--stream", "2", *FAST]) == 0
+    said = capsys.readouterr().out
+    assert "2 of 4 layers streamed from host memory" in said, said
+    assert main(["--steps", "3", "--out", c, "--stream", "2", *FAST]) == 0
+    assert main(["--steps", "6", "--out", c, "--stream", "2", "--resume", "latest", *FAST]) == 0
+    assert losses(a) == losses(b) == losses(c) and len(losses(a)) == 6
+    summary = json.load(open(os.path.join(b, "summary.json")))
+    assert (summary["streamed_layers"], summary["layers"], summary["kept_layers"]) == (2, 4, 0)
+    assert 0 < summary["window_host_gb"] * 1e9 < 2 * summary["params"]  # bf16 weights of 2 of 4 layers
+    assert "streamed_layers" not in json.load(open(os.path.join(a, "summary.json")))
+    # The checkpoint and the exported model hold the streamed layers' weights (their homes), equal
+    # to the resident run's.
+    for name in ("checkpoints/step_00000006/model.safetensors", "model/model.safetensors"):
+        ra, rb = load_file(os.path.join(a, name)), load_file(os.path.join(b, name))
+        assert ra.keys() == rb.keys() and any("layers.3." in k for k in ra)
+        assert all(torch.equal(ra[k], rb[k]) for k in ra), name
+    # A streamed run's checkpoint resumes resident, and the other way round: streaming is placement.
+    assert main(["--steps", "8", "--out", c, "--resume", "latest", "--stream", "off", *FAST]) == 0
+    assert main(["--steps", "8", "--out", a, "--resume", "latest", "--stream", "3", *FAST]) == 0
+    assert losses(a) == losses(c)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--stream", "2", "--precision", "fp32"], "only bf16/fp16 weights stream"),
+    (["--stream", "9", "--precision", "bf16"], "a number of layers in [0, 4]"),
+    (["--stream", "-1", "--precision", "bf16"], "--stream must be an integer >= 1"),
+])
+def test_bad_stream_options_are_one_line_with_exit_2(tmp_path, capsys, extra, words):
+    args = ["--steps", "2", "--out", str(tmp_path / "run"), "--batch-size", "4", "--seq-len", "64",
+            "--no-progress", "--device", "cpu", "--eval-every", "0", *extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
+def _args(**kw):
+    base = dict(stream="auto", model="tiny", seq_len=64, precision=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_the_plan_streams_only_where_the_weights_leave_less_than_half_the_gpu(monkeypatch):
+    # The 'small' preset's bf16 weights (read from a meta model: nothing is allocated), against fake
+    # devices: resident where the weights leave half of the GPU free, streamed where they do not.
+    with torch.device("meta"):
+        model = LlamaModel(LlamaConfig(**PRESETS["small"], max_seq_len=256)).to(torch.bfloat16)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cuda = torch.device("cuda", 0)
+    for total, streams in ((4 * weights, False), (weights * 19 // 10, True), (weights, True)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, t=total: (t, t))
+        assert streams_when_auto(model, cuda) is streams, total / weights
+        assert (stream_plan(_args(model="small"), cuda, torch.bfloat16, False) == "auto") is streams
+    # Never off CUDA, under FSDP2, or for fp32 weights (they cannot stream)
+    assert stream_plan(_args(model="small"), cuda, torch.float32, False) is None
+    assert stream_plan(_args(model="small"), cuda, torch.bfloat16, True) is None
+    assert not streams_when_auto(model, torch.device("cpu"))
+    assert stream_plan(_args(stream="off"), cuda, torch.bfloat16, False) is None
+    with pytest.raises(ConfigError, match="streamed weights are for one process"):
+        stream_plan(_args(stream=2), cuda, torch.bfloat16, True)
+
+
+@pytest.mark.gpu
+def test_a_streamed_run_on_the_gpu_resumes_from_its_checkpoint(tmp_path):
+    # Every layer streamed on the GPU (copy stream, read-ahead, the CPU AdamW writing the homes),
+    # checkpointed at step 4 and resumed: the resumed run continues the uninterrupted one (losses to a
+    # tolerance: attention's backward need not be deterministic on a GPU), and its layers streamed.
+    gpu = ["--batch-size", "4", "--seq-len", "64", "--no-progress", "--device", "cuda", "--workers", "2",
+           "--eval-every", "0", "--stream", "4", "--activation-checkpointing"]
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["--steps", "8", "--out", a, *gpu]) == 0
+    assert main(["--steps", "4", "--out", b, *gpu]) == 0
+    assert main(["--steps", "8", "--out", b, "--resume", "latest", *gpu]) == 0
+    la, lb = losses(a), losses(b)
+    assert len(la) == len(lb) == 8 and max(abs(x - y) for x, y in zip(la, lb)) < 2e-2, (la, lb)
+    summary = json.load(open(os.path.join(b, "summary.json")))
+    assert summary["streamed_layers"] == 4 and ckpt.resolve(b, "latest").name == "step_00000008"
