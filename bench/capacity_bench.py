@@ -9,7 +9,7 @@ memory and the kernel's OOM killer stepped in), a timeout, or any other exceptio
 
 Workload (as bench/train_bench.py, whose constants and DeepSpeed configuration are
 imported): transformers' LlamaForCausalLM when importable (else hytrain.models.LlamaModel of the same
-shapes), untied embeddings, vocab 32000, micro-batch 4 x 1024 synthetic tokens, activation
+shapes), untied embeddings, vocab 32000 (unless said), micro-batch 4 x 1024 synthetic tokens, activation
 checkpointing on, AdamW (lr 1e-4, weight decay 0.01), global-norm clipping at 1.0, bf16 training
 weights on the GPU.
   tiny  hidden   64,  2 layers,  4 heads, intermediate   128, vocab 512 (smoke test only)
@@ -17,7 +17,13 @@ weights on the GPU.
   7b    hidden 4096, 32 layers, 32 heads, intermediate 11008
   13b   hidden 5120, 40 layers, 40 heads, intermediate 13824
   20b   hidden 6144, 44 layers, 48 heads, intermediate 16384
-  30b   hidden 6656, 60 layers, 52 heads, intermediate 17920
+  24b   hidden 6144, 52 layers, 48 heads, intermediate 16384
+  28b   hidden 6656, 52 layers, 52 heads, intermediate 17920
+  30b   hidden 6656, 60 layers, 52 heads, intermediate 17920 (32.5 B)
+  32b   hidden 5120, 64 layers, 40 heads (8 KV heads), intermediate 27648, vocab 152064: Qwen2.5-32B's
+        shape as a Llama (no biases; 32.8 B)
+  34b   hidden 5120, 64 layers, 40 heads, intermediate 27648
+  50b   hidden 8192, 62 layers, 64 heads, intermediate 22016 (50.7 B)
 
 Systems:
   hytrain            hytrain.HybridAdamW(max_grad_norm=1.0, model=model, gpu_blocks="auto"); the bf16 model
@@ -34,6 +40,15 @@ Systems:
                      iteration has been measured, then the first layers that fit beside its peak stay
   deepspeed_offload  DeepSpeed ZeRO-2, offload_optimizer cpu (DeepSpeedCPUAdam), configured as in
                      train_bench.py; only when `import deepspeed` works (else a record says skipped)
+  deepspeed_zero3_offload
+                     DeepSpeed ZeRO-3 with offload_param and offload_optimizer cpu (pinned), otherwise
+                     train_bench.py's configuration (bf16, clipping, AdamW -> DeepSpeedCPUAdam with fp32
+                     masters and moments); the model is built under deepspeed.zero.Init, each module's
+                     bf16 parameters partitioned to host memory as it is constructed, so the whole model
+                     never sits on the GPU; its weights are the layers' constructor draws (nn.Linear's and
+                     nn.Embedding's own initialisation: a loss on another scale than the other systems',
+                     the same work); DeepSpeed's module hooks gather each layer's parameters onto the
+                     GPU before it runs and release them after. Skipped where deepspeed_offload is
   fsdp2_offload      torch FSDP2 at world size 1: fully_shard on each decoder layer, then the root, with
                      CPUOffloadPolicy(pin_memory=True) and MixedPrecisionPolicy(bf16 params, fp32
                      reduce); fp32 sharded parameters, gradients and AdamW states on the CPU; torch's
@@ -95,11 +110,15 @@ SIZES = {  # in increasing order
     "24b": dict(hidden_size=6144, num_layers=52, num_heads=48, intermediate_size=16384, vocab=VOCAB),
     "28b": dict(hidden_size=6656, num_layers=52, num_heads=52, intermediate_size=17920, vocab=VOCAB),
     "30b": dict(hidden_size=6656, num_layers=60, num_heads=52, intermediate_size=17920, vocab=VOCAB),
+    # Qwen2.5-32B's shape as a Llama (grouped-query attention, 8 KV heads; its vocabulary; no biases)
+    "32b": dict(hidden_size=5120, num_layers=64, num_heads=40, num_kv_heads=8, intermediate_size=27648,
+                vocab=152064),
     "34b": dict(hidden_size=5120, num_layers=64, num_heads=40, intermediate_size=27648, vocab=VOCAB),
-    "50b": dict(hidden_size=8192, num_layers=60, num_heads=64, intermediate_size=22016, vocab=VOCAB),
+    "50b": dict(hidden_size=8192, num_layers=62, num_heads=64, intermediate_size=22016, vocab=VOCAB),
 }
 SYSTEMS = ("hytrain", "hytrain_bf16", "hytrain_8bit", "hytrain_stream", "hytrain_stream_bf16", "hytrain_stream_8bit",
-           "deepspeed_offload", "fsdp2_offload")
+           "deepspeed_offload", "deepspeed_zero3_offload", "fsdp2_offload")
+DEEPSPEED_SYSTEMS = ("deepspeed_offload", "deepspeed_zero3_offload")
 HYTRAIN_FORMATS = {"hytrain": "fp32", "hytrain_bf16": "bf16", "hytrain_8bit": "8bit", "hytrain_stream": "fp32",
                    "hytrain_stream_bf16": "bf16", "hytrain_stream_8bit": "8bit"}
 INIT_STD = 0.02
@@ -118,11 +137,26 @@ def materialize_cpu(model, dtype):
                                                               requires_grad=p.requires_grad)
 
 
+def zero3_offload_config(micro_batch):
+    """train_bench.py's DeepSpeed configuration at ZeRO-3: parameters and optimizer in pinned host memory."""
+    cfg = train_bench.deepspeed_config(micro_batch)
+    cfg["zero_optimization"] = {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                "contiguous_gradients": True, "overlap_comm": True}
+    return cfg
+
+
 def expected_params(size):
-    """Parameters of the shape (both models: no biases, untied embeddings, no GQA)."""
+    """Parameters of the shape (both models: no biases, untied embeddings)."""
     s = SIZES[size]
     h, i, v = s["hidden_size"], s["intermediate_size"], s["vocab"]
-    return 2 * v * h + h + s["num_layers"] * (2 * h + 4 * h * h + 3 * h * i)
+    kv = h // s["num_heads"] * kv_heads(s)  # the width of k and of v
+    return 2 * v * h + h + s["num_layers"] * (2 * h + 2 * h * h + 2 * h * kv + 3 * h * i)
+
+
+def kv_heads(shape):
+    """Key/value heads (grouped-query attention where fewer than the query heads)."""
+    return shape.get("num_kv_heads", shape["num_heads"])
 
 
 # ---- one (system, size), in a child process ------------------------------------------------------
@@ -153,24 +187,28 @@ def params_on_meta():
         nn.Module.register_parameter = register
 
 
-def build_model(size, dtype, device, use_transformers, meta_params=False):
+def build_model(size, dtype, device, use_transformers, meta_params=False, within=None):
     """train_bench.build_model for these shapes, built on `device` directly in `dtype` (train_bench
     builds fp32 on the GPU and casts, a transient 6 bytes a parameter that would decide capacity), or
-    with parameters on the meta device. Returns the model, the loss function and the decoder layers."""
+    with parameters on the meta device, or inside the context manager `within` (deepspeed.zero.Init,
+    which places and casts the parameters itself). Returns the model, the loss function and the decoder
+    layers."""
     import torch
 
     s = SIZES[size]
+    if use_transformers:
+        # Imported before `within` is entered: the import runs torch._dynamo's checks of torch's own
+        # functions, which deepspeed.zero.Init has replaced while it is active.
+        from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with (params_on_meta() if meta_params else torch.device(device)):
+        with (within if within is not None else params_on_meta() if meta_params else torch.device(device)):
             if use_transformers:
-                from transformers import LlamaConfig, LlamaForCausalLM
-
                 cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden_size"],
                                   intermediate_size=s["intermediate_size"], num_hidden_layers=s["num_layers"],
-                                  num_attention_heads=s["num_heads"], num_key_value_heads=s["num_heads"],
+                                  num_attention_heads=s["num_heads"], num_key_value_heads=kv_heads(s),
                                   max_position_embeddings=SEQ, tie_word_embeddings=False,
                                   attn_implementation="sdpa")
                 model = LlamaForCausalLM(cfg)
@@ -179,11 +217,11 @@ def build_model(size, dtype, device, use_transformers, meta_params=False):
 
                 cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden_size"],
                                   intermediate_size=s["intermediate_size"], num_layers=s["num_layers"],
-                                  num_heads=s["num_heads"], num_kv_heads=s["num_heads"], max_seq_len=SEQ)
+                                  num_heads=s["num_heads"], num_kv_heads=kv_heads(s), max_seq_len=SEQ)
                 model = LlamaModel(cfg, checkpointing=True)
     finally:
         torch.set_default_dtype(old)
-    if not meta_params:
+    if not meta_params and within is None:
         model.to(dtype)  # the buffers too, as train_bench's models have them
     if use_transformers:
         kwargs = {"use_reentrant": False}
@@ -306,12 +344,19 @@ def run_one(args):
             window = hytrain.stream_model(model, device, stream=stream)
             rec["streamed_layers"] = len(window.streamed)
             rec["window_host_gb"] = window.host_bytes() / 1e9
+        elif system == "deepspeed_zero3_offload":
+            import deepspeed
+
+            init = deepspeed.zero.Init(config_dict_or_path=zero3_offload_config(args.batch), remote_device="cpu",
+                                       pin_memory=cuda, dtype=torch.bfloat16)
+            model, _, _ = build_model(size, torch.bfloat16, device, use_tf, within=init)
         else:
             model, loss_fn, _ = build_model(size, torch.bfloat16 if cuda else torch.float32, device, use_tf)
         if cuda:
             torch.cuda.synchronize()
         rec["build_s"] = round(time.perf_counter() - t0, 3)
-        rec["params"] = sum(p.numel() for p in model.parameters())
+        # A ZeRO-3 parameter holds an empty tensor between uses; ds_numel is its size.
+        rec["params"] = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
         state["stage"] = "optimizer"
         progress(stage="optimizer", build_s=rec["build_s"], params=rec["params"])
@@ -332,7 +377,15 @@ def run_one(args):
 
             # train_bench.py's configuration, with this benchmark's micro-batch
             engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                              config=train_bench.deepspeed_config(BATCH))
+                                              config=train_bench.deepspeed_config(args.batch))
+        elif system == "deepspeed_zero3_offload":
+            import deepspeed
+
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                              config=zero3_offload_config(args.batch))
+            # Through the engine, as DeepSpeed's documentation has it: its forward resets the ZeRO
+            # optimizer's per-backward state and hooks the backward's prologue onto the loss.
+            loss_fn = (lambda x: engine(input_ids=x, labels=x).loss) if use_tf else (lambda x: engine(x, x))
         elif system == "fsdp2_offload":
             params = list(model.parameters())
             opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)  # torch's fused CPU AdamW
@@ -604,7 +657,7 @@ def main(argv=None):
     results = []
     for system in systems:
         skip = None
-        if system == "deepspeed_offload":
+        if system in DEEPSPEED_SYSTEMS:
             if args.device != "cuda":
                 skip = "needs CUDA"
             elif machine.get("deepspeed") is None:

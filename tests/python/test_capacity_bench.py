@@ -82,3 +82,25 @@ def test_tiny_trains_streamed():
     assert r["streamed_layers"] == 2 and r["window_host_gb"] > 0, r
     assert r["window_stats"]["loads"] > 0, r
     assert summary["largest"]["hytrain_stream"] == "tiny"
+
+
+def test_deepspeed_systems_are_skipped_on_the_cpu():
+    records, summary, out = bench("--sizes", "tiny", "--systems", "deepspeed_offload,deepspeed_zero3_offload")
+    assert [(r["system"], r["size"], r["trains"], r["skipped"]) for r in records] == [
+        ("deepspeed_offload", None, None, "needs CUDA"), ("deepspeed_zero3_offload", None, None, "needs CUDA")], out
+    assert summary["largest"] == {"deepspeed_offload": None, "deepspeed_zero3_offload": None}
+    assert summary["systems"]["deepspeed_zero3_offload"]["skipped"] == "needs CUDA"
+
+
+def test_zero3_configuration_offloads_parameters_and_optimizer():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import capacity_bench
+    import train_bench
+
+    cfg = capacity_bench.zero3_offload_config(16)
+    zero = cfg.pop("zero_optimization")
+    assert zero["stage"] == 3
+    assert zero["offload_param"] == zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    base = train_bench.deepspeed_config(16)
+    base.pop("zero_optimization")
+    assert cfg == base  # bf16, clipping, AdamW and the micro-batch as train_bench's ZeRO-Offload run
