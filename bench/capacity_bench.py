@@ -58,7 +58,11 @@ Systems:
                      initialised there cheaply (a tiled N(0, 0.02) pattern for matrices, ones for norms);
                      the buffers (rotary tables) stay on the GPU, as FSDP2 puts them.
 
-Per run, one JSON line: trains, params, build_s (model construction, and for FSDP2 sharding and
+--micro-batch M splits each step's --batch sequences into forwards and backwards of M (gradient
+accumulation: the same tokens a step, the mean loss), for batches whose activations or logits do not
+fit at once (not for the DeepSpeed systems, which are then skipped).
+
+Per run, one JSON line: trains, micro_batch, params, build_s (model construction, and for FSDP2 sharding and
 materialisation), first_step_s (from the start of the optimizer's construction to the end of the first
 iteration), iter_s (median of --iters timed iterations after --warmup untimed ones), tokens_per_s,
 peak_gpu_reserved_gb / peak_gpu_allocated_gb (torch.cuda.max_memory_*: the caching allocator's peak;
@@ -395,13 +399,21 @@ def run_one(args):
         g = torch.Generator(device=device).manual_seed(0)
         x = torch.randint(0, SIZES[size]["vocab"], (args.batch, args.seq), device=device, generator=g)
 
+        micro = args.micro_batch or args.batch  # (validated: divides --batch; DeepSpeed takes whole batches)
+        chunks = x.split(micro)
+
         def iteration():
-            loss = loss_fn(x)
             if engine is not None:
+                loss = loss_fn(x)
                 engine.backward(loss)
                 engine.step()
                 return loss.detach()
-            loss.backward()
+            total = 0.0
+            for part in chunks:  # gradient accumulation: the step's mean loss over its micro-batches
+                loss = loss_fn(part) / len(chunks)
+                loss.backward()
+                total = total + loss.detach()
+            loss = total
             if system == "fsdp2_offload":
                 torch.nn.utils.clip_grad_norm_(params, CLIP)
             opt.step()
@@ -426,7 +438,7 @@ def run_one(args):
                 ks.append(opt.gpu_blocks)
         iter_s = statistics.median(times[args.warmup:])
         losses = [float(v) for v in losses]
-        rec.update(trains=True, iter_s=iter_s, tokens_per_s=args.batch * args.seq / iter_s,
+        rec.update(micro_batch=micro, trains=True, iter_s=iter_s, tokens_per_s=args.batch * args.seq / iter_s,
                    tokens=args.batch * args.seq, **window_figures(times[args.warmup:], args.batch * args.seq),
                    iter_times_s=[round(t, 4) for t in times], loss_first=losses[0], loss_last=losses[-1],
                    finite_loss=all(v == v and abs(v) != float("inf") for v in losses))
@@ -514,7 +526,7 @@ def last_exception_line(text):
 def child(system, size, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--one", system, "--sizes", size, "--device", args.device,
            "--warmup", str(args.warmup), "--iters", str(args.iters), "--batch", str(args.batch), "--seq",
-           str(args.seq), "--stream", args.stream]
+           str(args.seq), "--stream", args.stream, "--micro-batch", str(args.micro_batch or args.batch)]
     if args.own_model:
         cmd.append("--own-model")
     if args.inject_failure:
@@ -612,6 +624,9 @@ def main(argv=None):
     ap.add_argument("--own-model", action="store_true", help="hytrain's Llama model even when transformers exists")
     ap.add_argument("--batch", type=int, default=BATCH, help="sequences per step")
     ap.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="sequences per forward and backward (gradient accumulation over --batch / this; "
+                         "default: --batch, one micro-batch; not for the DeepSpeed systems)")
     ap.add_argument("--stream", default="auto", help="hytrain_stream*: layers streamed: auto, all or a number")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--machine-info", action="store_true", help=argparse.SUPPRESS)
@@ -624,6 +639,8 @@ def main(argv=None):
         return 0
     if args.warmup < 0 or args.iters < 1:
         ap.error("--warmup must be >= 0 and --iters >= 1")
+    if args.micro_batch is not None and not (0 < args.micro_batch <= args.batch and args.batch % args.micro_batch == 0):
+        ap.error(f"--micro-batch must divide --batch ({args.batch}), got {args.micro_batch}")
     if args.one is not None:
         if args.device is None:
             ap.error("--one needs --device")
@@ -662,6 +679,8 @@ def main(argv=None):
                 skip = "needs CUDA"
             elif machine.get("deepspeed") is None:
                 skip = "not importable"
+            elif (args.micro_batch or args.batch) < args.batch:
+                skip = "--micro-batch: accumulation is not wired into DeepSpeed's configuration here"
         if skip:
             rec = {"system": system, "size": None, "trains": None, "skipped": skip}
             if skip == "not importable":

@@ -104,3 +104,19 @@ def test_zero3_configuration_offloads_parameters_and_optimizer():
     base = train_bench.deepspeed_config(16)
     base.pop("zero_optimization")
     assert cfg == base  # bf16, clipping, AdamW and the micro-batch as train_bench's ZeRO-Offload run
+
+
+def test_micro_batches_accumulate_to_the_whole_batch():
+    # --micro-batch 2 of --batch 4: two forwards and backwards a step, the mean loss of the halves
+    # (the whole batch's), the same tokens a step.
+    common = ("--sizes", "tiny", "--systems", "hytrain", "--warmup", "0", "--iters", "1", "--timeout", "120",
+              "--batch", "4", "--seq", "64")
+    whole, _, _ = bench(*common)
+    split, _, _ = bench(*common, "--micro-batch", "2")
+    assert (whole[0]["micro_batch"], split[0]["micro_batch"]) == (4, 2)
+    assert split[0]["tokens"] == whole[0]["tokens"] == 4 * 64
+    assert split[0]["loss_first"] == pytest.approx(whole[0]["loss_first"], rel=1e-5)
+    assert split[0]["loss_last"] == pytest.approx(whole[0]["loss_last"], rel=1e-3)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *common, "--micro-batch", "3"],
+                          capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 2 and "--micro-batch must divide --batch (4), got 3" in proc.stderr
