@@ -43,6 +43,11 @@ SHAPES = {  # presets of hytrain.models.presets plus larger Llama shapes
                 num_kv_heads=40),
     "20b": dict(vocab_size=32000, hidden_size=6144, intermediate_size=16384, num_layers=44, num_heads=48,
                 num_kv_heads=48),
+    # capacity_bench.py's 32b (Qwen2.5-32B's shape as a Llama) and 50b (50.7 B): with --meta-init
+    "32b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64, num_heads=40,
+                num_kv_heads=8),
+    "50b": dict(vocab_size=32000, hidden_size=8192, intermediate_size=22016, num_layers=62, num_heads=64,
+                num_kv_heads=64),
 }
 LR, WD, CLIP = 1e-4, 0.01, 1.0
 
@@ -67,7 +72,8 @@ def worker(args):
     shape = {**PRESETS, **SHAPES}[args.model]
     cfg = LlamaConfig(**shape, max_seq_len=args.seq)
     torch.manual_seed(0)
-    model = build(cfg, None if offload else args.device)
+    meta = args.meta_init and args.mode in STATE_FORMATS
+    model = build_meta(cfg) if meta else build(cfg, None if offload else args.device)
     if args.mode == "deepspeed_offload":
         return deepspeed_worker(args, model, cfg, rank, world)
     if offload:  # fp32 parameters stay on the CPU, bf16 compute on the GPU (FSDP2's mixed precision)
@@ -79,6 +85,8 @@ def worker(args):
     for layer in model.layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
+    if meta:
+        materialize(model, args.device)
     if offload:  # the rotary tables are buffers, not parameters: they go to the GPU either way
         model.rope_cos, model.rope_sin = model.rope_cos.to(args.device), model.rope_sin.to(args.device)
     if cuda:
@@ -134,6 +142,39 @@ def build(cfg, device):
             return LlamaModel(cfg, checkpointing=True)
     finally:
         torch.set_default_dtype(default)
+
+
+def build_meta(cfg):
+    """The model in bf16 with its parameters on the meta device (its buffers, the rotary tables, real):
+    for ``--meta-init``, where the whole model does not fit one GPU to be built there and sharded."""
+    import torch
+
+    from capacity_bench import params_on_meta
+    from hytrain.models import LlamaModel
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with params_on_meta():
+            return LlamaModel(cfg, checkpointing=True)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def materialize(model, device):
+    """After fully_shard: each rank's shards allocated on ``device`` and initialised there (norms to
+    ones, matrices from capacity_bench's tiled N(0, 0.02) pool), the buffers moved as they were."""
+    import torch
+
+    from capacity_bench import init_params
+
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in buffers.items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner) if owner else model, leaf, b.to(device))
+    init_params(list(model.parameters()))
 
 
 def deepspeed_worker(args, model, cfg, rank, world):
@@ -301,6 +342,9 @@ def main():
                     help="parameters each rank updates to measure the node's host bandwidth (0: no floor)")
     ap.add_argument("--floor-passes", type=int, default=20, help="timed update passes of that measurement")
     # A worker's own flags (set by this script for the processes it starts; the parent's are --cap and --modes).
+    ap.add_argument("--meta-init", action="store_true",
+                    help="hytrain modes: build the model on the meta device, shard it, then allocate and initialise "
+                         "each rank's shards on its GPU (models whose bf16 weights do not fit one GPU: 32b, 50b)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap-gb", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
@@ -350,6 +394,8 @@ def main():
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", __file__, "--worker",
                    "--mode", mode, "--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq),
                    "--iters", str(iters), "--warmup", str(warmup), "--device", args.device]
+            if args.meta_init:
+                cmd.append("--meta-init")
             if mode in STATE_FORMATS and args.cap != "none":
                 ds = results.get(("deepspeed_offload", n), {}).get("peak_gpu_reserved_gb")
                 cap = ds if args.cap == "deepspeed" else cap_value

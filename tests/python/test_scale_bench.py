@@ -81,3 +81,13 @@ def test_a_failing_worker_is_reported_with_its_exception():
     assert proc.returncode == 2 and "--cap-gb: a worker's own flag(s), not this command's" in proc.stderr
     proc = subprocess.run([sys.executable, str(SCRIPT), "--cap", "-3"], capture_output=True, text=True, env=_env())
     assert proc.returncode == 2 and "--cap '-3': a number of GB must be positive" in proc.stderr
+
+
+def test_meta_init_shards_before_anything_is_allocated():
+    # --meta-init (the 32b and 50b shapes: a whole model that does not fit one GPU): built on the meta
+    # device, sharded, each rank's shards allocated and initialised in place; it trains as before.
+    lines = bench("--model", "tiny", "--nprocs", "2", "--modes", "hytrain_8bit", "--meta-init",
+                  "--floor-params", "2000000", "--floor-passes", "1")
+    runs = [r for r in lines if r.get("mode") == "hytrain_8bit"]
+    assert len(runs) == 1 and "error" not in runs[0], lines
+    assert runs[0]["params"] == 791680 and runs[0]["iter_s"] > 0 and runs[0]["k"] == [0, 0]
