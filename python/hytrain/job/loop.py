@@ -15,9 +15,7 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from .models import build_model, check_fit, job_tokenizer, stream_plan
 from .outputs import export_at_end, finish
 from .lock import RunLock
 from .options import DATA_OPTIONS, DTYPES, ConfigError, add_arguments, resolve_options, resumed_options
+from .signals import Signals, Stopped, name
 from .ranks import LAUNCHED, PeerFailure, Ranks, as_peer_failure, launch, report_failure, tell_launcher, under_torchrun
 
 
@@ -106,16 +105,7 @@ class SafeStderr:
                  "progress bar is dropped (see metrics.jsonl)", flush=True)
 
 
-# Scheduler signals in the training loop: each one is acted on at the end of the current step, by
-# every rank at the same step. SIGTERM, SIGINT and SIGHUP save and stop (exit 128 + N); SIGUSR1 --
-# Slurm's early warning (--signal=USR1@120) -- saves and goes on.
-STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_early = {"save": False}  # a SIGUSR1 before the loop: saved at the first step
 _at = {"step": 0}  # the last step the loop finished (a hung peer is reported with the next one)
-
-
-def _save_later(_signum, _frame):
-    _early["save"] = True
 
 
 def lr_lambda(args):
@@ -143,20 +133,23 @@ def run(args) -> int:
     lock = RunLock(out) if ranks.main else None
     if lock is not None:
         lock.acquire()  # before anything is written: one run per --out
-    # SIGTERM outside the training loop (which finishes its step and saves instead): building the
-    # model, or writing the trace and pictures after the last checkpoint. The run ends there, its
-    # lock released, with the status a signal gives.
-    main_thread = threading.current_thread() is threading.main_thread()
-    held = {s: signal.signal(s, _stop_now) for s in (signal.SIGTERM, signal.SIGHUP)} if main_thread else {}
-    if main_thread:
-        _early["save"] = False
-        held[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, _save_later)
+    sig = Signals(say)  # (signals.py: what each signal does at each stage of the run)
     try:
-        return _run(args, ranks, say, out)
-    except _Stopped as e:
-        say(f"hytrain train: stopped by signal {e.signum} outside the training loop (before the first step, or "
-            f"after the last checkpoint was saved); --resume latest continues from the last checkpoint; exit "
-            f"status {128 + e.signum}", flush=True)
+        with sig.outside():
+            return _run(args, ranks, say, out, sig)
+    except Stopped as e:
+        if e.now:
+            try:
+                last = f"the last checkpoint, {ckpt.resolve(out, 'latest')}, is intact: --resume latest continues from it"
+            except Exception:  # noqa: BLE001 -- none saved yet
+                last = "no checkpoint was saved before it"
+            where = f"during step {e.step}" if e.step else "during the end-of-run outputs"
+            say(f"\nhytrain train: stopped at once by a second {name(e.signum)} {where}; {last}; exit status "
+                f"{128 + e.signum}", flush=True)
+        else:
+            say(f"hytrain train: stopped by signal {e.signum} outside the training loop (before the first step, or "
+                f"after the last checkpoint was saved); --resume latest continues from the last checkpoint; exit "
+                f"status {128 + e.signum}", flush=True)
         return 128 + e.signum
     except Exception as e:  # gloo's and NCCL's own words for a lost peer, raised in FSDP's collectives
         peer = as_peer_failure(e, ranks.rank) if ranks.distributed else None
@@ -168,16 +161,6 @@ def run(args) -> int:
     finally:
         if lock is not None:
             lock.release()
-        for s, h in held.items():
-            signal.signal(s, h)
-
-
-class _Stopped(BaseException):
-    """A SIGTERM outside the training loop (a BaseException: no ``except Exception`` swallows it)."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
 
 
 def _diverged(step, what, args, out) -> ConfigError:
@@ -191,11 +174,7 @@ def _diverged(step, what, args, out) -> ConfigError:
                        f"--weight-decay (now {args.weight_decay:g}), or raise --warmup (now {args.warmup}){last}")
 
 
-def _stop_now(signum, _frame):
-    raise _Stopped(signum)
-
-
-def _run(args, ranks, say, out) -> int:
+def _run(args, ranks, say, out, sig) -> int:
     device = ranks.device(args.device) or pick_device(args.device)
     if args.batch_size % ranks.world:
         raise ConfigError(f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
@@ -330,15 +309,6 @@ def _run(args, ranks, say, out) -> int:
     say(f"hytrain train: {args.model} ({n_params / 1e6:.2f} M parameters, {dtype}) on {where}, "
         f"k={opt.gpu_blocks}, data {data.description}", flush=True)
 
-    stop = {"signal": None, "save": _early["save"]}
-
-    def on_signal(signum, _frame):
-        if signum == signal.SIGUSR1:
-            stop["save"] = True  # finish the step, save, go on
-        else:
-            stop["signal"] = signum  # finish the step, save, exit
-
-    old = {s: signal.signal(s, on_signal) for s in (*STOPPING, signal.SIGUSR1)}
     metrics = Metrics(out, resumed_at=start if resume_dir is not None else None) if ranks.main else None
     power = Power(device)
     bar = None if args.no_progress or not ranks.main else tqdm(total=args.steps, initial=start, unit="step",
@@ -347,10 +317,12 @@ def _run(args, ranks, say, out) -> int:
     history, t_start = [], time.perf_counter()
     step = start
     stopped = 0  # the signal that stopped the run (on any rank), else 0
+    restore_signals = sig.loop()
     try:
         while step < args.steps:
             t0 = time.perf_counter()
             _at["step"] = step
+            sig.step_begins(step + 1)
             waited = data.wait_seconds
             tokens, mask = data.batch(step)
             waited = data.wait_seconds - waited
@@ -373,8 +345,8 @@ def _run(args, ranks, say, out) -> int:
             # step time and whether it was signalled to stop: the ranks stop at the same step).
             mine = [float(loss.detach()), float(sched_stats.get("k", 0)),
                     float(sched_stats.get("gpu_wait_frac", math.nan)), time.perf_counter() - t0,
-                    float(stop["signal"] or 0), float(stop["save"])]
-            stop["save"] = False
+                    float(sig.signal or 0), float(sig.save)]
+            sig.save = False
             every = ranks.gather(mine, device, f"all-gather of step {step + 1}")
             loss_v = sum(r[0] for r in every) / ranks.world
             stopping = any(r[4] for r in every)
@@ -428,7 +400,7 @@ def _run(args, ranks, say, out) -> int:
                 since = step if since is not None else None
             if stopping:
                 stopped = int(max(r[4] for r in every))
-                by = stop["signal"] if stop["signal"] else f"{stopped} (sent to another rank)"
+                by = sig.signal if sig.signal else f"{stopped} (sent to another rank)"
                 saved = (f"checkpoint saved (resume with --resume latest --out {out})" if args.keep else
                          f"no checkpoint (--keep 0): the model so far goes to {out / 'model'}" if args.export else
                          "no checkpoint (--keep 0)")
@@ -436,8 +408,7 @@ def _run(args, ranks, say, out) -> int:
                 break
     finally:
         data.close()
-        for s, h in old.items():
-            signal.signal(s, h)
+        restore_signals()
         if bar is not None:
             bar.close()
         if metrics is not None:
@@ -446,9 +417,13 @@ def _run(args, ranks, say, out) -> int:
     elapsed = time.perf_counter() - t_start
     # A run stopped without checkpoints (--keep 0) leaves its model so far: nothing else would remain.
     done = step == args.steps and not stopped
-    exported = export_at_end(model, out, args, ranks) if args.export and (done or (stopped and not args.keep)) else None
-    summary = finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks, exported, window)
-    say(json.dumps(summary), flush=True)
+    with sig.held():  # a signal now waits for summary.json (a second one stops at once)
+        exported = export_at_end(model, out, args, ranks) if args.export and (done or (stopped and not args.keep)) else None
+        summary = finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks, exported, window)
+        say(json.dumps(summary), flush=True)
+    if sig.late and not stopped:
+        stopped = sig.late
+        say(f"hytrain train: stopped by signal {stopped} after summary.json; exit status {128 + stopped}", flush=True)
     ranks.close()
     # A stop by signal is not a finished run: 128 + the signal's number, as a shell reports it, so
     # that a scheduler requeues it (--resume latest continues). Under the --nproc launcher each rank

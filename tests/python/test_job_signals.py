@@ -1,0 +1,96 @@
+"""`hytrain train` under signals during long stretches: a first SIGTERM in a long step says when it will
+end, a second ends the run at once with the last checkpoint intact and the lock released; a signal
+during the end-of-run outputs waits for summary.json, a second one stops at once."""
+
+import json
+import os
+import signal
+import time
+
+from hytrain import checkpoint as ckpt
+from hytrain import plots
+from hytrain.job import loop, main
+from hytrain.job.signals import REPEAT_S
+
+FAST = ["--batch-size", "4", "--seq-len", "64", "--no-progress", "--device", "cpu", "--workers", "1",
+        "--eval-every", "0"]
+
+
+def test_a_second_sigterm_in_a_long_step_stops_at_once_keeping_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    real, calls = loop.inputs_and_targets, {"n": 0}
+
+    def slow(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # step 3 would take minutes (a mistaken --seq-len, say)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(REPEAT_S + 0.2)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)  # not waited for: the second signal ends the run
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "inputs_and_targets", slow)
+    out = tmp_path / "run"
+    t0 = time.time()
+    assert main(["--steps", "10", "--save-every", "2", "--out", str(out), *FAST]) == 128 + signal.SIGTERM
+    assert time.time() - t0 < 45
+    said = capsys.readouterr().out
+    assert "SIGTERM: step 3 (running for" in said and "send it again to stop at once" in said, said
+    assert "stopped at once by a second SIGTERM during step 3" in said and "step_00000002" in said, said
+    assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == 2
+    assert not (out / "hytrain.lock").exists()
+    # It resumes from there.
+    monkeypatch.setattr(loop, "inputs_and_targets", real)
+    assert main(["--steps", "4", "--resume", "latest", "--out", str(out), *FAST]) == 0
+
+
+def test_one_stop_delivered_twice_at_once_still_finishes_the_step_and_saves(tmp_path, monkeypatch, capsys):
+    # A signal to the process group that a launcher forwards again (torchrun's agent does) arrives
+    # twice within milliseconds: one request, acted on at the end of the step.
+    real, calls = loop.inputs_and_targets, {"n": 0}
+
+    def twice(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "inputs_and_targets", twice)
+    out = tmp_path / "run"
+    assert main(["--steps", "10", "--out", str(out), *FAST]) == 128 + signal.SIGTERM
+    said = capsys.readouterr().out
+    assert "stopped by signal 15 after step 3" in said and "stopped at once" not in said, said
+    assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == 3
+
+
+def test_a_signal_during_the_end_of_run_outputs_waits_for_the_summary(tmp_path, monkeypatch, capsys):
+    real = plots.write_all
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # a Ctrl-C while the pictures are drawn
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(plots, "write_all", interrupted)
+    out = tmp_path / "run"
+    assert main(["--steps", "2", "--out", str(out), *FAST]) == 128 + signal.SIGINT
+    said = capsys.readouterr().out
+    assert "SIGINT: writing summary.json first" in said and "Traceback" not in said
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and os.path.isfile(summary["loss_png"])
+
+
+def test_a_second_signal_during_the_outputs_stops_at_once(tmp_path, monkeypatch, capsys):
+    def stuck(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(REPEAT_S + 0.2)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(60)
+
+    monkeypatch.setattr(plots, "write_all", stuck)
+    out = tmp_path / "run"
+    t0 = time.time()
+    assert main(["--steps", "2", "--out", str(out), *FAST]) == 128 + signal.SIGINT
+    assert time.time() - t0 < 45
+    said = capsys.readouterr().out
+    assert "stopped at once by a second SIGINT during the end-of-run outputs" in said, said
+    assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == 2 and not (out / "hytrain.lock").exists()
