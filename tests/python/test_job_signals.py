@@ -59,7 +59,7 @@ def test_one_stop_delivered_twice_at_once_still_finishes_the_step_and_saves(tmp_
     out = tmp_path / "run"
     assert main(["--steps", "10", "--out", str(out), *FAST]) == 128 + signal.SIGTERM
     said = capsys.readouterr().out
-    assert "stopped by signal 15 after step 3" in said and "stopped at once" not in said, said
+    assert "stopped by signal 15 (SIGTERM) after step 3" in said and "stopped at once" not in said, said
     assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == 3
 
 

@@ -400,7 +400,7 @@ def _run(args, ranks, say, out, sig) -> int:
                 since = step if since is not None else None
             if stopping:
                 stopped = int(max(r[4] for r in every))
-                by = sig.signal if sig.signal else f"{stopped} (sent to another rank)"
+                by = f"{stopped} ({name(stopped)}{'' if sig.signal else ', sent to another rank'})"
                 saved = (f"checkpoint saved (resume with --resume latest --out {out})" if args.keep else
                          f"no checkpoint (--keep 0): the model so far goes to {out / 'model'}" if args.export else
                          "no checkpoint (--keep 0)")
