@@ -12,7 +12,7 @@ import tracemalloc
 import pytest
 import torch
 
-from hytrain.job import corpus as corpus_module
+from hytrain.job import records as records_module
 from hytrain.job.corpus import open_corpus
 from hytrain.job.tokenizers import ByteTokenizer, HFTokenizer
 from hytrain.job.options import ConfigError
@@ -101,7 +101,7 @@ def test_text_rows_are_the_tokenizers_tokens_with_eos_between_documents(tmp_path
 
 
 def test_text_files_directory_is_read_in_sorted_order_as_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(corpus_module, "TEXT_PIECE", 100)   # a file of many pieces: one document still
+    monkeypatch.setattr(records_module, "TEXT_PIECE", 100)   # a file of many pieces: one document still
     d = tmp_path / "code"
     (d / "pkg").mkdir(parents=True)
     files = {"b.md": "# title\n" * 50, "pkg/__init__.py": "", "pkg/mod.py": "def f():\n    return 'é'\n" * 40,
@@ -232,7 +232,7 @@ def test_resume_of_parquet_prompts_and_long_documents(tmp_path, hf, monkeypatch)
     c = open_corpus(str(write_parquet(tmp_path / "p.parquet", prompts, row_group_size=4)), hf, seq_len=32,
                     val_every=4)
     resumed_equals_uninterrupted(c, [0, 3, 9, 17, 22, 30], 60)
-    monkeypatch.setattr(corpus_module, "TEXT_PIECE", 64)
+    monkeypatch.setattr(records_module, "TEXT_PIECE", 64)
     (tmp_path / "long").mkdir()
     (tmp_path / "long" / "book.txt").write_text(" ".join(sentences(60, 5)))   # one document, many pieces
     (tmp_path / "long" / "note.txt").write_text("a short note")
@@ -330,9 +330,10 @@ def test_missing_tokenizer_and_small_validation_are_config_errors(tmp_path):
 def test_close_stops_the_reader_and_waits_are_counted(tmp_path):
     c = open_corpus(str(write_jsonl(tmp_path / "a.jsonl", text_records(50))), ByteTokenizer(), seq_len=8,
                     val_every=3, read_ahead=1)
+    before = set(threading.enumerate())  # (readers other tests left are not this stream's)
     s = c.train_stream()
     s.take(3)
-    readers = [t for t in threading.enumerate() if t.name == "hytrain-corpus"]
+    readers = [t for t in threading.enumerate() if t.name == "hytrain-corpus" and t not in before]
     assert readers and s.wait_seconds > 0
     s.close()
     assert not any(t.is_alive() for t in readers)

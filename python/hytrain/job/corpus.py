@@ -1,6 +1,7 @@
 """The job's streamed corpus: real training data (text files, JSON lines, C4's gzip shards, Parquet,
 Arrow, a ``datasets.save_to_disk`` directory) tokenized on the fly, with host memory independent of the
-corpus size. ``data.py`` reads a small corpus whole; this module is for corpora that do not fit.
+corpus size. ``data.py`` reads a small corpus whole; this module is for corpora that do not fit, and
+``records.py`` finds and reads their files.
 
 The rows are a pure function of (files, tokenizer, seq_len, kind, text_field, seed, validation split),
 and ``Stream.cursor()`` names the position after the rows taken, so a resumed run reads exactly the rows
@@ -10,243 +11,36 @@ tokens need to be carried in the cursor). The first epoch reads the files in sor
 epoch in a permutation drawn from (seed, epoch); records within a file always in order.
 
 Kinds: "text" documents are tokenized, each followed by EOS (when the tokenizer has one), concatenated
-and cut into rows of seq_len + 1 tokens. "prompt" (prompt/response, or Alpaca's instruction[/input]/
-output, the prompt being ``instruction + "\\n\\n" + input``) and "chat" (``messages``) give one example
-per row: [BOS] prompt response EOS, without a chat template for "prompt"; a chat is rendered by the
-tokenizer's template. Only the response's (the assistant's) tokens count in the loss; rows are
-truncated to seq_len + 1 and padded with EOS (or 0); an example with no response token left is skipped.
+and cut into rows of seq_len + 1 tokens; a long document goes to the tokenizer in pieces of at most
+``records.PIECE_CHARS`` characters (the cursor's offset still counts the record's tokens). "prompt"
+(prompt/response, or Alpaca's instruction[/input]/output, the prompt being ``instruction + "\\n\\n" +
+input``) and "chat" (``messages``) give one example per row: [BOS] prompt response EOS, without a chat
+template for "prompt"; a chat is rendered by the tokenizer's template. Only the response's (the
+assistant's) tokens count in the loss; rows are truncated to seq_len + 1 and padded with EOS (or 0); an
+example with no response token left is skipped.
 
 Validation is ``val_spec`` if given, else a DatasetDict's validation/test split, else every
 ``val_every``-th document by a hash of (file, record), which the train stream then skips."""
 
 from __future__ import annotations
 
-import gzip
-import json
 import queue
 import random
 import threading
 import time
 import zlib
 from collections import Counter
-from dataclasses import dataclass
 from itertools import islice
-from pathlib import Path
 
 import torch
 
-from .options import ConfigError, first_line
+from .options import ConfigError
+from .records import Source, checked, detect_kind, find_sources, fingerprint, payload, piece_bounds
 from .tokenizers import ByteTokenizer
 
 KINDS = ("auto", "text", "prompt", "chat")
-TEXT_PIECE = 1 << 18      # characters of a plain-text file tokenized at once
 TOKENIZE_BATCH = 64       # records per encode_batch call
-ROWS_BATCH = 256          # Parquet/Arrow rows converted to Python at once
 CHUNK_TOKENS = 1 << 15    # tokens per read-ahead chunk of rows
-
-
-# ---- files
-
-class _DocumentEnd(str):
-    """The last piece of a plain-text file: the document ends (and EOS follows) after it."""
-
-
-@dataclass(frozen=True)
-class _Source:
-    path: Path
-    name: str     # the path the cursor and the hold-out hash use: stable when the corpus moves
-    fmt: str      # text, jsonl, jsonl.gz, parquet or arrow
-
-
-def _format(path: Path) -> str | None:
-    name = path.name.lower()
-    for ext, fmt in ((".jsonl.gz", "jsonl.gz"), (".json.gz", "jsonl.gz"), (".jsonl", "jsonl"), (".json", "jsonl"),
-                     (".parquet", "parquet"), (".arrow", "arrow")):
-        if name.endswith(ext):
-            return fmt
-    with open(path, "rb") as f:   # anything else is text, unless a NUL byte says binary (images, archives)
-        return None if b"\0" in f.read(4096) else "text"
-
-
-def _saved_dataset(d: Path, name: str) -> list[_Source]:
-    """The Arrow files of a ``Dataset.save_to_disk`` directory, in the order its state.json lists."""
-    try:
-        files = [f["filename"] for f in json.loads((d / "state.json").read_text())["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        files = sorted(p.name for p in d.glob("data-*.arrow"))
-    return [_Source(d / f, f"{name}/{f}", "arrow") for f in files]
-
-
-def _find(spec: str) -> tuple[list[_Source], list[_Source]]:
-    """(train sources, the held-out split's sources: a DatasetDict's validation/test split, or [])."""
-    train, held = [], []
-
-    def walk(d: Path, name: str):
-        if (d / "dataset_dict.json").exists():
-            splits = json.loads((d / "dataset_dict.json").read_text()).get("splits", [])
-            if "train" not in splits:
-                raise ConfigError(f"{d} is a DatasetDict without a 'train' split (it has {', '.join(splits)})")
-            train.extend(_saved_dataset(d / "train", f"{name}/train"))
-            val = next((s for s in ("validation", "test") if s in splits), None)
-            held.extend(_saved_dataset(d / val, f"{name}/{val}") if val else [])
-        elif (d / "state.json").exists() or (d / "dataset_info.json").exists():
-            train.extend(_saved_dataset(d, name))
-        else:
-            for p in sorted(d.iterdir(), key=lambda p: p.name):
-                if p.name.startswith("."):
-                    continue
-                if p.is_dir():
-                    walk(p, f"{name}/{p.name}")
-                elif (fmt := _format(p)) and (fmt != "text" or p.stat().st_size > 0):   # skip empty __init__.py
-                    train.append(_Source(p, f"{name}/{p.name}", fmt))
-
-    for part in filter(None, (s.strip() for s in spec.split(","))):
-        p = Path(part)
-        if p.is_dir():
-            walk(p, p.name)
-        elif p.is_file():
-            train.append(_Source(p, p.name, _format(p) or "binary"))
-        else:
-            raise ConfigError(f"the corpus {part!r} is neither a file nor a directory")
-    names = Counter(s.name for s in train + held)
-    if max(names.values(), default=1) > 1:   # the cursor and the hold-out hash know a file by its name
-        raise ConfigError(f"{spec!r} names {names.most_common(1)[0][0]!r} twice; rename one of them")
-    if not train:
-        raise ConfigError(f"no supported files in {spec!r} (text, .jsonl[.gz], .json[.gz], .parquet, .arrow, "
-                          f"or a datasets.save_to_disk directory)")
-    for s in train + held:
-        try:
-            with open(s.path, "rb") as f:
-                empty = not f.read(1)
-        except OSError as e:
-            raise ConfigError(f"{s.path} cannot be read: {e.strerror or first_line(e)}") from None
-        if empty or s.fmt == "binary":
-            raise ConfigError(f"{s.path} is {'empty' if empty else 'not text, JSON lines, Parquet or Arrow'}")
-    return train, held
-
-
-def _read(source: _Source, start: int, columns):
-    """(index, record) from record ``start`` on; a record is a dict, or a piece of a plain-text file."""
-    if source.fmt == "text":
-        with open(source.path, encoding="utf-8", errors="replace", newline="") as f:
-            def piece():   # ends at a line break where one comes soon, so few words are cut
-                text = f.read(TEXT_PIECE)
-                return text + f.readline(TEXT_PIECE) if len(text) == TEXT_PIECE else text
-
-            index, text = 0, piece()
-            while text:
-                after = piece()
-                if index >= start:
-                    yield index, text if after else _DocumentEnd(text)
-                index, text = index + 1, after
-    elif source.fmt in ("jsonl", "jsonl.gz"):
-        opener = gzip.open if source.fmt == "jsonl.gz" else open
-        with opener(source.path, "rt", encoding="utf-8") as f:
-            for index, line in enumerate(f):
-                if index < start or not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as e:
-                    raise ConfigError(f"{source.path}: line {index + 1} is not valid JSON ({first_line(e)})") from None
-                if not isinstance(record, dict):
-                    raise ConfigError(f"{source.path}: line {index + 1} is not a JSON object (one object per line "
-                                      f"is expected, not a JSON array)")
-                yield index, record
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        if source.fmt == "parquet":
-            pf = pq.ParquetFile(source.path)
-            first, skipped = 0, 0
-            while first < pf.num_row_groups and skipped + pf.metadata.row_group(first).num_rows <= start:
-                skipped += pf.metadata.row_group(first).num_rows   # row groups before the start are never read
-                first += 1
-            batches = pf.iter_batches(batch_size=ROWS_BATCH, row_groups=list(range(first, pf.num_row_groups)),
-                                      columns=columns(pf.schema_arrow.names))
-            yield from _rows(batches, skipped, start)
-        else:
-            with pa.memory_map(str(source.path)) as f:
-                try:
-                    reader = pa.ipc.open_stream(f)
-                    batches = iter(reader)
-                except pa.ArrowInvalid:
-                    f.seek(0)
-                    reader = pa.ipc.open_file(f)
-                    batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-                cols = columns(reader.schema.names)
-                yield from _rows((b.select(cols) for b in batches), 0, start)
-
-
-def _rows(batches, index: int, start: int):
-    for batch in batches:
-        if index + batch.num_rows <= start:
-            index += batch.num_rows
-            continue
-        for at in range(0, batch.num_rows, ROWS_BATCH):
-            for record in batch.slice(at, ROWS_BATCH).to_pylist():
-                if index >= start:
-                    yield index, record
-                index += 1
-
-
-def _where(source: _Source, index: int) -> str:
-    return f"{source.path}: {'line' if source.fmt.startswith('jsonl') else 'row'} {index + 1}"
-
-
-def _checked(source: _Source, start: int, columns):
-    """``_read``, with a file that breaks off (a corrupt shard, bad Parquet) or holds no record reported
-    as a ConfigError naming it and where."""
-    index = start - 1
-    try:
-        for index, record in _read(source, start, columns):
-            yield index, record
-    except (OSError, EOFError, ValueError, zlib.error) as e:
-        if isinstance(e, ConfigError):
-            raise
-        at = f" past {_where(source, index).split(': ')[1]}" if index >= 0 and source.fmt != "text" else ""
-        raise ConfigError(f"{source.path} cannot be read{at}: {first_line(e)}") from None
-    if start == 0 and index < 0:
-        raise ConfigError(f"{source.path} has no records")
-
-
-def _detect(record) -> str:
-    if isinstance(record, str):
-        return "text"
-    if isinstance(record.get("messages"), list):
-        return "chat"
-    if {"prompt", "response"} <= record.keys() or {"instruction", "output"} <= record.keys():
-        return "prompt"
-    return "text"
-
-
-def _payload(kind: str, text_field: str, source: _Source, index: int, record):
-    """What a record holds for ``kind``: (text, ends a document), (prompt, response) or messages."""
-    if isinstance(record, str):
-        if kind != "text":
-            raise ConfigError(f"{source.path} is plain text, but the corpus holds {kind} data")
-        return record, isinstance(record, _DocumentEnd)
-
-    def need(field, of=str):
-        value = record.get(field)
-        if not isinstance(value, of):
-            what = f"field {field!r} is not a {of.__name__}" if field in record else f"has no field {field!r}"
-            raise ConfigError(f"{_where(source, index)} {what} (its fields: {', '.join(record) or 'none'})")
-        return value
-
-    if kind == "text":
-        return need(text_field), True
-    if kind == "prompt":
-        if "prompt" in record:
-            return need("prompt"), need("response")
-        extra = record.get("input") or ""
-        return need("instruction") + (f"\n\n{extra}" if extra else ""), need("output")
-    messages = need("messages", list)
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-               for m in messages):
-        raise ConfigError(f"{_where(source, index)}: 'messages' must be a list of {{role, content}} strings")
-    return messages
 
 
 def _cursor(epoch: int, file: str, record: int, offset: int) -> dict:
@@ -289,6 +83,11 @@ class Corpus:
                               f"({self._sources[0].name}, ...): was the data changed?")
         return Stream(self._chunks(self._rows(start, train=True)), start, self._read_ahead)
 
+    def fingerprint(self) -> dict:
+        """{name: size, modification time and hash} of the train files, which the data cursor carries:
+        a resume compares them with the files it finds (``records.changed_files``)."""
+        return {s.name: fingerprint(s.path) for s in self._sources}
+
     def validation(self, n_sequences: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``n_sequences`` held-out rows as (tokens [seq_len + 1], loss_mask [seq_len]); fewer
         where the held-out data has fewer. Computed once, so every evaluation sees the same rows."""
@@ -304,7 +103,7 @@ class Corpus:
                               f"{self._seq_len + 1} tokens; pass --val-data")
         return self._val_rows[:n_sequences]
 
-    def _order(self, epoch: int) -> list[_Source]:
+    def _order(self, epoch: int) -> list[Source]:
         if epoch == 0:
             return self._sources
         order = list(self._sources)
@@ -320,11 +119,12 @@ class Corpus:
             order = self._order(epoch) if train else self._held or self._sources
             found = False
             for source in order[[s.name for s in order].index(file) if file else 0:]:
-                for index, rec in _checked(source, record if file else 0, self._columns):
+                for index, rec in checked(source, record if file else 0, self._columns):
                     key = source.name if source.fmt == "text" else f"{source.name}:{index}"
                     if not by_hash or (zlib.crc32(key.encode()) % self._val_every == 0) != train:
                         found = True
-                        yield epoch, source, index, _payload(self.kind, self._text_field, source, index, rec)
+                        yield epoch, source, index, payload(self.kind, self._text_field, source, index, rec)
+                    del rec   # (not held while the next record is read)
                 file = None
             if not train:
                 return
@@ -335,15 +135,41 @@ class Corpus:
 
     def _examples(self, records):
         """(epoch, source, index, ids, mask) where the mask is 1 on tokens that count in the loss (None:
-        all), tokenizing up to ``TOKENIZE_BATCH`` records (and about 1 M characters) at a time."""
+        all), tokenizing up to ``TOKENIZE_BATCH`` records (and about 1 M characters) at a time. A long
+        text document goes to the tokenizer in pieces (``piece_bounds``), each its own item with the
+        record's index, EOS after the last: memory and time follow the piece, not the record."""
         batch, size = [], 0
         for item in records:
-            batch.append(item)
-            size += len(item[3][0]) if self.kind == "text" else 1 << 12
-            if len(batch) == TOKENIZE_BATCH or size >= 1 << 20:
-                yield from self._tokenized(batch)
-                batch, size = [], 0
+            for part in self._pieces(item):
+                batch.append(part)
+                size += len(part[3][0]) if self.kind == "text" else 1 << 12
+                if len(batch) == TOKENIZE_BATCH or size >= 1 << 20:
+                    yield from self._tokenized(batch)
+                    batch, size = [], 0
+            del item   # (not held while the next record is read)
         yield from self._tokenized(batch)
+
+    def _pieces(self, item):
+        bounds = piece_bounds(item[3][0]) if self.kind == "text" else ()
+        if len(bounds) < 2:
+            yield item
+            return
+        e, s, i, (text, ends) = item
+        for a, b in bounds:
+            yield e, s, i, (text[a:b], ends and b == len(text))
+
+    def _encode_long(self, texts, limit: int):
+        """``encode_batch``, a long text tokenized in pieces, and only as far as its first ``limit``
+        tokens (an example is cut to a row: the rest would be dropped)."""
+        long = {j: bounds for j, t in enumerate(texts) if len(bounds := piece_bounds(t)) > 1}
+        out = self._encode(["" if j in long else t for j, t in enumerate(texts)])
+        for j, bounds in long.items():
+            out[j] = []
+            for a, b in bounds:
+                if len(out[j]) >= limit:
+                    break
+                out[j] += self._encode([texts[j][a:b]])[0]
+        return out
 
     def _tokenized(self, batch):
         if not batch:
@@ -354,7 +180,8 @@ class Corpus:
             for (e, s, i, (_, ends)), ids in zip(batch, self._encode([b[3][0] for b in batch])):
                 yield e, s, i, ids + eos if ends else ids, None
         elif self.kind == "prompt":
-            prompts, responses = self._encode([b[3][0] for b in batch]), self._encode([b[3][1] for b in batch])
+            prompts = self._encode_long([b[3][0] for b in batch], self._seq_len + 1)
+            responses = self._encode_long([b[3][1] for b in batch], self._seq_len + 1)
             for (e, s, i, _), prompt, response in zip(batch, prompts, responses):
                 yield (e, s, i, bos + prompt + response + eos,
                        [0] * (len(bos) + len(prompt)) + [1] * (len(response) + len(eos)))
@@ -363,11 +190,13 @@ class Corpus:
                 yield e, s, i, *tok.chat(messages)
 
     def _rows(self, start: dict | None, train: bool):
-        """(tokens, loss mask or None for all-True, cursor after the row)."""
+        """(tokens, loss mask or None for all-True, cursor after the row). A text record's tokens may
+        come in several pieces (items with the same record): ``base`` counts the record's tokens before
+        this piece, so the cursor's offset is within the record, whatever its pieces."""
         width, first = self._seq_len + 1, start
         last_output = start["epoch"] if start else 0
         pad = self._tok.eos_id if self._tok.eos_id is not None else 0
-        buf = []
+        buf, record, base = [], None, 0
         for epoch, source, index, ids, mask in self._examples(self._records(start, train)):
             if epoch > last_output + 1:
                 raise ConfigError(f"a whole pass over the corpus ({self._sources[0].path}, ...) gave no "
@@ -380,18 +209,24 @@ class Corpus:
                     yield (ids + [pad] * (width - len(ids)), targets + [0] * (width - 1 - len(targets)),
                            _cursor(epoch, source.name, index + 1, 0))
                 continue
-            base = 0
-            if first and (epoch, source.name, index) == (first["epoch"], first["file"], first["record"]):
-                base, ids = first["offset"], ids[first["offset"]:]   # resuming inside this record
-            first = None
+            base = base if (epoch, source.name, index) == record else 0   # (the previous piece's end)
+            record, n = (epoch, source.name, index), len(ids)
+            if first and record == (first["epoch"], first["file"], first["record"]):
+                skip = min(max(first["offset"] - base, 0), n)   # resuming inside this record
+                ids = ids[skip:]
+                base += skip
+                n -= skip
+            else:
+                first = None
             if ids:
                 last_output = epoch
             begin, pos = len(buf), 0
             buf += ids
-            while len(buf) - pos >= width:   # a row ends inside this record's tokens: begin < width
+            while len(buf) - pos >= width:   # a row ends inside this piece's tokens: begin < width
                 yield buf[pos:pos + width], None, _cursor(epoch, source.name, index, base + pos + width - begin)
                 pos += width
             del buf[:pos]
+            base += n
 
     def _tensors(self, rows):
         tokens = torch.tensor([r[0] for r in rows], dtype=torch.int64)
@@ -478,7 +313,7 @@ class Stream:
 
 def formats(spec: str) -> set[str]:
     """The formats of the files at ``spec`` (text, jsonl, jsonl.gz, parquet, arrow)."""
-    train, held = _find(spec)
+    train, held = find_sources(spec)
     return {s.fmt for s in train + held}
 
 
@@ -489,16 +324,16 @@ def open_corpus(spec: str, tokenizer, *, seq_len: int, text_field: str = "text",
         raise ConfigError(f"the data kind must be one of {', '.join(KINDS)}, got {kind!r}")
     if seq_len < 1 or read_ahead < 1:
         raise ConfigError(f"seq_len ({seq_len}) and read_ahead ({read_ahead}) must be at least 1")
-    sources, held = _find(spec)
+    sources, held = find_sources(spec)
     if val_spec:
-        val_sources, val_held = _find(val_spec)
+        val_sources, val_held = find_sources(val_spec)
         held = val_held or val_sources
     elif not held and val_every < 2:
         raise ConfigError(f"the validation interval must be at least 2 documents, got {val_every}")
     first = sources[0]
-    index, record = next(_checked(first, 0, list))
-    kind = _detect(record) if kind == "auto" else kind
-    _payload(kind, text_field, first, index, record)
+    index, record = next(checked(first, 0, list))
+    kind = detect_kind(record) if kind == "auto" else kind
+    payload(kind, text_field, first, index, record)
     if kind == "chat" and not getattr(tokenizer, "has_chat_template", False):
         raise ConfigError(f"{first.path} holds chat data (messages), which needs a tokenizer with a chat template; "
                           f"{'the byte tokenizer' if isinstance(tokenizer, ByteTokenizer) else 'this one'} has none")

@@ -6,6 +6,7 @@ instruction data) is streamed by corpus.py, and resumed from the cursor kept in 
 
 from __future__ import annotations
 
+import os
 import sysconfig
 import zlib
 from pathlib import Path
@@ -13,7 +14,8 @@ from pathlib import Path
 import torch
 
 from .corpus import formats, open_corpus
-from .tokenizers import ByteTokenizer
+from .records import changed_files
+from .tokenizers import ByteTokenizer, with_eos
 from .options import ConfigError
 
 
@@ -105,12 +107,15 @@ class InMemory:
 class Streamed:
     """A corpus streamed from its files (corpus.py), the global batch of each step the next
     ``batch`` rows of one stream that every rank reads alike (each keeps its own rows), so the
-    rows do not depend on the number of processes; ``cursor()`` is where a resume goes on."""
+    rows do not depend on the number of processes; ``cursor()`` is where a resume goes on, with the
+    fingerprints of the files (``files``: size, modification time, hash of the first and last 64 KiB)
+    taken when they were opened, which ``open_data`` compares on resume."""
 
-    def __init__(self, corpus, *, batch, cursor=None):
+    def __init__(self, corpus, *, batch, cursor=None, files=None):
         self.corpus, self.kind, self.description = corpus, corpus.kind, corpus.description
         self._batch = batch
-        self._stream = corpus.train_stream(cursor)
+        self._files = corpus.fingerprint() if files is None else files
+        self._stream = corpus.train_stream({k: v for k, v in cursor.items() if k != "files"} if cursor else None)
 
     @property
     def wait_seconds(self):
@@ -128,15 +133,32 @@ class Streamed:
                 for i in range(0, len(rows) - self._batch + 1, self._batch)]
 
     def cursor(self):
-        return self._stream.cursor()
+        return {**self._stream.cursor(), "files": self._files}
 
     def close(self):
         self._stream.close()
 
 
-def open_data(args, tokenizer, cursor=None):
+def _say(line):
+    """One line on stdout from the first process (RANK 0 under torchrun); a closed stdout drops it."""
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        try:
+            print(line, flush=True)
+        except (OSError, ValueError):
+            pass
+
+
+def open_data(args, tokenizer, cursor=None, say=None):
     """The job's data: the embedded corpus and plain text in memory; JSON lines, gzip shards,
-    Parquet, Arrow and saved datasets streamed (``--data-kind``, ``--text-field``, ``--val-data``)."""
+    Parquet, Arrow and saved datasets streamed (``--data-kind``, ``--text-field``, ``--val-data``).
+
+    Streamed documents and responses end with the tokenizer's EOS (``--eos-token`` gives one): a
+    tokenizer without one is refused rather than packing documents with nothing between them (the
+    byte tokenizer excepted: its 256 symbols are all data). A
+    ``cursor`` whose files' fingerprints differ from the files now (a file rewritten, added or removed
+    since the checkpoint) is said in one line (``say``, else stdout on the first process) and the data
+    is read from its beginning, as when the data options change."""
+    tokenizer = with_eos(tokenizer, getattr(args, "eos_token", None))
     streamed = args.data != "stdlib" and (args.val_data or args.data_kind not in ("auto", "text")
                                           or formats(args.data) != {"text"})
     if not streamed:
@@ -144,7 +166,19 @@ def open_data(args, tokenizer, cursor=None):
                         max_bytes=args.max_data_bytes)
     corpus = open_corpus(args.data, tokenizer, seq_len=args.seq_len, text_field=args.text_field, kind=args.data_kind,
                          val_spec=args.val_data, seed=args.seed)
-    return Streamed(corpus, batch=args.batch_size, cursor=cursor)
+    # (A chat's template ends its turns itself; the byte alphabet has no token to spare: documents
+    # follow each other as bytes, unless --eos-token names one, such as a newline.)
+    if corpus.kind != "chat" and tokenizer.eos_id is None and not isinstance(tokenizer, ByteTokenizer):
+        raise ConfigError(f"the tokenizer has no EOS token to end each {'document' if corpus.kind == 'text' else 'response'} "
+                          f"of {args.data} with: pass --eos-token TEXT, a text that is one token of it")
+    files = corpus.fingerprint()
+    saved = cursor.get("files") if isinstance(cursor, dict) else None
+    changed = changed_files(saved, files) if isinstance(saved, dict) else None   # (None: an older checkpoint's)
+    if changed:
+        (say or _say)(f"hytrain train: the data files differ from the checkpoint's: {changed}; {args.data} is read "
+                      f"from its beginning")
+        cursor = None
+    return Streamed(corpus, batch=args.batch_size, cursor=cursor, files=files)
 
 
 def inputs_and_targets(tokens, mask, ranks, device):

@@ -226,7 +226,7 @@ def _run(args, ranks, say, out, sig) -> int:
     args.state_format = asked_format or saved_format or "fp32"  # a resumed run keeps its format unless told
     tokenizer = job_tokenizer(args)
     check_fit(args, tokenizer)
-    data = open_data(args, tokenizer, cursor)
+    data = open_data(args, tokenizer, cursor, say=lambda line: say(line, flush=True))
     val_batches = data.validation(args.eval_batches)
     stream = stream_plan(args, device, dtype, ranks.distributed)
     resumed = resume_dir is not None and not sharded_ckpt  # (its weights in before any of them stream)

@@ -43,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
            "records) or chat (messages, the tokenizer's chat template): loss on the responses only, one "
            "example per sequence, padded; auto: from the first record")
     a("--text-field", default="text", help="the field of JSON/Parquet records that holds the text")
+    a("--eos-token", default=None, metavar="TEXT",
+      help="the EOS token of streamed data (after each document, at the end of a response), where the "
+           "tokenizer has none or another is wanted: a text that is one token of the tokenizer (e.g. '</s>'; "
+           "one byte for the byte tokenizer)")
     a("--val-data", default=None, help="validation data (default: a held-out part of --data)")
     a("--export", action=argparse.BooleanOptionalAction, default=True,
       help="write a Hugging Face model directory (config, safetensors, tokenizer) to OUT/model at the end")
@@ -163,11 +167,11 @@ def _flags_given(p: argparse.ArgumentParser, argv) -> set:
 CHANGEABLE = ("lr", "warmup", "weight_decay", "max_grad_norm", "steps", "eval_every", "save_every", "keep",
               "workers")
 FIXED = ("model", "seq_len", "precision", "batch_size", "tokenizer")
-KEPT = ("data", "data_kind", "text_field", "val_data", "max_data_bytes", "seed", "gpu_blocks", "speculate",
-        "gpu_memory_limit", "pin_limit", "init", "export")
+KEPT = ("data", "data_kind", "text_field", "eos_token", "val_data", "max_data_bytes", "seed", "gpu_blocks",
+        "speculate", "gpu_memory_limit", "pin_limit", "init", "export")
 
 # What decides the rows a data cursor points into: another value reads the data from its beginning.
-DATA_OPTIONS = ("data", "data_kind", "text_field", "val_data", "seq_len", "tokenizer", "seed")
+DATA_OPTIONS = ("data", "data_kind", "text_field", "eos_token", "val_data", "seq_len", "tokenizer", "seed")
 
 
 def resumed_options(args, saved: dict) -> list:
@@ -248,6 +252,9 @@ def check_options(args) -> None:
                 parse_bytes(f"--{name.replace('_', '-')}", getattr(args, name))
             except (TypeError, ValueError) as e:
                 raise ConfigError(str(e)) from None
+    eos = getattr(args, "eos_token", None)
+    if eos is not None and not (isinstance(eos, str) and eos):
+        raise ConfigError(f"--eos-token must be a non-empty text (one token of the tokenizer), got {eos!r}")
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(args.device)):
         raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {args.device!r}")
     cores = os.cpu_count() or 1

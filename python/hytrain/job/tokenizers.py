@@ -21,6 +21,27 @@ class ByteTokenizer:
     def encode_batch(self, texts) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
 
+    def token_ids(self, text: str) -> list[int]:
+        return self.encode(text)
+
+
+def with_eos(tokenizer, text: str | None):
+    """``tokenizer`` with ``--eos-token TEXT`` as its EOS: the text must be one of its tokens (a token
+    of its vocabulary by name, such as ``</s>``, or a text it encodes to one id; for the byte
+    tokenizer, one byte). None: the tokenizer as it is."""
+    if text is None:
+        return tokenizer
+    if not isinstance(text, str) or not text:
+        raise ConfigError(f"--eos-token must be a non-empty text, got {text!r}")
+    ids = tokenizer.token_ids(text)
+    if len(ids) != 1:
+        byte = isinstance(tokenizer, ByteTokenizer)
+        what = f"{len(ids)} {'bytes' if byte else 'tokens'}, not one" if ids else "not in the tokenizer's vocabulary"
+        raise ConfigError(f"--eos-token {text!r} is {what}: it must be one token of the "
+                          f"{'byte tokenizer (one byte, such as a newline)' if byte else 'tokenizer'}")
+    tokenizer.eos_id = ids[0]
+    return tokenizer
+
 
 class HFTokenizer:
     """A transformers tokenizer, used without adding special tokens (the corpus places BOS/EOS)."""
@@ -51,6 +72,16 @@ class HFTokenizer:
 
     def encode_batch(self, texts) -> list[list[int]]:
         return self.tok(list(texts), add_special_tokens=False)["input_ids"]
+
+    def token_ids(self, text: str) -> list[int]:
+        """The ids of ``text``: one where it names a token of the vocabulary (``</s>``), else its encoding
+        (none where that is only the unknown token: the text is not in the vocabulary)."""
+        vocab = self.tok.get_vocab()
+        if text in vocab:
+            return [vocab[text]]
+        ids = self.encode(text)
+        unk = self.tok.unk_token_id
+        return [] if unk is not None and ids == [unk] else ids
 
     def chat(self, messages) -> tuple[list[int], list[int]]:
         """(ids, mask): the conversation through the chat template, mask 1 on the assistant's turns.
