@@ -25,12 +25,21 @@ void bind_engine(py::module_& m) {
          "addresses), advancing their steps.")
       .def("wait", &UpdateEngine::wait, py::call_guard<py::gil_scoped_release>())
       .def("wait_all", &UpdateEngine::wait_all, py::call_guard<py::gil_scoped_release>())
+      // The GIL stays held: no other Python thread submits while it waits (the workers never take it).
+      .def("quiesce", &UpdateEngine::quiesce,
+           "Waits until every block submitted so far has completed (errors stay for wait()); called "
+           "before fork() so that the child inherits no update half done.")
       .def("done", &UpdateEngine::done)
       .def("timing", [](UpdateEngine& e, int64_t block) {
         const BlockTiming t = e.timing(block);
         return std::make_tuple(t.submit_ns, t.start_ns, t.end_ns, t.elements);
       })
-      .def_property_readonly("workers", &UpdateEngine::workers);
+      .def_property_readonly("workers", &UpdateEngine::workers)
+      .def_property_readonly("inherited", &UpdateEngine::inherited,
+                             "Whether the engine was made in a process this one was forked from (its "
+                             "workers are started again here at its first use).");
+  m.def("fork_generation", &fork_generation,
+        "How many fork()s lie between the process that loaded the module and this one.");
 }
 
 }  // namespace bindings

@@ -91,7 +91,7 @@ void validate_adamw_config(const AdamWConfig& c) {
   HYTRAIN_CHECK(finite_nonneg(c.lr), "lr must be finite and >= 0");
   HYTRAIN_CHECK(c.beta1 >= 0.0 && c.beta1 < 1.0, "beta1 must be in [0, 1)");
   HYTRAIN_CHECK(c.beta2 >= 0.0 && c.beta2 < 1.0, "beta2 must be in [0, 1)");
-  HYTRAIN_CHECK(std::isfinite(c.eps) && c.eps > 0.0, "eps must be finite and > 0");
+  HYTRAIN_CHECK(std::isfinite(c.eps) && c.eps >= 0.0, "eps must be finite and >= 0");
   HYTRAIN_CHECK(finite_nonneg(c.weight_decay), "weight_decay must be finite and >= 0");
   HYTRAIN_CHECK(std::isfinite(c.grad_scale), "grad_scale must be finite");
   HYTRAIN_CHECK(c.step >= 1, "step must be >= 1, got " + std::to_string(c.step));

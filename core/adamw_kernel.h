@@ -123,27 +123,33 @@ struct AdamWBody {
   using I = typename V::I;
   F b2, omb1, omb2, eps, wd, pdecay, nstep, bc2s, gscale, zero;
   I key, low16;
+  bool l2;  // Adam's L2 term is added (weight_decay != 0 without decoupling)
 
   explicit AdamWBody(const AdamWScalars& s)
       : b2(V::set1(s.beta2)), omb1(V::set1(s.one_minus_beta1)), omb2(V::set1(s.one_minus_beta2)),
         eps(V::set1(s.eps)), wd(V::set1(s.weight_decay)), pdecay(V::set1(s.param_decay)),
         nstep(V::set1(s.neg_step_size)), bc2s(V::set1(s.bias_correction2_sqrt)),
         gscale(V::set1(s.grad_scale)), zero(V::set1(0.0f)), key(V::iset1(s.sr_key)),
-        low16(V::iset1(0xFFFFu)) {}
+        low16(V::iset1(0xFFFFu)), l2(s.weight_decay != 0.0f) {}
 
   // The moments' update and the decay of p, from the raw gradient (every state format's first half).
   // Returns the gradient the moments took in.
   inline F moments(F& p, F& m, F& v, F graw, F& bad) const {
     F g = V::mul(graw, gscale);
     bad = V::fmadd(g, zero, bad);
-    g = V::fmadd(wd, p, g);  // Adam's L2 term; wd is 0 for AdamW
+    // Adam's L2 term, only where there is one (as torch's): a NaN weight (eps=0's 0/0, a NaN written
+    // by the loop) leaves AdamW's m and v as they are, as in torch's.
+    if (l2) g = V::fmadd(wd, p, g);
     p = V::mul(p, pdecay);   // AdamW's decoupled decay; pdecay is 1 for Adam
     m = V::fmadd(omb1, V::sub(g, m), m);
     v = V::fmadd(V::mul(omb2, g), g, V::mul(v, b2));
     return g;
   }
   // The gradient moments() takes in, from the raw one and the old p.
-  inline F grad_of(F graw, F p) const { return V::fmadd(wd, p, V::mul(graw, gscale)); }
+  inline F grad_of(F graw, F p) const {
+    const F g = V::mul(graw, gscale);
+    return l2 ? V::fmadd(wd, p, g) : g;
+  }
 
   // The new weight from the decayed p, the new m and the denominator's v (or its square root).
   inline F apply(F p, F m, F vd) const { return apply_root(p, m, V::sqrt(vd)); }

@@ -1,6 +1,8 @@
 // UpdateEngine: see hytrain/update_engine.h.
 #include "hytrain/update_engine.h"
 
+#include <pthread.h>
+
 #include <chrono>
 #include <thread>
 
@@ -47,38 +49,119 @@ AdamWTensor slice_of(const AdamWTensor& t, int64_t begin, int64_t end) {
 
 }  // namespace
 
+namespace {
+
+std::atomic<uint64_t> g_forks{0};
+
+void count_fork_in_child() { g_forks.fetch_add(1, std::memory_order_acq_rel); }
+
+}  // namespace
+
+uint64_t fork_generation() {
+  static const int registered = pthread_atfork(nullptr, nullptr, count_fork_in_child);
+  (void)registered;
+  return g_forks.load(std::memory_order_acquire);
+}
+
+struct UpdateEngine::Runtime {
+  Runtime(std::size_t queue_slices, SimdPath path) : queue(queue_slices), path(path) {}
+
+  void start(int workers) {
+    for (int i = 0; i < workers; ++i) threads.emplace_back([this] { run_worker(); });
+  }
+  void stop();  // drains the queue (overflow included), then joins the workers
+  void run_worker();
+  void finish(Block& b);
+  void refill();  // moves overflow slices into the queue while they fit (takes overflow_mutex)
+
+  MpmcQueue<Slice*> queue;
+  SimdPath path;
+  std::mutex overflow_mutex;            // guards overflow
+  std::deque<Slice*> overflow;          // slices behind a full queue, in submission order
+  std::atomic<std::size_t> pending{0};  // overflow.size(), for the workers' lock-free check
+  std::vector<std::thread> threads;
+  std::mutex mutex;  // guards blocks (the map) and each Block's complete/timing
+  std::condition_variable completed;
+  std::unordered_map<int64_t, std::shared_ptr<Block>> blocks;  // waiters hold a reference too
+  std::function<void(int64_t)> on_complete;
+};
+
 UpdateEngine::UpdateEngine(int workers, int64_t slice_elems, SimdPath path, std::size_t queue_slices)
-    : queue_(queue_slices), slice_elems_(slice_elems), path_(path) {
+    : workers_(workers), slice_elems_(slice_elems), path_(path), queue_slices_(queue_slices),
+      born_(fork_generation()), generation_(born_) {
   HYTRAIN_CHECK(workers >= 1 && workers <= 1024, "workers must be in [1, 1024]");
   HYTRAIN_CHECK(queue_slices >= 2, "queue_slices must be at least 2");
   HYTRAIN_CHECK(slice_elems >= 1024, "slice_elems must be at least 1024");
   path_ = resolve_simd_path(path);
-  for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { run_worker(); });
+  runtime_ = std::make_unique<Runtime>(queue_slices_, path_);
+  runtime_->start(workers_);
 }
 
 UpdateEngine::~UpdateEngine() {
+  if (generation_.load(std::memory_order_acquire) != fork_generation()) {
+    (void)runtime_.release();  // the parent's: its threads are not here to join, its locks may be held
+    return;
+  }
+  runtime_->stop();
+}
+
+void UpdateEngine::Runtime::stop() {
   // The workers move the overflow into the queue as it drains; closing first would strand it.
-  while (pending_.load() > 0) {
+  while (pending.load() > 0) {
     refill();
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  queue_.close();  // workers drain what is queued, then exit
-  for (auto& t : threads_) t.join();
+  queue.close();  // workers drain what is queued, then exit
+  for (auto& t : threads) t.join();
+}
+
+UpdateEngine::Runtime& UpdateEngine::here() {
+  const uint64_t now = fork_generation();
+  if (generation_.load(std::memory_order_acquire) == now) return *runtime_;
+  std::lock_guard<std::mutex> lock(respawn_mutex_);
+  if (generation_.load(std::memory_order_acquire) != now) {
+    // The first use in a forked child. Nothing of the parent's runtime is touched but to read it
+    // (this thread is the child's only user of it): its threads are gone and a lock one of them held
+    // stays held, so it is left as it is (never freed), and a new one starts.
+    Runtime* old = runtime_.release();
+    auto fresh = std::make_unique<Runtime>(queue_slices_, path_);
+    fresh->on_complete = old->on_complete;
+    for (const auto& [id, b] : old->blocks) {
+      if (b->complete) {
+        fresh->blocks[id] = b;
+        continue;
+      }
+      // Some of its slices were updated before the fork, others not: its state is not an update.
+      auto lost = std::make_shared<Block>();
+      lost->id = id;
+      lost->timing = b->timing;
+      lost->failed.store(true);
+      lost->error = "the process forked while this block was being updated, so the update is incomplete "
+                    "in the child (quiesce the engine before fork())";
+      fresh->blocks[id] = lost;
+    }
+    fresh->start(workers_);
+    runtime_ = std::move(fresh);
+    generation_.store(now, std::memory_order_release);
+  }
+  return *runtime_;
 }
 
 void UpdateEngine::set_on_complete(std::function<void(int64_t)> fn) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  on_complete_ = std::move(fn);
+  Runtime& r = here();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.on_complete = std::move(fn);
 }
 
 void UpdateEngine::submit(int64_t block, const std::vector<UpdateJob>& jobs) {
   // Validate everything before anything is queued: a refused submit changes nothing.
   for (const UpdateJob& j : jobs) validate_adamw_job(j.tensor, j.config);
+  Runtime& r = here();
   Block* b = nullptr;
   std::function<void(int64_t)> on_complete;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto& slot = blocks_[block];
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto& slot = r.blocks[block];
     if (slot && !slot->complete) {
       HYTRAIN_THROW("block " + std::to_string(block) + " is still being updated");
     }
@@ -99,44 +182,44 @@ void UpdateEngine::submit(int64_t block, const std::vector<UpdateJob>& jobs) {
     b->remaining.store(static_cast<int64_t>(b->slices.size()));
     b->complete = b->slices.empty();
     if (b->complete) b->timing.start_ns = b->timing.end_ns = b->timing.submit_ns;
-    if (b->complete) on_complete = on_complete_;
+    if (b->complete) on_complete = r.on_complete;
   }
   if (b->slices.empty()) {
-    completed_.notify_all();
+    r.completed.notify_all();
     if (on_complete) on_complete(block);
     return;
   }
   // Straight into the queue while it has room and nothing waits ahead; the rest, in order, behind.
-  // pending_ is raised before a failed try_push can be observed, so a worker that frees a cell
+  // pending is raised before a failed try_push can be observed, so a worker that frees a cell
   // afterwards sees it and refills: the overflow cannot be stranded behind an empty queue.
-  std::lock_guard<std::mutex> lock(overflow_mutex_);
+  std::lock_guard<std::mutex> lock(r.overflow_mutex);
   std::size_t i = 0;
-  if (overflow_.empty()) {
-    while (i < b->slices.size() && queue_.try_push(&b->slices[i])) ++i;
+  if (r.overflow.empty()) {
+    while (i < b->slices.size() && r.queue.try_push(&b->slices[i])) ++i;
   }
   if (i == b->slices.size()) return;
-  for (; i < b->slices.size(); ++i) overflow_.push_back(&b->slices[i]);
-  pending_.store(overflow_.size());
-  while (!overflow_.empty() && queue_.try_push(overflow_.front())) overflow_.pop_front();
-  pending_.store(overflow_.size());
+  for (; i < b->slices.size(); ++i) r.overflow.push_back(&b->slices[i]);
+  r.pending.store(r.overflow.size());
+  while (!r.overflow.empty() && r.queue.try_push(r.overflow.front())) r.overflow.pop_front();
+  r.pending.store(r.overflow.size());
 }
 
-void UpdateEngine::refill() {
-  std::lock_guard<std::mutex> lock(overflow_mutex_);
-  while (!overflow_.empty() && queue_.try_push(overflow_.front())) overflow_.pop_front();
-  pending_.store(overflow_.size());
+void UpdateEngine::Runtime::refill() {
+  std::lock_guard<std::mutex> lock(overflow_mutex);
+  while (!overflow.empty() && queue.try_push(overflow.front())) overflow.pop_front();
+  pending.store(overflow.size());
 }
 
-void UpdateEngine::run_worker() {
+void UpdateEngine::Runtime::run_worker() {
   Slice* s = nullptr;
-  while (queue_.pop(s)) {
+  while (queue.pop(s)) {
     Block& b = *s->block;
     int64_t zero = 0;
     b.start_ns.compare_exchange_strong(zero, steady_now_ns());
     if (!b.failed.load(std::memory_order_acquire)) {
       const UpdateJob& j = b.jobs[s->job];
       try {
-        adamw_step(slice_of(j.tensor, s->begin, s->end), j.config, 1, path_);
+        adamw_step(slice_of(j.tensor, s->begin, s->end), j.config, 1, path);
       } catch (const std::exception& e) {
         std::lock_guard<std::mutex> lock(b.error_mutex);
         if (!b.failed.load()) b.error = e.what();
@@ -144,30 +227,31 @@ void UpdateEngine::run_worker() {
       }
     }
     if (b.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(b);
-    if (pending_.load() > 0) refill();
+    if (pending.load() > 0) refill();
   }
 }
 
-void UpdateEngine::finish(Block& b) {
+void UpdateEngine::Runtime::finish(Block& b) {
   const int64_t id = b.id;
-  std::function<void(int64_t)> on_complete;  // copied under the lock: set_on_complete may race
+  std::function<void(int64_t)> call;  // copied under the lock: set_on_complete may race
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(mutex);
     b.timing.start_ns = b.start_ns.load();
     b.timing.end_ns = steady_now_ns();
     b.complete = true;
-    on_complete = on_complete_;
+    call = on_complete;
   }
-  completed_.notify_all();
-  if (on_complete) on_complete(id);
+  completed.notify_all();
+  if (call) call(id);
 }
 
 void UpdateEngine::wait(int64_t block) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  auto it = blocks_.find(block);
-  if (it == blocks_.end()) return;
+  Runtime& r = here();
+  std::unique_lock<std::mutex> lock(r.mutex);
+  auto it = r.blocks.find(block);
+  if (it == r.blocks.end()) return;
   const std::shared_ptr<Block> b = it->second;  // survives a resubmit that replaces the entry
-  completed_.wait(lock, [&] { return b->complete; });
+  r.completed.wait(lock, [&] { return b->complete; });
   if (b->failed.load()) {
     std::lock_guard<std::mutex> elock(b->error_mutex);
     HYTRAIN_THROW("AdamW update of block " + std::to_string(block) + " failed: " + b->error);
@@ -177,22 +261,36 @@ void UpdateEngine::wait(int64_t block) {
 void UpdateEngine::wait_all() {
   std::vector<int64_t> ids;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& kv : blocks_) ids.push_back(kv.first);
+    Runtime& r = here();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (auto& kv : r.blocks) ids.push_back(kv.first);
   }
   for (int64_t id : ids) wait(id);
 }
 
+void UpdateEngine::quiesce() {
+  Runtime& r = here();
+  std::unique_lock<std::mutex> lock(r.mutex);
+  r.completed.wait(lock, [&] {
+    for (const auto& kv : r.blocks) {
+      if (!kv.second->complete) return false;
+    }
+    return true;
+  });
+}
+
 bool UpdateEngine::done(int64_t block) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = blocks_.find(block);
-  return it == blocks_.end() || it->second->complete;
+  Runtime& r = here();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.blocks.find(block);
+  return it == r.blocks.end() || it->second->complete;
 }
 
 BlockTiming UpdateEngine::timing(int64_t block) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto it = blocks_.find(block);
-  HYTRAIN_CHECK(it != blocks_.end(), "block " + std::to_string(block) + " was never submitted");
+  Runtime& r = here();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.blocks.find(block);
+  HYTRAIN_CHECK(it != r.blocks.end(), "block " + std::to_string(block) + " was never submitted");
   HYTRAIN_CHECK(it->second->complete, "block " + std::to_string(block) + " is still in flight");
   return it->second->timing;
 }

@@ -79,7 +79,7 @@ struct Elem {
 
 __device__ __forceinline__ void update(Elem& e, float g, float gscale, const Scalars& s) {
   g = __fmul_rn(g, gscale);
-  g = __fmaf_rn(s.wd, e.p, g);
+  if (s.wd != 0.0f) g = __fmaf_rn(s.wd, e.p, g);  // Adam's L2 term only where there is one, as torch's
   e.p = __fmul_rn(e.p, s.pdecay);
   e.m = __fmaf_rn(s.omb1, __fsub_rn(g, e.m), e.m);
   e.v = __fmaf_rn(__fmul_rn(s.omb2, g), g, __fmul_rn(e.v, s.b2));
@@ -247,7 +247,8 @@ __global__ void __launch_bounds__(kThreads)
         if (i < end) {
           const float u = __fmul_rn(q.value_u[vc[i]], sv);  // v's square root
           float p = t.param[i], mk = __fmul_rn(q.value_s[mc[i]], sm), vk = __fmul_rn(u, u);
-          float g = __fmaf_rn(s.wd, p, __fmul_rn(load_grad<G>(t.grad, i), gscale));
+          float g = __fmul_rn(load_grad<G>(t.grad, i), gscale);
+          if (s.wd != 0.0f) g = __fmaf_rn(s.wd, p, g);  // (a NaN weight leaves AdamW's m and v alone)
           p = __fmul_rn(p, s.pdecay);
           mk = __fmaf_rn(s.omb1, __fsub_rn(g, mk), mk);
           vk = __fmaf_rn(__fmul_rn(s.omb2, g), g, __fmul_rn(vk, s.b2));

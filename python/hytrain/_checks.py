@@ -128,7 +128,7 @@ def adamw_hparams(*, step, lr, betas, eps, weight_decay, grad_scale):
         raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     beta1 = real("betas[0]", betas[0], lo=0.0, hi=1.0, hi_open=True)
     beta2 = real("betas[1]", betas[1], lo=0.0, hi=1.0, hi_open=True)
-    eps = real("eps", eps, lo=0.0, lo_open=True)
+    eps = real("eps", eps, lo=0.0)  # 0 as torch: a zero m over a zero v is then 0/0, NaN, as in torch's
     weight_decay = real("weight_decay", weight_decay, lo=0.0)
     grad_scale = real("grad_scale", grad_scale)
     return step, lr, beta1, beta2, eps, weight_decay, grad_scale

@@ -65,7 +65,7 @@ def test_misaligned_tensor_is_rejected():
     (dict(lr="0.1"), TypeError, "lr must be a real number"),
     (dict(betas=(1.0, 0.999)), ValueError, r"betas\[0\] must be < 1"),
     (dict(betas=(0.9,)), TypeError, "betas must be a pair"),
-    (dict(eps=0.0), ValueError, "eps must be > 0"),
+    (dict(eps=-1e-8), ValueError, "eps must be >= 0"),  # 0 is accepted, as torch does
     (dict(weight_decay=-0.1), ValueError, "weight_decay must be >= 0"),
     (dict(grad_scale=float("inf")), ValueError, "grad_scale must be finite"),
     (dict(num_threads=0), ValueError, "num_threads must be >= 1"),

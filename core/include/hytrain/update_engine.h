@@ -9,6 +9,15 @@
 // traces and the scheduler.
 //
 // Errors never escape a worker: the first one of a block is kept and rethrown by wait(block).
+//
+// After fork() the child has none of the parent's threads, and any lock one of them held stays held:
+// the engine notices (fork_generation(), counted by a pthread_atfork handler) at its first use in
+// the child, leaves the parent's queue, locks and threads untouched, and starts its workers again
+// with a new queue. The memory a job points to is the child's copy-on-write copy. Blocks complete at
+// the fork stay complete; a block still in flight then is incomplete in the child (some slices were
+// updated, some not) and its wait() throws: callers that want to keep using an engine across a fork
+// call quiesce() in the parent just before it. An engine destroyed in a process it was not made or
+// used in joins nothing.
 #pragma once
 
 #include <atomic>
@@ -42,6 +51,10 @@ struct BlockTiming {
 
 int64_t steady_now_ns();
 
+// How many fork()s lie between the process that loaded this library and this one (0 there): each
+// fork's child counts one more (a pthread_atfork handler, registered at the first call).
+uint64_t fork_generation();
+
 class UpdateEngine {
  public:
   // Slices the lock-free queue holds by default. submit() never blocks: slices that do not fit wait,
@@ -50,7 +63,9 @@ class UpdateEngine {
 
   UpdateEngine(int workers, int64_t slice_elems, SimdPath path = SimdPath::automatic,
                std::size_t queue_slices = kQueueSlices);
-  ~UpdateEngine();  // finishes queued work (overflow included), then joins the workers
+  // Finishes queued work (overflow included), then joins the workers; in a forked child that never
+  // used the engine, leaves the parent's runtime as it is (its threads are not there to join).
+  ~UpdateEngine();
   UpdateEngine(const UpdateEngine&) = delete;
   UpdateEngine& operator=(const UpdateEngine&) = delete;
 
@@ -62,13 +77,18 @@ class UpdateEngine {
   // first error.
   void wait(int64_t block);
   void wait_all();
+  // Blocks until every block submitted so far has completed, failed or not (errors stay for wait()):
+  // nothing is in flight on return unless another thread submits meanwhile. Call before fork().
+  void quiesce();
   bool done(int64_t block);
   BlockTiming timing(int64_t block);
   // Called on a worker thread when a block completes (error or not); it must not throw. It may be
   // replaced at any time (a call already under way finishes with the old function).
   void set_on_complete(std::function<void(int64_t)> fn);
 
-  int workers() const { return static_cast<int>(threads_.size()); }
+  int workers() const { return workers_; }
+  // Whether this engine was made in a process that this one was forked from.
+  bool inherited() const { return born_ != fork_generation(); }
 
  private:
   struct Block;
@@ -90,21 +110,19 @@ class UpdateEngine {
     int64_t id = 0;
   };
 
-  void run_worker();
-  void finish(Block& b);
-  void refill();  // moves overflow slices into the queue while they fit (takes overflow_mutex_)
+  // The queue, the workers and the blocks: what a fork leaves behind in the child (update_engine.cpp).
+  struct Runtime;
 
-  MpmcQueue<Slice*> queue_;
-  std::mutex overflow_mutex_;            // guards overflow_
-  std::deque<Slice*> overflow_;          // slices behind a full queue, in submission order
-  std::atomic<std::size_t> pending_{0};  // overflow_.size(), for the workers' lock-free check
+  Runtime& here();  // this process's runtime, made again at the first use after a fork
+
+  int workers_;
   int64_t slice_elems_;
   SimdPath path_;
-  std::vector<std::thread> threads_;
-  std::mutex mutex_;  // guards blocks_ (the map) and each Block's complete/timing
-  std::condition_variable completed_;
-  std::unordered_map<int64_t, std::shared_ptr<Block>> blocks_;  // waiters hold a reference too
-  std::function<void(int64_t)> on_complete_;
+  std::size_t queue_slices_;
+  const uint64_t born_;               // fork_generation() at construction
+  std::atomic<uint64_t> generation_;  // fork_generation() that runtime_ was made in
+  std::mutex respawn_mutex_;          // one thread makes the child's runtime
+  std::unique_ptr<Runtime> runtime_;
 };
 
 }  // namespace hytrain

@@ -21,7 +21,7 @@ import torch
 from .._native import native
 from ..pool import CapacityError
 from ..trace import Timeline
-from . import collectives, streamed
+from . import collectives, forks, streamed
 from .fence import Fence
 from .hooks import forward_hooks
 from .intake import GradientIntake
@@ -129,12 +129,9 @@ class Engine:
     def _bind_window(self) -> None:
         streamed.bind(weakref.ref(self), self.plan, self.store, self.planner, sharded=self.shard_group is not None)
 
-    def _detach_window(self) -> None:
-        streamed.detach(self.store)
-
     def _unbind(self):
         """The parts as before the first step (the state dropped)."""
-        self._detach_window()
+        streamed.detach(self.store)  # the weight window's side, if any
         self._remove_model_hooks()
         self.store.clear()
         self.launcher.stop()
@@ -174,7 +171,7 @@ class Engine:
         self.synchronize()
         self.fence.disarm(force=True)
         self.intake.close()
-        self._detach_window()
+        streamed.detach(self.store)  # the weight window's side, if any
         self._remove_model_hooks()
         self.store.clear()
         self.launcher.stop()
@@ -440,6 +437,7 @@ class Engine:
         entry, put other tensors in it, replaced the dict itself -- is found by identity and applied
         as torch's AdamW would see it (see StateStore.changes and restore), after waiting for what is
         in flight; the buffers the native side points at were never freed (the store holds them)."""
+        forks.check(self.launcher)  # an inherited state on CUDA, in a forked child: refused (forks.py)
         if state is not self._state:
             self._state = state
             self.store.rebind(state)
@@ -472,6 +470,7 @@ class Engine:
     def synchronize(self) -> None:
         if not self.bound:
             return
+        forks.check(self.launcher)
         # Held blocks (between backward and step) have nothing to wait for until step() releases them.
         phases = native().BlockPhase
         # Speculative updates in place are taken back: whoever synchronizes before step() (to read the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..blocks import repeated_layers
+from . import forks
 
 
 class _Hook:
@@ -22,6 +23,7 @@ class _Hook:
     def __call__(self, *_):
         engine = self.ref() if self.ref is not None else None
         if engine is not None:
+            forks.check(engine.launcher)  # (a forked child with CUDA state: refused before anything runs)
             getattr(engine, self.name)(*self.args)
 
     def __reduce__(self):

@@ -13,6 +13,7 @@ import torch
 
 from .._native import native
 from ..cpu_adam import simd_paths
+from . import forks
 from .common import is_sharded, local
 
 
@@ -44,6 +45,7 @@ class Launcher:
         self.timeline = timeline
         if timeline is not None:
             timeline.pipeline = self.pipeline
+        forks.watch(self)  # quiesced before a fork; in a forked child, see forks.py
 
     def stop(self) -> None:
         self.engine = self.pipeline = self.timeline = self.meter = None
@@ -345,6 +347,7 @@ class Launcher:
             self._landing.popleft()
 
     def wait_blocks(self, ids):
+        forks.check(self)  # (a forked child cannot wait for CUDA copies: it raises instead)
         rt, up, cuda = self.rt, [], self.store.cuda
         for b in ids:
             if not rt.in_flight(b):

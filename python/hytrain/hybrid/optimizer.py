@@ -21,7 +21,7 @@ class HybridAdamW(torch.optim.Optimizer):
     Args:
         params: parameters (fp32, bf16 or fp16, leaves, all on the CPU or all on one CUDA device) or
             param-group dicts.
-        lr, betas, eps, weight_decay, amsgrad: as ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay, amsgrad: as ``torch.optim.AdamW``, eps=0 too (its group keys: settings.py).
         max_grad_norm: global-norm clipping of the (unscaled) gradients, as ``clip_grad_norm_``;
             each step's norm before clipping is then in ``last_grad_norm``.
         model: the module the parameters belong to; enables block detection and just-in-time waits.
@@ -85,7 +85,7 @@ class HybridAdamW(torch.optim.Optimizer):
             bucket_elements=bucket_elements, state_format=state_format, watch_writes=watch_writes)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad),
                         maximize=maximize, foreach=foreach, capturable=capturable,
-                        differentiable=differentiable, fused=fused)
+                        differentiable=differentiable, fused=fused, decoupled_weight_decay=True)
         check_flags(defaults, "HybridAdamW")
         self._engine = None
         super().__init__(params, defaults)

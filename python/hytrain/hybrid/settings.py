@@ -136,7 +136,13 @@ def validate_hparams(*, lr, betas, eps, weight_decay):
                           grad_scale=1.0)
 
 
-# torch.optim.AdamW's implementation switches: values that change nothing here are accepted.
+# Every key of torch.optim.AdamW's param groups is in HybridAdamW's (``defaults``, ``param_groups``,
+# ``state_dict()["param_groups"]``), with torch's values: lr, betas, eps, weight_decay, amsgrad and
+# maximize act as in torch's; foreach and fused (implementation switches that change nothing here) take
+# any of torch's values. Accepted with torch's default value only, refused otherwise (at construction,
+# and at each step, where a loop may have set them): capturable (False), differentiable (False) and
+# decoupled_weight_decay (True: AdamW's decoupled decay, which is what torch's AdamW always has -- it
+# sets True over whatever a loaded state dict says, and so does load_state_dict here).
 _REFUSED_FLAGS = {
     "capturable": "HybridAdamW does not support capturable=True (its step is not CUDA-graph capturable)",
     "differentiable": "HybridAdamW does not support differentiable=True (its update is not part of autograd)",
@@ -147,6 +153,9 @@ def check_flags(group, where) -> None:
     for name, why in _REFUSED_FLAGS.items():
         if group.get(name):
             raise ValueError(f"{where}: {why}")
+    if not group.get("decoupled_weight_decay", True):
+        raise ValueError(f"{where}: HybridAdamW is AdamW: decoupled_weight_decay must be True (torch.optim.Adam's "
+                         f"L2 weight decay is not supported), got {group.get('decoupled_weight_decay')!r}")
     if not isinstance(group.get("maximize", False), bool):
         raise TypeError(f"{where}: maximize must be True or False, got {group.get('maximize')!r}")
     if group.get("foreach") not in (None, True, False) or group.get("fused") not in (None, True, False):

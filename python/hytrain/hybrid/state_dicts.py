@@ -68,7 +68,7 @@ def parse(state_dict, param_groups, amsgrad_bound, state_format="fp32") -> tuple
 
 def apply_groups(groups, param_groups, defaults) -> None:
     """As torch: each group becomes the saved one (with our parameters), missing keys from the
-    defaults."""
+    defaults; and as torch's AdamW, decoupled_weight_decay is True whatever was saved (an Adam's)."""
     for g_saved, g in zip(groups, param_groups):
         params = g["params"]
         g.clear()
@@ -76,6 +76,8 @@ def apply_groups(groups, param_groups, defaults) -> None:
         g["params"] = params
         for k, v in defaults.items():
             g.setdefault(k, v)
+        if "decoupled_weight_decay" in defaults:
+            g["decoupled_weight_decay"] = True
 
 
 def with_entries(out, entries, param_groups) -> dict:
