@@ -133,7 +133,7 @@ def cmd_export(args) -> int:
     try:
         out = export_run(args.run, args.to, checkpoint=args.checkpoint)
         n = parameter_count(out)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, OSError) as e:  # (a full disk or I/O error: ConfigError, one line)
         print(f"hytrain export: error: {e}", file=sys.stderr)
         return 2
     print(f"{out}: a Hugging Face model directory of {n / 1e6:.2f} M parameters")
@@ -157,7 +157,8 @@ def main(argv=None) -> int:
     p_export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory "
                               "(config, safetensors, tokenizer) that transformers' from_pretrained loads")
     p_export.add_argument("run", help="the run's directory (its --out)")
-    p_export.add_argument("--to", required=True, help="the directory to write (new, or empty)")
+    p_export.add_argument("--to", required=True, help="the directory to write (new, or empty); written beside "
+                          "it, then renamed into place: a failed export (exit 2) leaves nothing")
     p_export.add_argument("--checkpoint", default="latest",
                           help="latest (the default), a checkpoint's name (step_N) in the run, or its path")
     p_export.set_defaults(fn=cmd_export)

@@ -17,7 +17,8 @@ checkpoint and the pointer to it are never touched. Loading checks every size an
 files hashed in parallel). The sharded checkpoints of :mod:`hytrain.dist_checkpoint` carry the same
 manifest over DCP's files; :func:`verify` checks either kind (``hytrain verify DIR``). ``latest`` is
 the newest complete checkpoint: the pointer, or a newer one found by a scan (a kill between the
-rename and the pointer), and a damaged pointer is passed over with a message.
+rename and the pointer), and a damaged pointer is passed over with a message. A reader of a live run's
+checkpoint (``hytrain export``) holds :func:`reading`'s lease on it, which pruning passes over.
 """
 
 from __future__ import annotations
@@ -28,11 +29,17 @@ import os
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from .hybrid.settings import moment_bytes
+
+try:
+    import fcntl
+except ImportError:  # no POSIX locks: a checkpoint's reader has no lease (it retries instead)
+    fcntl = None
 
 FORMAT = 2
 FILES = ("model.safetensors", "optimizer.pt", "trainer.pt")
@@ -42,6 +49,10 @@ _OLDER = {1: "single", "dcp-1": "sharded"}  # formats whose manifest is not seal
 
 class CheckpointError(RuntimeError):
     """A missing, truncated or corrupted checkpoint."""
+
+
+class CheckpointGone(CheckpointError):
+    """A checkpoint removed (pruned by the run still saving them) before its reader's lease was taken."""
 
 
 def _sha256(path: Path) -> str:
@@ -208,13 +219,67 @@ def publish(root: Path, tmp: Path, final: Path, keep: int, since: int | None = N
     done = _step_dirs(root)
     for old in _pruned(done, final, keep):
         if old != final:  # renamed first: a kill while removing leaves no half checkpoint under its name
-            trash = root / f".{old.name}.trash"
-            try:
-                os.rename(old, trash)
-            except OSError:
-                continue
+            _prune(old, root / f".{old.name}.trash")
     sweep(root)
     return final
+
+
+def _flock(fd: int, exclusive: bool) -> bool:
+    """A shared lock on ``fd`` (waiting), or an exclusive one (not waiting): False where another process
+    holds a conflicting one; True where taken, or where the file system has no such locks."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if exclusive else fcntl.LOCK_SH)
+    except BlockingIOError:
+        return False
+    except OSError:  # ENOLCK, EOPNOTSUPP: no flock here (a reader's retry is all there is)
+        pass
+    return True
+
+
+def _prune(old: Path, trash: Path) -> None:
+    """Renames checkpoint ``old`` to ``trash`` (the sweep removes it) unless a reader holds its lease
+    (:func:`reading`): then it stays, said on stderr, for a later save's pruning. The exclusive lock
+    is held across the rename: a reader whose lease waited on it finds the checkpoint gone."""
+    try:
+        fd = os.open(old, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        fd = None  # (unreadable: no reader holds it either)
+    try:
+        if fd is None or _flock(fd, exclusive=True):
+            os.rename(old, trash)
+        else:
+            notice(f"hytrain: {old.name} is being read (hytrain export); kept until a later save prunes it")
+    except OSError:
+        pass
+    finally:
+        if fd is not None:
+            os.close(fd)  # (and the lock with it)
+
+
+@contextmanager
+def reading(path: Path):
+    """A read lease on checkpoint ``path`` for a ``with``: a shared lock on its directory, which pruning
+    (:func:`publish`) respects. Raises :class:`CheckpointGone` where it was pruned before the lease was
+    taken (the reader resolves ``latest`` again)."""
+    path = Path(path)
+    gone = CheckpointGone(f"{path} was removed before it could be read (pruned by the run saving checkpoints)")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except FileNotFoundError:
+        raise gone from None
+    try:
+        _flock(fd, exclusive=False)  # waits only while a pruner renames it
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if not same:  # renamed away between the open and the lease
+            raise gone
+        yield path
+    finally:
+        os.close(fd)
 
 
 _VERIFIED = {}  # checkpoint path -> the (name, size, mtime) of its files when it last verified

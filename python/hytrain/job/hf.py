@@ -11,6 +11,7 @@ one-line :class:`ConfigError`. Nothing here touches the network.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -268,10 +269,19 @@ def _layout(own):
     return config, (lambda n: n), {t for t, s in tied.items() if s in names}
 
 
+class ExportError(ConfigError):
+    """A failed export's write (a full disk, an I/O error); ``why``: the reason, for a caller's sentence."""
+
+    def __init__(self, out: Path, why: str):
+        super().__init__(f"exporting into {out} failed: {why}")
+        self.why = why
+
+
 def export_model(model: torch.nn.Module, out_dir, *, tokenizer_dir: str | None = None,
                  dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30) -> Path:
-    """A Hugging Face model directory at ``out_dir`` (written whole, then renamed into place). Every
-    rank of an FSDP2-sharded model calls it: each weight is gathered in turn and rank 0 writes it."""
+    """A Hugging Face model directory at ``out_dir``, written beside it, then renamed into place: a failed
+    write (:class:`ExportError`, on every rank) leaves nothing, an empty ``out_dir`` as it was. Every rank
+    of an FSDP2-sharded model calls it: each weight is gathered in turn and rank 0 writes it."""
     import torch.distributed as dist
 
     out, group = Path(out_dir), dist.is_available() and dist.is_initialized()
@@ -286,19 +296,21 @@ def export_model(model: torch.nn.Module, out_dir, *, tokenizer_dir: str | None =
             tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
         except ConfigError as e:
             error = str(e)
-    if group:  # rank 0's refusal, on every rank (the others would wait in its collectives)
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
+    error = _rank0s(error, group)  # rank 0's refusal, on every rank (the others would wait in its collectives)
     if error:
         raise ConfigError(error)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp, failed = out.parent / f".{out.name}.tmp-{os.getpid()}", None
+    made = [d for d in reversed(out.parents) if not d.exists()]  # created here: removed on a failure
     try:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        written = _write_weights(own, tmp if main else None, rename, skipped, dtype, max_shard_bytes)
-        if main:
+    except OSError as e:
+        failed = e
+    try:  # (a failed write on rank 0 goes on through the gathers the other ranks wait in)
+        written, failed = _write_weights(own, tmp if main and not failed else None, rename, skipped, dtype,
+                                         max_shard_bytes, failed)
+        if main and not failed:
             config.dtype = written
             config.save_pretrained(str(tmp))
             generation = getattr(own, "generation_config", None)
@@ -310,20 +322,51 @@ def export_model(model: torch.nn.Module, out_dir, *, tokenizer_dir: str | None =
                 fsync(f)
             os.rename(tmp, out)
             fsync(out.parent)
-    except OSError as e:
-        raise ConfigError(f"exporting into {out} failed: {e.strerror or first_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 -- OSError, and the writers' own on a full disk (SafetensorError)
+        if not main:
+            raise
+        failed = e
     finally:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
+            for d in reversed(made if failed else []):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+    why = _rank0s(_failure(failed, own, dtype, out) if main and failed else None, group)
+    if why:
+        raise ExportError(out, why)
     if group:
         dist.barrier()
     return out
 
 
-def _write_weights(own, tmp: Path | None, rename, skipped: set, dtype, max_shard_bytes: int) -> torch.dtype:
-    """The weights in safetensors files of at most ``max_shard_bytes`` each (a larger tensor alone),
-    with their index when there are several; ``tmp`` None: a rank other than 0, which only takes part
-    in the gathers. Returns the dtype of the floating-point weights."""
+def _rank0s(value, group: bool):
+    """Rank 0's ``value`` on every rank of the process group (outside one: as it is)."""
+    box = [value]
+    if group:
+        torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _failure(e: BaseException, own, dtype, out: Path) -> str:
+    """A failed export's reason in a line, with the room it needed and the room there is."""
+    why = re.sub(r"^Error while serializing: (I/O error: )?", "", getattr(e, "strerror", None) or first_line(e))
+    needed = sum(t.numel() * (dtype.itemsize if dtype is not None and t.is_floating_point() else t.element_size())
+                 for t in own.state_dict().values()) + (1 << 20)
+    try:  # (the nearest directory that exists: out's parent may be gone with the failure)
+        free = shutil.disk_usage(next(d for d in (out.parent, *out.parents) if d.exists())).free
+        free = f"; the disk holding {out.parent} has {free / 1e9:.3f} GB free"
+    except OSError:
+        free = ""
+    left = f"{out} is as it was" if out.is_dir() else "nothing was left in its place"
+    return f"{why} (about {needed / 1e9:.3f} GB needed{free}); {left}"
+
+
+def _write_weights(own, tmp: Path | None, rename, skipped: set, dtype, max_shard_bytes: int,
+                   failed: BaseException | None = None) -> tuple:
+    """The weights in safetensors files of at most ``max_shard_bytes`` each (a larger tensor alone), with
+    their index when there are several; ``tmp`` None: a rank other than 0, or rank 0 after a failed write,
+    which only takes part in the gathers. Returns (the floating-point weights' dtype, the failure)."""
     from safetensors.torch import save_file
 
     state = {k: v for k, v in own.state_dict().items() if k not in skipped}
@@ -343,13 +386,16 @@ def _write_weights(own, tmp: Path | None, rename, skipped: set, dtype, max_shard
             t = state[k].full_tensor() if isinstance(state[k], DTensor) else state[k]  # (a collective)
             if tmp is not None:
                 part[rename(k)] = t.detach().to(device="cpu", dtype=cast[k]).contiguous()
-        if tmp is not None:
-            save_file(part, str(tmp / file), metadata={"format": "pt"})
+        try:
+            if tmp is not None:
+                save_file(part, str(tmp / file), metadata={"format": "pt"})
+        except Exception as e:  # noqa: BLE001 -- OSError, SafetensorError (a full disk, an I/O error)
+            tmp, failed = None, e
     if tmp is not None and n > 1:
         index = {"metadata": {"total_size": sum(state[k].numel() * cast[k].itemsize for k in state)},
                  "weight_map": dict(sorted((rename(k), f) for f, keys in zip(files, groups) for k in keys))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return next((cast[k] for k, v in state.items() if v.is_floating_point()), None)
+    return next((cast[k] for k, v in state.items() if v.is_floating_point()), None), failed
 
 
 def parameter_count(out_dir) -> int:
@@ -361,12 +407,10 @@ def parameter_count(out_dir) -> int:
 # A run's checkpoint
 
 
-def export_run(run_dir, to, *, checkpoint: str = "latest") -> Path:
-    """Exports the model weights of a run's checkpoint (``latest`` or a name/path; either format)."""
-    from safetensors.torch import load_file
-
+def export_run(run_dir, to, *, checkpoint: str = "latest", attempts: int = 5) -> Path:
+    """Exports the model weights of a run's checkpoint (``latest`` or a name/path; either format), read
+    under its lease (a live run does not prune it); ``latest`` pruned first is resolved again (``attempts``)."""
     from .. import checkpoint as ckpt
-    from .. import dist_checkpoint
 
     run = Path(run_dir)
     try:
@@ -376,20 +420,16 @@ def export_run(run_dir, to, *, checkpoint: str = "latest") -> Path:
         raise ConfigError(f"{run} is not a run directory (no config.json)") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{run / 'config.json'} cannot be read: {type(e).__name__}: {first_line(e)}") from None
-    try:
-        named = run / "checkpoints" / checkpoint
-        path = ckpt.resolve(run, "latest" if checkpoint == "latest" else str(named if named.is_dir() else checkpoint))
-    except ckpt.CheckpointError as e:
-        raise ConfigError(f"{run}: {e}".replace("--resume latest: ", "")) from None
-    try:
-        ckpt.verify(path)
-    except ckpt.CheckpointError as e:
-        older = ckpt.after_damage(path).replace("resume from that one with --resume", "export it with --checkpoint")
-        raise ConfigError(f"checkpoint {path} is damaged: {e}{older}") from None
+    for attempt in range(1, attempts + 1):
+        try:
+            path, sharded, weights = _read_checkpoint(run, checkpoint)
+            break
+        except ckpt.CheckpointGone as e:
+            if checkpoint != "latest" or attempt == attempts:
+                raise ConfigError(str(e) if checkpoint != "latest" else f"{run}: its newest checkpoint was pruned "
+                                  f"before it could be read, {attempts} times: name one with --checkpoint") from None
     wrapper = _rebuilt(name, model_cfg)
     own = getattr(wrapper, "saved_module", wrapper)
-    sharded = dist_checkpoint.is_sharded_checkpoint(path)
-    weights = _sharded_weights(path) if sharded else load_file(str(path / "model.safetensors"))
     try:  # a sharded checkpoint holds the job's module (the wrapper), a single-process one what it wraps
         (wrapper if sharded else own).load_state_dict(weights, strict=True, assign=True)
     except RuntimeError as e:
@@ -399,6 +439,35 @@ def export_run(run_dir, to, *, checkpoint: str = "latest") -> Path:
     if hasattr(own, "tie_weights"):
         own.tie_weights()
     return export_model(own, to, tokenizer_dir=_run_tokenizer(opts))
+
+
+def _read_checkpoint(run: Path, checkpoint: str) -> tuple:
+    """(path, sharded, model weights) of a run's checkpoint, verified and read under its lease; raises
+    CheckpointGone where it was pruned first (or, on a file system without locks, while it was read)."""
+    from safetensors.torch import load_file
+
+    from .. import checkpoint as ckpt
+    from .. import dist_checkpoint
+
+    try:
+        named = run / "checkpoints" / checkpoint
+        path = ckpt.resolve(run, "latest" if checkpoint == "latest" else str(named if named.is_dir() else checkpoint))
+    except ckpt.CheckpointError as e:
+        raise ConfigError(f"{run}: {e}".replace("--resume latest: ", "")) from None
+    try:
+        with ckpt.reading(path):
+            ckpt.verify(path)
+            sharded = dist_checkpoint.is_sharded_checkpoint(path)
+            return path, sharded, _sharded_weights(path) if sharded else load_file(str(path / "model.safetensors"))
+    except Exception as e:  # noqa: BLE001 -- the readers' several kinds for a file gone mid-read
+        if not path.is_dir() and not isinstance(e, ckpt.CheckpointGone):  # (no lease: no flock here)
+            raise ckpt.CheckpointGone(f"{path} was removed while it was read (pruned)") from None
+        if isinstance(e, (ConfigError, ckpt.CheckpointGone)) or not isinstance(e, (OSError, ckpt.CheckpointError)):
+            raise
+        if isinstance(e, OSError):
+            raise ConfigError(f"checkpoint {path} cannot be read: {e.strerror or first_line(e)}") from None
+        older = ckpt.after_damage(path).replace("resume from that one with --resume", "export it with --checkpoint")
+        raise ConfigError(f"checkpoint {path} is damaged: {e}{older}") from None
 
 
 def _rebuilt(name: str, model_cfg: dict):

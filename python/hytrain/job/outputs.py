@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -11,45 +12,82 @@ from pathlib import Path
 
 import torch
 
+from .. import checkpoint as ckpt
 from .. import plots
-from .hf import export_model
+from .hf import ExportError, export_model
 from .metrics import recorded
 from .models import model_path
-from .options import ConfigError
+from .options import ConfigError, first_line
 
 
-def export_at_end(model, out, args, ranks) -> Path:
+class ExportFailed:
+    """What :func:`export_at_end` returns when the export could not be written: the one line that says
+    so (:func:`finish` records it in summary.json, then raises it)."""
+
+    def __init__(self, line: str):
+        self.line = line
+
+
+def export_at_end(model, out, args, ranks) -> Path | ExportFailed:
     """The trained model as a Hugging Face model directory, ``OUT/model`` (config, safetensors shards,
-    the tokenizer's files): written beside an earlier one (a resumed run's), then put in its place."""
+    the tokenizer's files): written beside an earlier one (a resumed run's), then put in its place.
+    A failed export (a full disk, an I/O error, an unreadable tokenizer) is not the training's
+    failure: it returns :class:`ExportFailed`, naming the last good checkpoint and how to export it."""
     where = model_path(args)
     tokenizer = args.tokenizer if args.tokenizer not in (None, "bytes") else (str(where) if where else None)
     if args.tokenizer == "bytes":
         tokenizer = None
     target, fresh, old = out / "model", out / ".model-new", out / ".model-old"
-    if ranks.main:
-        for d in (fresh, old):
-            shutil.rmtree(d, ignore_errors=True)
-    export_model(model, fresh, tokenizer_dir=tokenizer)
-    if ranks.main:
-        if target.exists():
-            os.rename(target, old)
-        os.rename(fresh, target)
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        if ranks.main:
+            for d in (fresh, old):
+                shutil.rmtree(d, ignore_errors=True)
+        export_model(model, fresh, tokenizer_dir=tokenizer)
+        if ranks.main:
+            if target.exists():
+                os.rename(target, old)
+            os.rename(fresh, target)
+            shutil.rmtree(old, ignore_errors=True)
+    except (ConfigError, OSError) as e:
+        if ranks.main:
+            shutil.rmtree(fresh, ignore_errors=True)
+            if old.exists() and not target.exists():  # the earlier export back in its place
+                with contextlib.suppress(OSError):
+                    os.rename(old, target)
+        return ExportFailed(_export_failed(out, target, e, args.keep))
     return target
+
+
+def _export_failed(out: Path, target: Path, e: Exception, keep: int) -> str:
+    why = e.why if isinstance(e, ExportError) else e.strerror or first_line(e) if isinstance(e, OSError) else str(e)
+    why = f"exporting the model into {target} failed: {why}" + (
+        f" ({target} still holds an earlier run's model)" if target.exists() else "")
+    done = ckpt.complete_checkpoints(out)
+    if not done:
+        return (f"training ended with no checkpoint saved{' (--keep 0)' if not keep else ''}, and {why}: the "
+                "trained model is lost")
+    return (f"training finished and its last good checkpoint is {done[-1]}, but {why}; export it later with "
+            f"`hytrain export {out} --to DIR`")
 
 
 def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device, ranks, exported=None,
            window=None) -> dict | None:
-    """Traces (rank 0's as trace.json, the others' beside it), pictures and summary.json (rank 0)."""
+    """Traces (rank 0's as trace.json, the others' beside it), pictures and summary.json (rank 0).
+    ``exported``: OUT/model, or :class:`ExportFailed` -- summary.json then has ``export_error`` (no
+    ``model_dir``), and the failure is raised (every rank) once it is written."""
+    failed = exported.line if isinstance(exported, ExportFailed) else None
     if not ranks.main:
         opt.export_trace(out / f"trace.rank{ranks.rank}.json")
+        if failed:
+            raise ConfigError(failed)
         return None
     try:
         trace = opt.export_trace(out / "trace.json")
         # The loss curve of the whole run, steps before a resume included (metrics.jsonl keeps them).
         pictures = plots.write_all(out, recorded(out / "metrics.jsonl") or history, trace)
     except OSError as e:  # the checkpoints are written: only the pictures are lost
-        raise ConfigError(f"training finished and its checkpoint is saved, but writing the trace and "
+        raise ConfigError(f"{failed}; writing the trace and pictures failed too: {e}" if failed else
+                          f"training finished and its checkpoint is saved, but writing the trace and "
                           f"pictures into {out} failed: {e}") from None
     vals = [r["val_loss"] for r in history if "val_loss" in r]
     tokens = tokens_per_step * len(history)
@@ -62,7 +100,9 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
                "final_loss": history[-1]["loss"] if history else None,
                "final_val_loss": vals[-1] if vals else None, "tokens": tokens,
                "tokens_per_s": tokens / elapsed if elapsed > 0 else None, "trace": str(trace), **pictures}
-    if exported is not None:
+    if failed:
+        summary["export_error"] = failed
+    elif exported is not None:
         summary["model_dir"] = str(exported)  # AutoModelForCausalLM.from_pretrained loads it
     # Where the optimizer's state lived at the end, and the process's peaks.
     placed = opt.residency()
@@ -80,6 +120,9 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
     try:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     except OSError as e:
-        raise ConfigError(f"training finished and its checkpoint is saved, but writing {out / 'summary.json'} "
+        raise ConfigError(f"{failed}; writing {out / 'summary.json'} failed too: {e}" if failed else
+                          f"training finished and its checkpoint is saved, but writing {out / 'summary.json'} "
                           f"failed: {e}") from None
+    if failed:
+        raise ConfigError(failed)
     return summary
