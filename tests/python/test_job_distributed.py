@@ -227,7 +227,9 @@ def test_a_sigkill_to_the_job_stops_the_ranks_too(tmp_path, target):
         time.sleep(0.2)
     assert not [w for w in workers if os.path.exists(f"/proc/{w}") and _is_worker(w)], stderr[-3000:]
     gone = "the torchrun agent (pid" if target == "group" else "the hytrain train --nproc launcher (pid"
-    assert stderr.count(gone) == (2 if target == "group" else 1), stderr[-3000:]
+    # (group: each rank's watcher looks once a second; a rank may stop with its peer, at the step the
+    # peer's stop reached it, before its own watcher has looked: one line or two)
+    assert stderr.count(gone) in ((1, 2) if target == "group" else (1,)), stderr[-3000:]
     assert not (out / "hytrain.lock").exists()
     saved = ckpt.resolve(out, "latest")
     assert ckpt.verify(saved)["step"] == len(metrics(out))  # the checkpoint of the step the ranks stopped after
