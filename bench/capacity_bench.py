@@ -523,6 +523,34 @@ def last_exception_line(text):
     return lines[-1] if lines else ""
 
 
+def run_bounded(cmd, timeout, env=None):
+    """(stdout, stderr, timed out, wall seconds, exit status) of a child run in a session of its own: a timeout
+    ends it and anything it started (compilers, workers), by group."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    return out, err, timed_out, round(time.perf_counter() - t0, 1), proc.returncode
+
+
+def child_records(out):
+    """A child's RESULT record (None if it printed none) and its last PROGRESS one."""
+    rec, last = None, {}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            rec = json.loads(line[len("RESULT "):])
+        elif line.startswith("PROGRESS "):
+            last = json.loads(line[len("PROGRESS "):])
+    return rec, last
+
+
 def child(system, size, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--one", system, "--sizes", size, "--device", args.device,
            "--warmup", str(args.warmup), "--iters", str(args.iters), "--batch", str(args.batch), "--seq",
@@ -533,35 +561,18 @@ def child(system, size, args):
         cmd += ["--inject-failure", args.inject_failure]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    t0 = time.perf_counter()
-    # Its own session: a timeout ends the child and anything it started (compilers, workers), by group.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    wall = round(time.perf_counter() - t0, 1)
-    rec, last = None, {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            rec = json.loads(line[len("RESULT "):])
-        elif line.startswith("PROGRESS "):
-            last = json.loads(line[len("PROGRESS "):])
+    out, err, timed_out, wall, code = run_bounded(cmd, args.timeout, env)
+    rec, last = child_records(out)
     if rec is None:
         rec = {"system": system, "size": size, "device": args.device, "trains": False, "params": None,
                "expected_params": expected_params(size), **{k: v for k, v in last.items() if k != "stage"},
                "stage": last.get("stage")}
         if timed_out:
             rec.update(reason=f"timed out after {args.timeout} s", failure="timeout")
-        elif proc.returncode < 0:
-            rec.update(reason=signal_reason(proc.returncode), failure="killed")
+        elif code < 0:
+            rec.update(reason=signal_reason(code), failure="killed")
         else:
-            rec.update(reason=f"exit {proc.returncode}: {last_exception_line(err or out)}", failure="error")
+            rec.update(reason=f"exit {code}: {last_exception_line(err or out)}", failure="error")
     rec["wall_s"] = wall
     print(json.dumps(rec), flush=True)
     return rec

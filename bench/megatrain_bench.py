@@ -77,9 +77,7 @@ import json
 import os
 import re
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -316,37 +314,21 @@ def run_one(args):
 
 def child(args, argv):
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--one"]
-    t0 = time.perf_counter()
-    # Its own session: a timeout ends the child and anything it started (compilers), by group.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    wall = round(time.perf_counter() - t0, 1)
+    out, err, timed_out, wall, code = capacity_bench.run_bounded(cmd, args.timeout)
     if args.log:
         with open(args.log, "w") as f:
             f.write(out + "\n---- stderr ----\n" + err)
-    rec, last = None, {}
-    for line in out.splitlines():
-        if line.startswith("RESULT "):
-            rec = json.loads(line[len("RESULT "):])
-        elif line.startswith("PROGRESS "):
-            last = json.loads(line[len("PROGRESS "):])
+    rec, last = capacity_bench.child_records(out)
     if rec is None:
         rec = {"system": "megatrain", "size": args.size, "trains": False, "params": None,
                "expected_params": capacity_bench.expected_params(args.size), "batch": args.batch, "seq": args.seq,
                **{k: v for k, v in last.items() if k != "stage"}, "stage": last.get("stage")}
         if timed_out:
             rec.update(reason=f"timed out after {args.timeout} s", failure="timeout")
-        elif proc.returncode < 0:
-            rec.update(reason=capacity_bench.signal_reason(proc.returncode), failure="killed")
+        elif code < 0:
+            rec.update(reason=capacity_bench.signal_reason(code), failure="killed")
         else:
-            rec.update(reason=f"exit {proc.returncode}: {capacity_bench.last_exception_line(err or out)}",
+            rec.update(reason=f"exit {code}: {capacity_bench.last_exception_line(err or out)}",
                        failure="error")
     if not rec["trains"] and err.strip():
         sys.stderr.write("\n".join(err.strip().splitlines()[-15:]) + "\n")
