@@ -72,3 +72,11 @@ def _ours(pid: int) -> bool:
     modules = {b"hytrain", b"hytrain.job.torchrun", b"torch.distributed.run"}
     return any(a in modules or a.endswith((b"/hytrain", b"/dist_train.py", b"/scale_bench.py", b"/capacity_bench.py"))
                for a in argv)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small plain-text corpus for the job's tests (a module's own ``corpus`` takes precedence)."""
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog\n" * 500)
+    return str(path)

@@ -29,13 +29,6 @@ FULL = "Error while serializing: I/O error: No space left on device (os error 28
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog\n" * 500)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def trained(corpus, tmp_path_factory):
     """A finished run of the tiny preset: step_00000001 and step_00000002."""
     out = tmp_path_factory.mktemp("runs") / "run"

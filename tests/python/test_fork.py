@@ -58,6 +58,21 @@ PRELUDE = textwrap.dedent("""
         opt.synchronize()
         return ref, same
 
+    def in_child(body):
+        # The forked child runs body() and exits: 0 when it passed, 1 when it raised (and says which).
+        try:
+            body()
+            print("child ok", flush=True)
+            code = 0
+        except BaseException as e:
+            print("child failed:", repr(e), flush=True)
+            code = 1
+        os._exit(code)
+
+    def wait_child(pid):
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the child failed"
+
     def agree(model, ref, same):
         for p, r, s in zip(model.parameters(), ref.parameters(), same.parameters()):
             torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)  # as test_hybrid_adam's comparisons
@@ -101,23 +116,18 @@ def test_an_inherited_optimizer_keeps_stepping_in_the_child_and_the_parent(with_
             opt.step()
             opt.zero_grad()
         ref, same = reference(start, X, WITH_MODEL)
+        def child():
+            train(model, opt, X[2:])  # (train synchronizes at the end)
+            agree(model, ref, same)
+            sd = opt.state_dict()
+            assert all(int(e["step"]) == len(X) for e in sd["state"].values())
+
         pid = os.fork()
         if pid == 0:
-            try:
-                train(model, opt, X[2:])  # (train synchronizes at the end)
-                agree(model, ref, same)
-                sd = opt.state_dict()
-                assert all(int(e["step"]) == len(X) for e in sd["state"].values())
-                print("child ok", flush=True)
-                code = 0
-            except BaseException as e:
-                print("child failed:", repr(e), flush=True)
-                code = 1
-            os._exit(code)
+            in_child(child)
         train(model, opt, X[2:])
         agree(model, ref, same)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, "the child failed"
+        wait_child(pid)
         print("parent ok")
     """)
     assert "child ok" in out and "parent ok" in out
@@ -147,8 +157,7 @@ def test_a_child_that_exits_normally_and_a_grandchild():
             agree(model, ref, same)
             print("child ok", flush=True)
             sys.exit(0)  # the interpreter's exit: finalizers, the native engine's destructor
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, "the child failed"
+        wait_child(pid)
         print("parent ok")
     """)
     assert "grandchild ok" in out and "child ok" in out and "parent ok" in out
@@ -180,27 +189,22 @@ def test_the_native_engine_in_a_child_never_waits_for_the_parents_workers():
         want = small[1].clone(), torch.zeros(1 << 12), torch.zeros(1 << 12)
         hytrain.adamw_step(want[0], small[4], want[1], want[2], step=1, lr=1e-2, weight_decay=0.01, simd="scalar")
         engine.submit(0, table, [big[0]], [big[4].data_ptr()], [big[1].data_ptr()], 1.0)  # (fp32: in place)
+        def child():
+            assert engine.inherited
+            try:
+                engine.wait(0)
+            except RuntimeError as e:
+                assert "forked while this block was being updated" in str(e), e
+            engine.submit(1, table, [small[0]], [small[4].data_ptr()], [small[1].data_ptr()], 1.0)
+            engine.wait(1)
+            assert torch.equal(small[1], want[0]) and torch.equal(small[2], want[1])
+
         pid = os.fork()
         if pid == 0:
-            try:
-                assert engine.inherited
-                try:
-                    engine.wait(0)
-                except RuntimeError as e:
-                    assert "forked while this block was being updated" in str(e), e
-                engine.submit(1, table, [small[0]], [small[4].data_ptr()], [small[1].data_ptr()], 1.0)
-                engine.wait(1)
-                assert torch.equal(small[1], want[0]) and torch.equal(small[2], want[1])
-                print("child ok", flush=True)
-                code = 0
-            except BaseException as e:
-                print("child failed:", repr(e), flush=True)
-                code = 1
-            os._exit(code)
+            in_child(child)
         engine.wait(0)
         assert not engine.inherited
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, "the child failed"
+        wait_child(pid)
         print("parent ok")
     """)
     assert "child ok" in out and "parent ok" in out

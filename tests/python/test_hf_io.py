@@ -362,13 +362,6 @@ def _hytrain(*args, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog\n" * 500)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def run(models, corpus, tmp_path_factory):
     """A run of ``hytrain train`` on the untied model directory (random init, today's job): 2 steps,
     a checkpoint after each."""
