@@ -15,10 +15,16 @@ Compact states (mixed case, fp32 master): bf16 m and v move 20 bytes per paramet
 about 16 (one code byte each way per moment, a scale per 256 elements); each is reported as GB/s of
 those bytes over the same triad (``bf16_states_fraction``, ``q8_fraction``): 1 is the host's floor.
 
+One process against several (``--processes``, hytrain.host_rate): the optimizer's update in pool
+memory from one process with every core, then from 2 and 4 processes at once, each bound to its share
+of a NUMA node's CPUs; and one process with the pool's pages spread over the NUMA nodes (the default)
+against left where the slab's maker ran (``HYTRAIN_PAGE_PLACEMENT=local``). ``one_process_fraction``
+is one process's rate over the best of them: what a one-GPU run leaves of the host.
+
 Ends with one JSON line: mixed_vs_torch, fp32_vs_torch (>1: hytrain faster), bandwidth_fraction,
 the compact states' fractions.
 
-  python bench/cpu_adam.py [--params N] [--threads T] [--repeats R]
+  python bench/cpu_adam.py [--params N] [--threads T] [--repeats R] [--processes 1,2,4]
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=128 * 2**20)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--processes", default="1,2,4",
+                    help="process counts for the one-against-several comparison ('' to skip)")
     args = ap.parse_args()
     n, threads = args.params, args.threads
     torch.set_num_threads(threads)
@@ -152,7 +160,35 @@ def main() -> None:
     }
     for p in q8_paths:  # the selected path's 8-bit rate over this one's
         result[f"q8_vs_{p}"] = round(compact[f"8bit:{p}"] / compact["8bit"], 3)
+    if args.processes:
+        result.update(one_against_several(n, args.repeats, [int(c) for c in args.processes.split(",")]))
     print(json.dumps(result))
+
+
+def one_against_several(n: int, passes: int, counts: list[int]) -> dict:
+    """One process's update rate (pool memory, both page placements) and several processes' at once."""
+    import os
+
+    from hytrain import host_rate
+
+    saved = os.environ.get("HYTRAIN_PAGE_PLACEMENT")
+    rates = {}
+    try:
+        for placement in ("local", "spread"):
+            os.environ["HYTRAIN_PAGE_PLACEMENT"] = placement
+            rates[placement] = host_rate.processes_rate(1, n, passes)["gparams_per_s"]
+    finally:
+        os.environ.pop("HYTRAIN_PAGE_PLACEMENT", None) if saved is None else os.environ.update(
+            HYTRAIN_PAGE_PLACEMENT=saved)
+    several = host_rate.compare(n, passes, counts)
+    best = max(several["best_gparams_per_s"], rates["spread"])
+    print(f"one process: {rates['spread']:.3f} G params/s with pages spread, {rates['local']:.3f} left local; "
+          + ", ".join(f"{r['processes']} x {r['threads_per_process']} threads: {r['gparams_per_s']:.3f}"
+                      for r in several["rates"]))
+    return {"nodes": hytrain.pool.page_placement()["nodes"],
+            "one_process_gparams_per_s": rates["spread"], "one_process_local_gparams_per_s": rates["local"],
+            "processes_gparams_per_s": {r["processes"]: r["gparams_per_s"] for r in several["rates"]},
+            "one_process_fraction": round(rates["spread"] / best, 3)}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,10 @@
 #           streamed (hytrain_stream_8bit --stream all), $BATCH x 1024 tokens a step (16: 16 K tokens)
 #   cap     capacity_bench.py --sizes $SIZES (24b,30b) --systems $SYSTEMS (hytrain_stream_8bit), the
 #           window planned by itself (--stream auto), $BATCH x 1024 tokens a step
+#   host    the host's CPUs and NUMA nodes, `hytrain info`, and bench/cpu_adam.py: one process's update
+#           rate against 2 and 4 processes at once, and with the pool's pages spread or left local
+#   placement  train_bench L3B at 27.13 GB (hytrain_k0, fp32 states: the host-bound case), pages left
+#           local, then spread (HYTRAIN_PAGE_PLACEMENT), one invocation each, $PLACE_ITERS timed
 # Logs go to $OUT (or ./device-out).
 set -uo pipefail
 source "$(dirname "$0")/stage_env.sh"
@@ -27,6 +31,17 @@ for stage in "$@"; do
       python3 bench/capacity_bench.py --sizes "${SIZES:-24b,30b}" --systems "${SYSTEMS:-hytrain_stream_8bit}" \
         --batch "${BATCH:-16}" --warmup 1 --iters 2 --timeout "${CAP_TIMEOUT:-420}" --keep-going 2>&1 \
         | tee "$out/stream_capacity.log" | grep -vE "^PROGRESS" | cut -c1-1500 | tail -12 ;;
+    host)
+      { lscpu | grep -E "^Model name|^Socket|^NUMA|^CPU\(s\)|^Thread"; grep . /sys/devices/system/node/node*/cpulist
+        python3 -m hytrain info; } 2>&1 | tee "$out/host.txt"
+      python3 bench/cpu_adam.py --params "${HOST_PARAMS:-134217728}" --repeats 5 --processes 1,2,4 2>&1 \
+        | tee "$out/cpu_adam.txt" | tail -13 ;;
+    placement)
+      for placement in local spread; do
+        HYTRAIN_PAGE_PLACEMENT=$placement python3 bench/train_bench.py --workloads l3b --modes hytrain_k0 \
+          --cap-gb 27.13 --skip-nocap --no-profile --warmup 5 --iters "${PLACE_ITERS:-10}" 2>&1 \
+          | tee "$out/placement_$placement.log" | grep -E "^RESULT|^\{" | cut -c1-1200 | tail -3
+      done ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -256,40 +256,15 @@ def report(args, model, timing, rank, world, extra):
     dist.destroy_process_group()
 
 
-def floor_worker(args):
-    """One rank's CPU AdamW (fp32 master, m, v; bf16 gradient in, bf16 weight out) on ``--floor-params``
-    parameters with the update threads a rank of ``LOCAL_WORLD_SIZE`` ranks gets, started at
-    ``--start-at`` together with the other ranks: prints the seconds its timed passes took."""
-    import torch
-
-    import hytrain
-    from hytrain.distributed import default_workers
-
-    n = args.floor_params
-    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
-    g, copy = (torch.randn(n) * 1e-3).to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
-    threads = default_workers()
-    hytrain.adamw_step(p, g, m, v, step=1, param_copy=copy, num_threads=threads)  # pages touched, threads up
-    time.sleep(max(0.0, args.start_at - time.time()))
-    t0 = time.perf_counter()
-    for i in range(args.floor_passes):
-        hytrain.adamw_step(p, g, m, v, step=2 + i, param_copy=copy, num_threads=threads)
-    print(json.dumps({"seconds": time.perf_counter() - t0, "threads": threads}), flush=True)
-
-
 def node_update_rate(nranks: int, params: int, passes: int) -> dict:
     """The node's CPU update rate with ``nranks`` ranks updating at once (each on its own parameters,
-    with its share of the cores): parameters per second and host bytes per second, all ranks together."""
-    start = time.time() + 5.0 + 0.5 * nranks  # after every rank has allocated and touched its buffers
-    cmd = [sys.executable, __file__, "--floor-worker", "--floor-params", str(params), "--floor-passes", str(passes),
-           "--start-at", str(start)]
-    env = dict(os.environ, LOCAL_WORLD_SIZE=str(nranks), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(nranks)]
-    runs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
-    wall = max(r["seconds"] for r in runs)
-    rate = nranks * params * passes / wall
-    return {"ranks": nranks, "threads_per_rank": runs[0]["threads"], "gparams_per_s": round(rate / 1e9, 3),
-            "fp32_update_gbps": round(UPDATE_BYTES["fp32"] * rate / 1e9, 1)}
+    with its share of the cores; hytrain.host_rate): parameters per second and host bytes per second,
+    all ranks together."""
+    from hytrain import host_rate
+
+    r = host_rate.processes_rate(nranks, params, passes)
+    return {"ranks": nranks, "threads_per_rank": r["threads_per_process"], "gparams_per_s": r["gparams_per_s"],
+            "fp32_update_gbps": r["gbps"]}
 
 
 def floor_of(rec: dict, rate: dict | None) -> dict:
@@ -348,14 +323,10 @@ def main():
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap-gb", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--floor-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--start-at", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    if args.floor_worker:
-        return floor_worker(args)
-    given = [flag for flag, value in (("--cap-gb", args.cap_gb), ("--mode", args.mode), ("--start-at", args.start_at))
+    given = [flag for flag, value in (("--cap-gb", args.cap_gb), ("--mode", args.mode))
              if value is not None]
     if given:  # the parent would not act on them: refused, not swallowed
         ap.error(f"{', '.join(given)}: a worker's own flag(s), not this command's; "

@@ -3,6 +3,7 @@
 
 #include "common.h"
 #include "hytrain/error.h"
+#include "hytrain/numa.h"
 
 namespace hytrain {
 namespace bindings {
@@ -46,6 +47,19 @@ std::shared_ptr<PinnedPool> make_pool(std::size_t capacity, std::size_t slab_byt
 }  // namespace
 
 void bind_pool(py::module_& m) {
+  m.def("numa_nodes", [] {
+        py::list out;
+        for (const auto& n : numa_nodes_of_affinity()) {
+          py::dict d;
+          d["id"] = n.id;
+          d["cpus"] = n.cpus;
+          out.append(d);
+        }
+        return out;
+      },
+      "The NUMA nodes with CPUs this process may run on: [{'id', 'cpus'}] (empty where sysfs does not say).");
+  m.def("page_placement", [] { return std::string(page_placement_name(page_placement())); },
+        "How new pool slabs are placed: 'spread' over the NUMA nodes or 'local' (HYTRAIN_PAGE_PLACEMENT).");
   py::class_<Allocation, std::shared_ptr<Allocation>>(m, "Allocation", py::buffer_protocol())
       .def_property_readonly("ptr", [](const Allocation& a) {
         return reinterpret_cast<std::uintptr_t>(a.ptr);

@@ -35,7 +35,7 @@ BandwidthResult measure_host_bandwidth(int64_t n, int num_threads, int repeats) 
   HYTRAIN_CHECK(n > 0, "elements must be > 0");
   HYTRAIN_CHECK(repeats > 0, "repeats must be > 0");
   const int threads = team_size(num_threads);
-  auto alloc = make_page_aligned_allocator();
+  auto alloc = make_page_aligned_allocator(/*place=*/false);  // placed by the threads' own first touch
   const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(float);
   float* a = static_cast<float*>(alloc->allocate(bytes));
   float* b = static_cast<float*>(alloc->allocate(bytes));

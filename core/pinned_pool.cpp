@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "hytrain/error.h"
+#include "hytrain/numa.h"
 
 namespace hytrain {
 
@@ -32,6 +33,7 @@ std::string gib(std::size_t bytes) {
 
 class PageAlignedAllocator final : public HostAllocator {
  public:
+  explicit PageAlignedAllocator(bool place) : place_(place) {}
   void* allocate(std::size_t bytes) override {
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
@@ -40,17 +42,26 @@ class PageAlignedAllocator final : public HostAllocator {
 #ifdef MADV_HUGEPAGE
     madvise(p, bytes, MADV_HUGEPAGE);  // advisory: fewer TLB misses on multi-GB streams
 #endif
+    try {
+      if (place_) place_pages(p, bytes);  // touched now, and spread over the NUMA nodes (hytrain/numa.h)
+    } catch (...) {
+      munmap(p, bytes);
+      throw;
+    }
     return p;
   }
   void deallocate(void* p, std::size_t bytes) noexcept override { munmap(p, bytes); }
   std::string kind() const override { return "page-aligned"; }
   bool page_locked() const override { return false; }
+
+ private:
+  bool place_;
 };
 
 }  // namespace
 
-std::unique_ptr<HostAllocator> make_page_aligned_allocator() {
-  return std::make_unique<PageAlignedAllocator>();
+std::unique_ptr<HostAllocator> make_page_aligned_allocator(bool place) {
+  return std::make_unique<PageAlignedAllocator>(place);
 }
 
 PinnedPool::PinnedPool(std::unique_ptr<HostAllocator> allocator, std::size_t capacity_bytes,

@@ -8,6 +8,7 @@
 
 #include "cuda_check.h"
 #include "hytrain/cuda_env.h"
+#include "hytrain/numa.h"
 
 namespace hytrain {
 namespace cuda {
@@ -18,8 +19,8 @@ std::string version_string(int v) {
   return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
 }
 
-// Page-locked memory made the fast way: mmap (transparent huge pages advised), every page touched by
-// the calling thread, then cudaHostRegister. On an H100 host this pins 4.9 GB/s on one thread and
+// Page-locked memory made the fast way: mmap (transparent huge pages advised), every page touched
+// (place_pages), then cudaHostRegister. On an H100 host this pins 4.9 GB/s on one thread and
 // about 25 GB/s on 8-16 threads (bench/pin_rate.cu), where cudaHostAlloc gives 1.5-2.5 GB/s at any
 // thread count: the difference between a 7 B model's first step after 5 s or after a minute.
 // Registered with cudaHostRegisterPortable: usable by every device, as cudaHostAllocPortable was.
@@ -32,10 +33,13 @@ class CudaRegisteredAllocator final : public HostAllocator {
 #ifdef MADV_HUGEPAGE
     madvise(p, bytes, MADV_HUGEPAGE);
 #endif
-    // First touch here, on the thread that reserves the slab (and so on its NUMA node).
-    const long page = sysconf(_SC_PAGESIZE);
-    for (std::size_t off = 0; off < bytes; off += static_cast<std::size_t>(page)) {
-      static_cast<volatile char*>(p)[off] = 0;
+    // First touch here, so that registering finds every page present, and placed: spread over the
+    // NUMA nodes this process runs on (hytrain/numa.h).
+    try {
+      place_pages(p, bytes);
+    } catch (...) {
+      munmap(p, bytes);
+      throw;
     }
     const cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
     if (e != cudaSuccess) {

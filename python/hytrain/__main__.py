@@ -29,19 +29,18 @@ def _time(fn, repeats=3):
 def measure(params: int, threads: int) -> dict:
     import hytrain
 
+    from . import host_rate
+
     out = {}
-    g = (torch.randn(params) * 1e-3).to(torch.bfloat16)
-    p, m, v = torch.randn(params), torch.zeros(params), torch.zeros(params)
-    copy = torch.empty(params, dtype=torch.bfloat16)
-    step = [0]
-
-    def adam():
-        step[0] += 1
-        hytrain.adamw_step(p, g, m, v, step=step[0], param_copy=copy, num_threads=threads)
-
-    t = _time(adam)
+    # In pool memory, placed as the optimizer's is; then, on several NUMA nodes, one process per node
+    # at once (what the host can do: one process should reach ~all of it).
+    t = host_rate.update_seconds(params, 3, threads) / 3
     out["cpu_adamw_gparams_per_s"] = params / t / 1e9
-    out["cpu_adamw_gbps"] = 28 * params / t / 1e9
+    out["cpu_adamw_gbps"] = host_rate.BYTES_PER_PARAM * params / t / 1e9
+    nodes = hytrain.pool.page_placement()["nodes"]
+    if len(nodes) > 1:
+        per_node = host_rate.processes_rate(len(nodes), params, 3)
+        out["cpu_adamw_gparams_per_s_one_process_per_node"] = per_node["gparams_per_s"]
     bw = hytrain.native().measure_host_bandwidth(params, threads, 3)
     out["host_triad_gbps"] = bw["triad_gbps"]
     out["host_update_gbps"] = bw["update_gbps"]
@@ -74,6 +73,7 @@ def cmd_info(args) -> int:
         if torch.cuda.is_available() else [])
     info["cpu_count"] = os.cpu_count()
     info["simd"] = hytrain.simd_paths()
+    info["page_placement"] = hytrain.pool.page_placement()
     if not args.no_measure:
         info["measured"] = measure(args.params, args.threads or torch.get_num_threads())
     if args.json:

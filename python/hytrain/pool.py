@@ -85,6 +85,20 @@ def available_memory_bytes() -> int | None:
     return min(found) if found else None
 
 
+def page_placement() -> dict:
+    """How new slabs' pages are placed: ``{"policy": "spread" | "local", "nodes": [ids]}``, the NUMA
+    nodes this process may run on. ``spread`` (the default) deals a slab's 2 MiB chunks round-robin
+    over those nodes, so that one process's update threads use every node's memory channels;
+    ``HYTRAIN_PAGE_PLACEMENT=local`` leaves each slab on the node of the thread that made it."""
+    nat = native()
+    try:
+        policy = nat.page_placement()
+    except RuntimeError as e:
+        raise ValueError(str(e).split(" (")[0] if "HYTRAIN_PAGE_PLACEMENT" in str(e) else str(e)) from None
+    nodes = [n["id"] for n in nat.numa_nodes()]
+    return {"policy": policy if len(nodes) > 1 else "local", "nodes": nodes}
+
+
 class CapacityError(MemoryError):
     """The optimizer state does not fit where it must live (host or GPU memory), found before
     anything was allocated: the message names the bytes needed and available."""
@@ -116,6 +130,7 @@ class PinnedPool:
             raise TypeError(f"pinned must be 'auto', True or False, got {pinned!r}")
         elif pinned and not nat.cuda_available():
             raise ValueError("pinned=True needs CUDA compiled in and a usable GPU; use pinned='auto'")
+        self.placement = page_placement()  # before any slab is made: a bad setting fails here
         self._pool = nat.PinnedPool(capacity, slab, pinned, alignment)
         self._slab = slab
         self.alignment = alignment  # every block's size is rounded up to it

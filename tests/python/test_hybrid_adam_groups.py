@@ -132,3 +132,29 @@ def test_eps_zero_matches_torch_element_for_element(amsgrad):
     for p, q in zip(model.parameters(), twin.parameters()):
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opt.state[q][key], ref.state[p][key], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and hytrain.cuda_available()), reason="needs a GPU")
+@pytest.mark.parametrize("gpu_blocks", [1, 4])
+def test_eps_zero_on_the_gpu_matches_torch_element_for_element(gpu_blocks):
+    """The fused CUDA AdamW with eps=0: 0/0 where torch has it, torch's values elsewhere (the blocks
+    the GPU updates, and the CPU's beside them)."""
+    torch.manual_seed(0)
+    model = ZeroGradNet().cuda()
+    twin = copy.deepcopy(model)
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.0, foreach=False)
+    opt = hytrain.HybridAdamW(twin.parameters(), lr=1e-2, eps=0.0, workers=2, model=twin,
+                              blocks=4, gpu_blocks=gpu_blocks)
+    for _ in range(5):
+        ids = torch.randint(0, 6, (6, 3), device="cuda")
+        for m, o in ((model, ref), (twin, opt)):
+            m(ids).square().mean().backward()
+            m.idle.grad = torch.zeros_like(m.idle)
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    assert model.idle.isnan().all() and model.emb.weight[6:].isnan().all()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(q.isnan(), p.isnan()), name
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)

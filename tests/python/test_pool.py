@@ -144,3 +144,43 @@ def test_reserve_for_stays_within_the_pool_room():
     assert pool.reserve_for([64 * 2**20]) == 0  # does not fit: left to the allocation to refuse
     ts = [pool.empty(2**20, torch.uint8) for _ in range(5)]
     assert pool.stats()["reserved"] == 12 * 2**20 and len(ts) == 5
+
+
+def _pages_by_node(ptr: int) -> dict[int, int]:
+    """Pages per NUMA node of the mapping holding ``ptr`` (/proc/self/maps, /proc/self/numa_maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                break
+        else:
+            raise AssertionError(f"{ptr:#x} is in no mapping")
+    with open("/proc/self/numa_maps") as f:
+        for line in f:
+            fields = line.split()
+            if int(fields[0], 16) == lo:
+                return {int(k[1:]): int(v) for k, v in (x.split("=") for x in fields[1:] if x[:1] == "N" and "=" in x)}
+    raise AssertionError(f"the mapping at {lo:#x} is not in numa_maps")
+
+
+def test_page_placement_setting(monkeypatch):
+    placement = hytrain.pool.page_placement()
+    assert placement["nodes"] and placement["policy"] in ("spread", "local")
+    assert placement["policy"] == ("spread" if len(placement["nodes"]) > 1 else "local")
+    monkeypatch.setenv("HYTRAIN_PAGE_PLACEMENT", "local")
+    assert hytrain.pool.page_placement()["policy"] == "local"
+    monkeypatch.setenv("HYTRAIN_PAGE_PLACEMENT", "everywhere")
+    with pytest.raises(ValueError, match="HYTRAIN_PAGE_PLACEMENT must be 'spread' or 'local'"):
+        hytrain.PinnedPool(64 * MiB)
+
+
+@pytest.mark.skipif(len(hytrain.pool.page_placement()["nodes"]) < 2, reason="one NUMA node: nothing to spread")
+def test_slabs_are_spread_over_the_numa_nodes():
+    nodes = hytrain.pool.page_placement()["nodes"]
+    pool = hytrain.PinnedPool(1024 * MiB, slab_bytes=512 * MiB)
+    t = pool.empty(512 * MiB // 4)
+    pages = _pages_by_node(t.data_ptr())
+    total = sum(pages.values())
+    assert set(pages) <= set(nodes) and total > 0, pages
+    for node in nodes:  # dealt round-robin in 2 MiB chunks: each node holds its share, give or take
+        assert pages.get(node, 0) >= 0.7 * total / len(nodes), pages

@@ -29,8 +29,10 @@ class HostAllocator {
   virtual bool page_locked() const = 0;
 };
 
-// Ordinary memory aligned to pages (and advised for transparent huge pages where available).
-std::unique_ptr<HostAllocator> make_page_aligned_allocator();
+// Ordinary memory aligned to pages (and advised for transparent huge pages where available), its pages
+// touched and placed over the NUMA nodes as hytrain/numa.h says; `place = false` leaves them to be
+// placed by whoever touches them first (a bandwidth probe that touches them from its own threads).
+std::unique_ptr<HostAllocator> make_page_aligned_allocator(bool place = true);
 
 struct PoolStats {
   std::size_t capacity = 0;     // bytes the pool may reserve
