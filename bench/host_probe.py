@@ -8,7 +8,9 @@ under variations, each timed over the same parameters, beside the same update fr
                    not by the one thread that made the pool slab
   teams=K          K teams of T/K threads at once (Python threads, the GIL released), each on its own
                    1/K of the parameters: one process, K independent updates
-  processes=K      K processes of T/K threads at once (hytrain.host_rate)
+  processes=K      K processes of T/K threads at once, each on its own memory (hytrain.host_rate)
+  shared=K         K processes of T/K threads at once on one set of pages (files in /dev/shm mapped
+                   by each), each its 1/K: several address spaces, the same memory
 
 Also reports the machine facts that bear on it: NUMA nodes, transparent huge pages, the cgroup's CPU
 quota, the CPUs this process may use.
@@ -79,11 +81,64 @@ def rate(n: int, passes: int, threads: int, teams: int = 1, touch: str = "pool")
     return share * teams * passes / (time.perf_counter() - t0)
 
 
+def _shared_files(n: int, directory: str) -> list[str]:
+    names = []
+    for name, dtype, fill in (("p", torch.float32, 1), ("g", torch.bfloat16, 1e-3), ("m", torch.float32, 0),
+                              ("v", torch.float32, 0), ("copy", torch.bfloat16, 0)):
+        path = os.path.join(directory, f"hytrain_probe_{os.getpid()}_{name}")
+        t = torch.from_file(path, shared=True, size=n, dtype=dtype)
+        t.copy_(torch.randn(n) * fill) if fill else t.zero_()
+        names.append(path)
+    return names
+
+
+def _shared_worker(args) -> None:
+    k, r = args.shared_k, args.shared_rank
+    dtypes = (torch.float32, torch.bfloat16, torch.float32, torch.float32, torch.bfloat16)
+    full = [torch.from_file(f, shared=True, size=args.params, dtype=d) for f, d in zip(args.files.split(","), dtypes)]
+    lo, hi = r * args.params // k, (r + 1) * args.params // k
+    p, g, m, v, copy = (t[lo:hi] for t in full)
+    threads = max(1, default_workers() // k)
+    hytrain.adamw_step(p, g, m, v, step=1, param_copy=copy, num_threads=threads)
+    time.sleep(max(0.0, args.start_at - time.time()))
+    t0 = time.time()
+    for i in range(args.passes):
+        hytrain.adamw_step(p, g, m, v, step=2 + i, param_copy=copy, num_threads=threads)
+    print(json.dumps({"start": t0, "end": time.time()}), flush=True)
+
+
+def shared_rate(n: int, passes: int, k: int) -> float:
+    """K processes updating one set of shared pages, each its 1/K, at once: parameters per second."""
+    import shutil
+    import subprocess
+    import sys
+
+    directory = "/dev/shm" if shutil.disk_usage("/dev/shm").free > 20 * n else "/tmp"
+    files = _shared_files(n, directory)
+    try:
+        start = time.time() + 4.0 + 0.5 * k
+        cmd = [sys.executable, __file__, "--shared-worker", "--params", str(n), "--passes", str(passes),
+               "--files", ",".join(files), "--start-at", str(start), "--shared-k", str(k)]
+        procs = [subprocess.Popen(cmd + ["--shared-rank", str(r)], stdout=subprocess.PIPE, text=True,
+                                  env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(k)]
+        runs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    finally:
+        for f in files:
+            os.unlink(f)
+    return host_rate.together(runs, n * passes)[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=int, default=128 * 2**20)
     ap.add_argument("--passes", type=int, default=5)
+    for flag, kind in (("--shared-worker", "store_true"), ("--files", None), ("--start-at", float),
+                       ("--shared-k", int), ("--shared-rank", int)):
+        ap.add_argument(flag, **({"action": kind} if kind == "store_true" else {"type": kind} if kind else {}),
+                        help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.shared_worker:
+        return _shared_worker(args)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     n, passes, threads = args.params, args.passes, default_workers()
     out = {"facts": facts(), "params": n, "threads": threads}
@@ -102,7 +157,11 @@ def main() -> None:
     for k in (1, 2, 4):
         r = host_rate.processes_rate(k, n // k, passes)
         out[f"processes_{k}"] = r["gparams_per_s"]
-        print(f"processes={k} x {r['threads_per_process']} threads: {r['gparams_per_s']:.3f}", flush=True)
+        print(f"processes={k} x {r['threads_per_process']} threads: {r['gparams_per_s']:.3f}"
+              f"{'' if r['at_once'] else ' (not at once)'}", flush=True)
+    for k in (1, 2, 4):
+        out[f"shared_{k}"] = round(shared_rate(n, passes, k) / 1e9, 3)
+        print(f"shared={k} x {max(1, threads // k)} threads: {out[f'shared_{k}']:.3f}", flush=True)
     print(json.dumps(out))
 
 

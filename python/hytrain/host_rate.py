@@ -35,20 +35,26 @@ def _buffers(params: int):
     return pool, p, g, m, v, copy
 
 
-def update_seconds(params: int, passes: int, threads: int, start_at: float | None = None) -> float:
-    """Seconds ``passes`` optimizer updates of ``params`` parameters take on ``threads`` threads, in
-    this process, after one untimed pass (threads up, pages warm); from ``start_at`` (a
-    ``time.time()``) when given, so that several processes time the same interval."""
+def update_interval(params: int, passes: int, threads: int, start_at: float | None = None) -> tuple[float, float]:
+    """The wall-clock interval (``time.time()`` at its start and end) of ``passes`` optimizer updates
+    of ``params`` parameters on ``threads`` threads, in this process, after one untimed pass (threads
+    up, pages warm); started at ``start_at`` when given, so that several processes update at once."""
     from .cpu_adam import adamw_step
 
     _pool, p, g, m, v, copy = _buffers(params)
     adamw_step(p, g, m, v, step=1, param_copy=copy, num_threads=threads)
     if start_at is not None:
         time.sleep(max(0.0, start_at - time.time()))
-    t0 = time.perf_counter()
+    t0 = time.time()
     for i in range(passes):
         adamw_step(p, g, m, v, step=2 + i, param_copy=copy, num_threads=threads)
-    return time.perf_counter() - t0
+    return t0, time.time()
+
+
+def update_seconds(params: int, passes: int, threads: int) -> float:
+    """Seconds ``passes`` optimizer updates of ``params`` parameters take on ``threads`` threads."""
+    t0, t1 = update_interval(params, passes, threads)
+    return t1 - t0
 
 
 def _worker(args) -> None:
@@ -60,8 +66,16 @@ def _worker(args) -> None:
     if set(cpus) != allowed:
         os.sched_setaffinity(0, cpus)
     threads = default_workers()
-    secs = update_seconds(args.params, args.passes, threads, args.start_at)
-    print(json.dumps({"seconds": secs, "threads": threads, "cpus": len(cpus)}), flush=True)
+    t0, t1 = update_interval(args.params, args.passes, threads, args.start_at)
+    print(json.dumps({"start": t0, "end": t1, "threads": threads, "cpus": len(cpus)}), flush=True)
+
+
+def together(runs: list[dict], work: float) -> tuple[float, bool]:
+    """``work`` over the span from the first start to the last end of ``runs`` (never more than their
+    sum would give, should they not overlap), and whether they all ran at once: every start before
+    every end."""
+    span = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    return work / span, max(r["start"] for r in runs) < min(r["end"] for r in runs)
 
 
 def processes_rate(processes: int, params: int, passes: int, timeout: float = 600.0) -> dict:
@@ -85,8 +99,8 @@ def processes_rate(processes: int, params: int, passes: int, timeout: float = 60
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    rate = processes * params * passes / max(r["seconds"] for r in runs)
-    return {"processes": processes, "threads_per_process": runs[0]["threads"],
+    rate, at_once = together(runs, processes * params * passes)
+    return {"processes": processes, "threads_per_process": runs[0]["threads"], "at_once": at_once,
             "gparams_per_s": round(rate / 1e9, 3), "gbps": round(BYTES_PER_PARAM * rate / 1e9, 1)}
 
 

@@ -83,7 +83,11 @@ PRELUDE = textwrap.dedent("""
 def run(body, timeout=60):
     """Runs PRELUDE + body in a new session (its forked children with it); returns its stdout. A run
     past ``timeout`` fails the test, and the whole session is killed."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    # No GPU in the session: where torch sees one, its autograd engine starts a thread per device at
+    # the first backward and then refuses any backward in a forked child (torch's own limit, whatever
+    # the optimizer). These runs are about CPU parameters.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+               CUDA_VISIBLE_DEVICES="")
     proc = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:

@@ -145,7 +145,7 @@ def test_eps_zero_on_the_gpu_matches_torch_element_for_element(gpu_blocks):
     twin = copy.deepcopy(model)
     ref = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.0, foreach=False)
     opt = hytrain.HybridAdamW(twin.parameters(), lr=1e-2, eps=0.0, workers=2, model=twin,
-                              blocks=4, gpu_blocks=gpu_blocks)
+                              blocks=[twin.emb, twin.a, twin.b, [twin.idle]], gpu_blocks=gpu_blocks)
     for _ in range(5):
         ids = torch.randint(0, 6, (6, 3), device="cuda")
         for m, o in ((model, ref), (twin, opt)):
