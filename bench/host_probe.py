@@ -100,7 +100,7 @@ def _shared_worker(args) -> None:
     p, g, m, v, copy = (t[lo:hi] for t in full)
     threads = max(1, default_workers() // k)
     hytrain.adamw_step(p, g, m, v, step=1, param_copy=copy, num_threads=threads)
-    time.sleep(max(0.0, args.start_at - time.time()))
+    host_rate.barrier()
     t0 = time.time()
     for i in range(args.passes):
         hytrain.adamw_step(p, g, m, v, step=2 + i, param_copy=copy, num_threads=threads)
@@ -110,18 +110,15 @@ def _shared_worker(args) -> None:
 def shared_rate(n: int, passes: int, k: int) -> float:
     """K processes updating one set of shared pages, each its 1/K, at once: parameters per second."""
     import shutil
-    import subprocess
     import sys
 
     directory = "/dev/shm" if shutil.disk_usage("/dev/shm").free > 20 * n else "/tmp"
     files = _shared_files(n, directory)
     try:
-        start = time.time() + 4.0 + 0.5 * k
         cmd = [sys.executable, __file__, "--shared-worker", "--params", str(n), "--passes", str(passes),
-               "--files", ",".join(files), "--start-at", str(start), "--shared-k", str(k)]
-        procs = [subprocess.Popen(cmd + ["--shared-rank", str(r)], stdout=subprocess.PIPE, text=True,
-                                  env=dict(os.environ, OMP_NUM_THREADS="1")) for r in range(k)]
-        runs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+               "--files", ",".join(files), "--shared-k", str(k)]
+        runs = host_rate.run_together([cmd + ["--shared-rank", str(r)] for r in range(k)],
+                                      dict(os.environ, OMP_NUM_THREADS="1"))
     finally:
         for f in files:
             os.unlink(f)
@@ -132,7 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=int, default=128 * 2**20)
     ap.add_argument("--passes", type=int, default=5)
-    for flag, kind in (("--shared-worker", "store_true"), ("--files", None), ("--start-at", float),
+    for flag, kind in (("--shared-worker", "store_true"), ("--files", None),
                        ("--shared-k", int), ("--shared-rank", int)):
         ap.add_argument(flag, **({"action": kind} if kind == "store_true" else {"type": kind} if kind else {}),
                         help=argparse.SUPPRESS)

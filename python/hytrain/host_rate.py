@@ -35,16 +35,17 @@ def _buffers(params: int):
     return pool, p, g, m, v, copy
 
 
-def update_interval(params: int, passes: int, threads: int, start_at: float | None = None) -> tuple[float, float]:
+def update_interval(params: int, passes: int, threads: int, ready=None) -> tuple[float, float]:
     """The wall-clock interval (``time.time()`` at its start and end) of ``passes`` optimizer updates
     of ``params`` parameters on ``threads`` threads, in this process, after one untimed pass (threads
-    up, pages warm); started at ``start_at`` when given, so that several processes update at once."""
+    up, pages warm); ``ready()``, when given, is called then and returns when the timed passes may
+    start (several processes' barrier)."""
     from .cpu_adam import adamw_step
 
     _pool, p, g, m, v, copy = _buffers(params)
     adamw_step(p, g, m, v, step=1, param_copy=copy, num_threads=threads)
-    if start_at is not None:
-        time.sleep(max(0.0, start_at - time.time()))
+    if ready is not None:
+        ready()
     t0 = time.time()
     for i in range(passes):
         adamw_step(p, g, m, v, step=2 + i, param_copy=copy, num_threads=threads)
@@ -66,8 +67,39 @@ def _worker(args) -> None:
     if set(cpus) != allowed:
         os.sched_setaffinity(0, cpus)
     threads = default_workers()
-    t0, t1 = update_interval(args.params, args.passes, threads, args.start_at)
+    t0, t1 = update_interval(args.params, args.passes, threads, barrier)
     print(json.dumps({"start": t0, "end": t1, "threads": threads, "cpus": len(cpus)}), flush=True)
+
+
+def barrier() -> None:
+    """A worker's side of run_together's barrier: says it is ready, waits for the word to go."""
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+
+def run_together(cmds: list[list[str]], env: dict, timeout: float = 600.0) -> list[dict]:
+    """Starts the worker commands, lets them go at once when every one is ready (each calls
+    barrier()), and returns the JSON each prints last."""
+    procs = [subprocess.Popen(c, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for c in cmds]
+    try:
+        for p in procs:
+            line = p.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"a host-rate worker stopped before it was ready (status {p.wait(timeout)})")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        runs = []
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise RuntimeError(f"a host-rate worker exited with status {p.returncode}")
+            runs.append(json.loads(out.strip().splitlines()[-1]))
+        return runs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def together(runs: list[dict], work: float) -> tuple[float, bool]:
@@ -82,23 +114,10 @@ def processes_rate(processes: int, params: int, passes: int, timeout: float = 60
     """The update rate of ``processes`` processes updating at once, each its own ``params``
     parameters with its share of the CPUs (bound as the job's ranks are): parameters per second and
     bytes per second, all processes together."""
-    start = time.time() + 4.0 + 0.5 * processes  # after every process has imported and touched its buffers
     env = dict(os.environ, LOCAL_WORLD_SIZE=str(processes), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "hytrain.host_rate", "--worker", "--rank", str(r),
-                               "--world", str(processes), "--params", str(params), "--passes", str(passes),
-                               "--start-at", str(start)], stdout=subprocess.PIPE, text=True, env=env)
-             for r in range(processes)]
-    runs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            if p.returncode != 0:
-                raise RuntimeError(f"a host-rate process exited with status {p.returncode}")
-            runs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    runs = run_together([[sys.executable, "-m", "hytrain.host_rate", "--worker", "--rank", str(r), "--world",
+                          str(processes), "--params", str(params), "--passes", str(passes)]
+                         for r in range(processes)], env, timeout)
     rate, at_once = together(runs, processes * params * passes)
     return {"processes": processes, "threads_per_process": runs[0]["threads"], "at_once": at_once,
             "gparams_per_s": round(rate / 1e9, 3), "gbps": round(BYTES_PER_PARAM * rate / 1e9, 1)}
@@ -121,7 +140,6 @@ def main(argv=None) -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--start-at", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         _worker(args)
