@@ -1,6 +1,7 @@
 """The API reference is generated from the docstrings (pdoc) of the public modules -- `hytrain`
 (HybridAdamW, the pool, the kernels), `hytrain.integrations` (Trainer, accelerate, Lightning) and
-`hytrain.models` -- and must build: `python -m pdoc hytrain hytrain.integrations hytrain.models -o DIR`."""
+`hytrain.models` -- and `hytrain_native` (whose first lines say where the optimizer is), and must build:
+`python -m pdoc hytrain hytrain.integrations hytrain.models hytrain_native -o DIR`."""
 
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 
 pytest.importorskip("pdoc")
 
-MODULES = ("hytrain", "hytrain.integrations", "hytrain.models")
+MODULES = ("hytrain", "hytrain.integrations", "hytrain.models", "hytrain_native")
 
 
 def test_the_api_reference_builds_from_the_docstrings(tmp_path):
@@ -23,3 +24,5 @@ def test_the_api_reference_builds_from_the_docstrings(tmp_path):
 
     assert hytrain.HybridAdamW.__doc__.split("\n")[0].strip()[:40] in page  # the docstring itself, not a stub
     assert (tmp_path / "hytrain" / "integrations.html").is_file() and (tmp_path / "hytrain" / "models.html").is_file()
+    native = (tmp_path / "hytrain_native.html").read_text()
+    assert "hytrain_native.HybridAdamW" in native and "torch.optim.AdamW" in native
