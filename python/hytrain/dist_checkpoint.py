@@ -148,6 +148,81 @@ def load(path, model, opt) -> dict:
     return {"step": int(meta["step"]), "world_size": int(meta["world_size"]), "extra": meta.get("extra", {})}
 
 
+def load_single(path, model, opt) -> dict:
+    """Every rank calls it: a single-process checkpoint (:mod:`hytrain.checkpoint`'s, verified) resumed
+    at this world size. Rank 0 writes it as a sharded checkpoint beside it (a hidden directory, read
+    lazily: memory-mapped, one tensor at a time), which every rank then loads as :func:`load` does,
+    taking its own shards; the directory is removed after. 8-bit m and v are written as fp32 (the
+    single-process layout quantises the whole tensor; the new shards quantise their own blocks).
+    Returns :func:`load`'s dict, ``extra`` holding the checkpoint's config and its scheduler."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.resharded.tmp"
+    # The global shapes, by the index the optimizer's sharded state uses (its parameters in order).
+    shapes = {i: tuple(e["exp_avg"].shape if "exp_avg" in e and e["exp_avg"].dtype != torch.uint8
+                       else e.get("master", e.get("exp_avg")).shape)
+              for i, e in opt.sharded_state_dict()["state"].items()}
+    own = getattr(model, "saved_module", model)  # the single checkpoint's names -> the model's own
+    by_id = {id(t): k for k, t in model.state_dict(keep_vars=True).items()}
+    names = {k: by_id.get(id(t), k) for k, t in own.state_dict(keep_vars=True).items()}
+    error = None
+    if _rank() == 0:
+        try:
+            _resharded(path, tmp, names, shapes)
+        except (CheckpointError, OSError, RuntimeError, ValueError, KeyError) as e:
+            error = f"{path} could not be read for a resume on {_world()} processes: {_first_line(e)}"
+    d = _dist()
+    if d is not None:
+        box = [error]
+        d.broadcast_object_list(box, src=0)
+        error = box[0]
+    try:
+        if error is not None:
+            raise CheckpointError(error)
+        return load(tmp, model, opt)
+    finally:
+        _barrier()
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _resharded(src: Path, dst: Path, names: dict, shapes: dict) -> None:
+    """``src``, a single-process checkpoint, written at ``dst`` as one process's sharded checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    from . import quant8
+
+    meta = read_meta(src)
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir()
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        weights = {names.get(k, k): f.get_tensor(k) for k in f.keys()}
+    saved = torch.load(src / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True)
+    trainer = torch.load(src / "trainer.pt", map_location="cpu", weights_only=True)
+    state = {}
+    for i, entry in saved["state"].items():
+        if i not in shapes:
+            raise CheckpointError(f"parameter {i} of the checkpoint is not one this optimizer steps")
+        out = {}
+        for key, val in entry.items():
+            if isinstance(val, torch.Tensor) and val.dtype == torch.uint8:  # an 8-bit moment, decoded
+                n = 1
+                for s in shapes[i]:
+                    n *= s
+                val = quant8.dequantize(val, n, key).view(shapes[i])
+            out[key] = val
+        state[i] = out
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+    fmt = meta.get("state_format", "fp32")
+    with _one_process_quiet():
+        dcp.save({"model": weights, "optim": {"state": state, "param_groups": groups}}, checkpoint_id=str(dst),
+                 no_dist=True)
+    names_ = [f.name for f in dst.iterdir() if f.is_file()]
+    write_meta(dst, {"format": FORMAT, "step": int(meta["step"]), "world_size": 1,
+                     "extra": {"scheduler": trainer["scheduler"], **(meta.get("config") or {})},
+                     "state_format": "fp32" if fmt == "8bit" else fmt, "files": digests(dst, names_)})
+
+
 try:  # DCP's summary of every rank's failure derives from BaseException, not Exception
     from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
 except ImportError:  # pragma: no cover - torch without torch.distributed

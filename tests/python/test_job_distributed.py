@@ -1,6 +1,7 @@
 """`hytrain train` on several processes (``--nproc``, which starts torchrun; gloo on the CPU): the
 same losses as one process on the same global batch, rank 0's metrics with every rank's k, GPU wait
 share and step time, sharded checkpoints resumed bit for bit on 2 processes and correctly on 1, a
+single-process checkpoint resumed on 2, a
 worker killed mid-run restarted by torchrun from the last checkpoint with the same losses, and the
 launcher's options checked before anything starts."""
 
@@ -65,6 +66,30 @@ def test_two_processes_match_one_on_the_same_global_batch(tmp_path):
     summary = json.loads((two / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["steps"] == 6
     assert (two / "trace.json").is_file() and (two / "trace.rank1.json").is_file()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "8bit"])
+def test_a_single_process_checkpoint_resumes_on_two_processes(tmp_path, fmt):
+    # Resharded on load (dist_checkpoint.load_single): the same losses as the single process going on,
+    # as two processes match one on the same global batch; 8-bit m and v are quantised afresh over the
+    # new shards' blocks, so close, not equal. The LR schedule goes on; the next checkpoints are sharded.
+    whole = tmp_path / "whole"
+    ok("--steps", "6", "--save-every", "3", "--keep", "3", "--eval-every", "0", "--out", str(whole),
+       "--state-format", fmt, *FAST)
+    ck = whole / "checkpoints" / "step_00000003"
+    two = tmp_path / "two"
+    proc = ok("--steps", "6", "--save-every", "3", "--eval-every", "0", "--out", str(two), "--resume", str(ck),
+              "--nproc", "2", *FAST)
+    assert "resumed from" in proc.stdout + proc.stderr
+    want, got = losses(whole), losses(two)
+    assert sorted(got) == [4, 5, 6]
+    torch.testing.assert_close(torch.tensor([got[s] for s in got]), torch.tensor([want[s] for s in got]),
+                               rtol=1e-5 if fmt == "fp32" else 2e-3, atol=1e-5)
+    lr = {r["step"]: r["lr"] for r in metrics(whole)}
+    assert {r["step"]: r["lr"] for r in metrics(two)} == {s: lr[s] for s in range(4, 7)}
+    meta = json.loads((two / "checkpoints" / "step_00000006" / "meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["state_format"] == fmt
+    assert not list(ck.parent.glob(".*resharded*")), "the resharded copy is removed after the load"
 
 
 def test_sharded_checkpoints_resume_on_two_processes_and_on_one(tmp_path):

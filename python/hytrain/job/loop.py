@@ -202,10 +202,7 @@ def _run(args, ranks, say, out, sig) -> int:
                 f"nothing to do (raise --steps to train further)", flush=True)
             ranks.close()
             return 0
-        if ranks.distributed and not sharded_ckpt:
-            raise ConfigError(f"{resume_dir} was written by a single-process run; a run on several processes "
-                              "resumes from its own (sharded) checkpoints")
-        if not sharded_ckpt:
+        if not sharded_ckpt:  # (under --nproc, resharded when it is loaded: dist_checkpoint.load_single)
             try:
                 ckpt.verify(resume_dir)  # a corrupted checkpoint is refused before anything is built
             except ckpt.CheckpointError as e:
@@ -229,7 +226,7 @@ def _run(args, ranks, say, out, sig) -> int:
     data = open_data(args, tokenizer, cursor, say=lambda line: say(line, flush=True))
     val_batches = data.validation(args.eval_batches)
     stream = stream_plan(args, device, dtype, ranks.distributed)
-    resumed = resume_dir is not None and not sharded_ckpt  # (its weights in before any of them stream)
+    resumed = resume_dir is not None and not (sharded_ckpt or ranks.distributed)  # (weights in before streaming)
     model, n_params, model_cfg, sharded, window = build_model(
         args, device, dtype, shard=lambda m: ranks.shard(m, device), stream=stream,
         weights=(lambda m: ckpt.load_weights(resume_dir, m)) if resumed else None)
@@ -271,9 +268,9 @@ def _run(args, ranks, say, out, sig) -> int:
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     start = 0
     if resume_dir is not None:
-        if sharded_ckpt:
+        if sharded_ckpt or ranks.distributed:
             try:
-                info = dist_checkpoint.load(resume_dir, model, opt)
+                info = (dist_checkpoint.load if sharded_ckpt else dist_checkpoint.load_single)(resume_dir, model, opt)
             except ckpt.CheckpointError as e:
                 raise (_naming_older(e, out, resume_dir) if getattr(e, "damaged", False) else e) from None
             sched.load_state_dict(info["extra"]["scheduler"])
