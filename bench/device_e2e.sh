@@ -25,7 +25,7 @@ for stage in "$@"; do
       python3 bench/train_bench.py --workloads l3b --iters "$iters" --modes torch_gpu,hytrain_auto,naive_offload 2>&1 \
         | tee "$out/train_bench_l3b_extra.txt" ;;
     l7b)
-      python3 bench/train_bench.py --workloads l7b --iters "$iters" --trace "$out/l7b_trace.json" 2>&1 | tee "$out/train_bench_l7b.txt" ;;
+      python3 bench/train_bench.py --workloads l7b --iters "$iters" --trace "$out/trace" 2>&1 | tee "$out/train_bench_l7b.txt" ;;
     trainer)
       python3 bench/trainer_bench.py ${TRAINER_ARGS:-} 2>&1 | tee "$out/trainer_bench.txt" ;;
     *) echo "unknown stage $stage"; exit 2 ;;

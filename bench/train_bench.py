@@ -206,7 +206,7 @@ def run_mode(args):
             model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=None if args.keep_grads else CLIP, model=model,
             gpu_blocks="auto" if mode in ("hytrain_auto", "hytrain_nospec", "hytrain_nofence", "hytrain_nowatch") else 0,
             overlap=mode != "hytrain_no_overlap", speculate=False if mode == "hytrain_nospec" else "auto",
-            gpu_memory_limit=int(cap * 1e9) if cap is not None else None, trace=args.trace is not None,
+            gpu_memory_limit=int(cap * 1e9) if cap is not None else None, trace=args.trace_keep if args.trace is not None else False,
             **({"host_memory_limit": int(args.host_limit_gb * 1e9)} if args.host_limit_gb else {}),
             **({"fence": False} if mode == "hytrain_nofence" else {}),
             **({"watch_writes": False} if mode == "hytrain_nowatch" else {}), state_format=state_format,
@@ -314,7 +314,7 @@ def child(mode, workload, args, cap=None, trace=None, label=None):
     if cap is not None:
         cmd += ["--cap-gb", str(cap)]
     if trace is not None:
-        cmd += ["--trace", trace]
+        cmd += ["--trace", trace, "--trace-keep", str(args.trace_keep)]
     if args.own_model:
         cmd.append("--own-model")
     if args.host_limit_gb:
@@ -374,7 +374,10 @@ def main():
     ap.add_argument("--own-model", action="store_true", help="hytrain's Llama model even when transformers exists")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled iterations (gpu_idle_frac)")
     ap.add_argument("--skip-nocap", action="store_true", help="with --cap-gb, skip the extra uncapped hytrain_auto run")
-    ap.add_argument("--trace", default=None, help="Chrome trace of the last L7B hytrain_auto iterations")
+    ap.add_argument("--trace", default=None,
+                    help="Chrome traces of each hytrain mode's last --trace-keep iterations, at "
+                         "TRACE.<workload>.<mode>.json")
+    ap.add_argument("--trace-keep", type=int, default=3, help="iterations each trace keeps")
     ap.add_argument("--keep-grads", action="store_true",
                     help="hytrain keeps .grad until step() (release_grads=False) and the loop clips "
                          "(opt.clip_grad_norm_), as a loop that reads the gradients")
@@ -410,7 +413,7 @@ def main():
                     cap = ds_cap
                 elif args.cap_gb is not None:
                     cap = float(args.cap_gb)
-            trace = args.trace if (workload == "l7b" and mode == "hytrain_auto") else None
+            trace = f"{args.trace}.{workload}.{mode}.json" if args.trace and mode.startswith("hytrain") else None
             rec = child(mode, workload, args, cap=cap, trace=trace)
             results[(workload, mode)] = rec
             if mode == "deepspeed_offload" and "peak_gpu_reserved_gb" in rec:

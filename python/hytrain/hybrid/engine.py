@@ -107,7 +107,7 @@ class Engine:
                                               early=early, kept=self.unscaled_in_place)
             store.create(self.groups, k, later)
             self.loss_scaling = any(p.dtype == torch.float16 for p in self.plan.params)
-            self.timeline = Timeline(store.device if store.cuda else None) if s.trace else None
+            self.timeline = Timeline(store.device if store.cuda else None, keep=s.trace) if s.trace else None
             self.launcher.start(self.timeline)
             if s.model is not None:
                 self._model_hooks, measured = forward_hooks(weakref.ref(self), self.plan, s.model,

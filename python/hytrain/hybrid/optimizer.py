@@ -54,7 +54,8 @@ class HybridAdamW(torch.optim.Optimizer):
         pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
         overlap: False updates everything inside ``step()`` and waits for it there (what overlap
             buys, for benchmarks).
-        trace: record a timeline of recent iterations (:meth:`export_trace`).
+        trace: record a timeline of recent iterations (:meth:`export_trace`): True keeps the last 3, an
+            integer that many.
         release_grads: whether ``.grad`` may be released once a block's gradients are handed off
             during backward. Default: True with ``max_grad_norm`` (the optimizer clips), else False
             (the loop may clip or rescale them before ``step()``; see the module notes). True

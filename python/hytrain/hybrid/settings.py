@@ -48,7 +48,7 @@ class Settings:
     overlap: bool
     workers: int
     slice_elements: int
-    trace: bool
+    trace: int  # iterations the timeline keeps (0: no timeline)
     pool: PinnedPool | None
     model: nn.Module | None
     blocks: list | None
@@ -112,9 +112,16 @@ def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, sc
         gpu_memory_request=gpu_memory_limit, speculate=speculate,
         host_memory_limit=_checks.integer("host_memory_limit", host_memory_limit, lo=1), fence=fence,
         overlap=bool(overlap), workers=_checks.integer("workers", workers, lo=1),
-        slice_elements=_checks.integer("slice_elements", slice_elements, lo=1024), trace=bool(trace), pool=pool,
+        slice_elements=_checks.integer("slice_elements", slice_elements, lo=1024), trace=_trace(trace), pool=pool,
         model=model if blocks is None else None, blocks=blocks, bucket_elements=bucket_elements,
         state_format=state_format, watch_writes=watch_writes)
+
+
+def _trace(trace) -> int:
+    """Iterations the timeline keeps: True 3, False or None none, else the integer given."""
+    if trace is True:
+        return 3
+    return 0 if trace is None or trace is False else _checks.integer("trace", trace, lo=0)
 
 
 def _scalar(name, x) -> float:
