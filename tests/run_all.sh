@@ -12,4 +12,4 @@ cmake -S . -B "$build-tsan" -G Ninja -DHYTRAIN_BUILD_TESTS=ON -DHYTRAIN_BUILD_PY
   -DHYTRAIN_ENABLE_CUDA=OFF -DHYTRAIN_SANITIZE=thread >/dev/null
 cmake --build "$build-tsan" --parallel --target test_queue test_update_engine test_offload_pipeline test_param_table
 ctest --test-dir "$build-tsan" -R "test_queue|test_update_engine|test_offload_pipeline|test_param_table" --output-on-failure
-python3 -m pytest -q "$@"
+python3 -m pytest -q --durations=25 "$@"
