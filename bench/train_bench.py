@@ -325,6 +325,8 @@ def child(mode, workload, args, cap=None, trace=None, label=None):
         cmd.append("--keep-grads")
     if args.workers:
         cmd += ["--workers", str(args.workers)]
+    if args.torch_threads:
+        cmd += ["--torch-threads", str(args.torch_threads)]
     env = dict(os.environ)
     if mode == "deepspeed_offload":
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
@@ -383,8 +385,15 @@ def main():
                          "(opt.clip_grad_norm_), as a loop that reads the gradients")
     ap.add_argument("--workers", type=int, default=None,
                     help="hytrain's CPU update threads (default: HybridAdamW's, the cores less one)")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch's intra-op threads in each run (default: torch's, every core), beside "
+                         "hytrain's update workers")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     if args.one is not None:
         args.mode, args.workload = args.one, args.workloads
         args.cap_gb = float(args.cap_gb) if args.cap_gb is not None else None
