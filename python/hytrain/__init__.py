@@ -12,6 +12,7 @@ from .cpu_adam import adamw_step, set_simd_path, simd_paths
 from .cuda_adam import CudaAdamW
 from .grad_norm import CudaGradNorm, clip_multiplier
 from .hybrid import HybridAdamW
+from .checkpoint import CheckpointError
 from .pool import CapacityError, PinnedPool
 from .window import WeightWindow, stream_model
 from . import integrations  # imports transformers or Lightning only when they are used
@@ -29,6 +30,23 @@ def cuda_available() -> bool:
     return bool(native().cuda_available())
 
 
+# The native module's exceptions, resolved at first use (``import hytrain`` works without the native
+# build, which native() then explains); the classes carry the same docstrings (pool.py).
+PoolExhaustedError: type
+"""A host allocation failed: a :class:`PinnedPool` asked for more than its capacity left free, or the system
+refused the memory (page-locked or not). A ``MemoryError`` raised by the allocation itself, not checked
+beforehand as :class:`CapacityError` is; its message names the bytes requested and available. Raise the
+pool's capacity (``hytrain train --pin-limit``) or train a smaller model. The class is
+``hytrain_native.PoolExhaustedError``, also reached as ``hytrain.PoolExhaustedError``."""
+
+DeviceTimeoutError: type
+"""A wait on device work passed its deadline: a ``TimeoutError`` raised by a wait given a timeout
+(``CopyStream.wait(timeout=...)``, the native ``OffloadPipeline.wait_ready(..., timeout_s)``; HybridAdamW
+waits without one), naming what had not finished (a copy ticket and how many copies were done, or a
+block not yet updated). The work itself goes on. The class is ``hytrain_native.DeviceTimeoutError``,
+also reached as ``hytrain.DeviceTimeoutError``."""
+
+
 def __getattr__(name):
     if name == "PoolExhaustedError":
         return native().PoolExhaustedError
@@ -37,6 +55,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'hytrain' has no attribute {name!r}")
 
 
-__all__ = ["CapacityError", "CopyStream", "CudaAdamW", "CudaGradNorm", "DeviceTimeoutError", "HybridAdamW", "PinnedPool",
-           "PoolExhaustedError", "adamw_step", "build_info", "clip_multiplier", "cuda_available",
-           "set_simd_path", "simd_paths", "stream_model", "WeightWindow", "__version__"]
+__all__ = ["CapacityError", "CheckpointError", "CopyStream", "CudaAdamW", "CudaGradNorm", "DeviceTimeoutError",
+           "HybridAdamW", "PinnedPool", "PoolExhaustedError", "adamw_step", "build_info", "clip_multiplier",
+           "cuda_available", "set_simd_path", "simd_paths", "stream_model", "WeightWindow", "__version__"]

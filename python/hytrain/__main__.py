@@ -143,7 +143,11 @@ def cmd_export(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hytrain", description="hytrain: CPU+GPU training engine")
     sub = ap.add_subparsers(dest="command", required=True)
-    p_info = sub.add_parser("info", help="build info, devices, CPU AdamW rate and copy bandwidth")
+    p_info = sub.add_parser("info", help="build info, devices, CPU AdamW rate and copy bandwidth",
+                            description="Prints what the native build contains (CUDA or not, its architectures, "
+                            "SIMD paths, OpenMP), the devices torch sees, and a quick measurement of the CPU "
+                            "AdamW rate, host memory bandwidth and, with a usable GPU, the host-device copy "
+                            "bandwidth from pinned memory.")
     p_info.add_argument("--params", type=int, default=16 * 2**20,
                         help="parameters in the quick AdamW measurement (default 16M)")
     p_info.add_argument("--threads", type=int, default=0, help="threads (default: torch's)")
@@ -151,11 +155,23 @@ def main(argv=None) -> int:
     p_info.add_argument("--json", action="store_true", help="print one JSON object")
     p_info.set_defaults(fn=cmd_info)
     p_verify = sub.add_parser("verify", help="check a checkpoint (single-process or sharded) offline: its "
-                              "manifest and every file's size and SHA-256; exit 2 if anything is wrong")
+                              "manifest and every file's size and SHA-256; exit 2 if anything is wrong",
+                              description="Checks a checkpoint offline, without loading it: its sealed manifest, "
+                              "then every file's size and SHA-256 against it. path is a checkpoint directory "
+                              "(step_N, single-process or sharded) or a run's --out, whose newest checkpoint is "
+                              "checked. Prints one line: OK, the step, the files and bytes verified (exit 0); or "
+                              "what is wrong, with the newest complete checkpoint before a damaged one where "
+                              "there is one (exit 2).")
     p_verify.add_argument("path", help="a checkpoint directory, or a run's --out (its newest checkpoint)")
     p_verify.set_defaults(fn=cmd_verify)
     p_export = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory "
-                              "(config, safetensors, tokenizer) that transformers' from_pretrained loads")
+                              "(config, safetensors, tokenizer) that transformers' from_pretrained loads",
+                              description="Writes a checkpoint of a run (hytrain train's --out) as a Hugging Face "
+                              "model directory: config.json, safetensors weights and the tokenizer's files, which "
+                              "AutoModelForCausalLM.from_pretrained loads. Any checkpoint of the run, of a run "
+                              "still training too (the checkpoint read is held against the run's pruning). The "
+                              "directory is written beside --to and renamed into place: a failed export (exit 2, "
+                              "one line) leaves nothing behind.")
     p_export.add_argument("run", help="the run's directory (its --out)")
     p_export.add_argument("--to", required=True, help="the directory to write (new, or empty); written beside "
                           "it, then renamed into place: a failed export (exit 2) leaves nothing")

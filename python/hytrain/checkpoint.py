@@ -48,7 +48,12 @@ _OLDER = {1: "single", "dcp-1": "sharded"}  # formats whose manifest is not seal
 
 
 class CheckpointError(RuntimeError):
-    """A missing, truncated or corrupted checkpoint."""
+    """A checkpoint that cannot be used or written, said in one line naming the path: missing, incomplete
+    (no ``meta.json``: an interrupted save), truncated, altered or corrupted (sizes or SHA-256s against its
+    manifest, a manifest against its own checksum), written for another model, or a save that failed (a
+    full disk: the checkpoints before it stay intact). Raised by :func:`verify`, :func:`load` and
+    :func:`resolve` before anything is loaded, and by the saves; ``hytrain train --resume`` and ``hytrain
+    verify`` report it in one line (exit 2). Also reached as ``hytrain.CheckpointError``."""
 
 
 class CheckpointGone(CheckpointError):

@@ -80,7 +80,12 @@ def _trainer_class():
         ``hybrid_kwargs`` passed on (``gpu_blocks``, ``workers``, ...). With ``optimizers=(HybridAdamW(...),
         scheduler)`` that optimizer is used. Either way ``max_grad_norm`` clipping and the logged
         ``grad_norm`` go through :meth:`HybridAdamW.clip_grad_norm_`. Checkpoints and
-        ``resume_from_checkpoint`` work as with any optimizer (``optimizer.pt`` is its state_dict)."""
+        ``resume_from_checkpoint`` work as with any optimizer (``optimizer.pt`` is its state_dict).
+
+        Use: ``HybridTrainer(model=model, args=training_args, train_dataset=ds, hybrid_kwargs={...})``,
+        then ``train()`` as with any Trainer. The class is made when first asked for (``from
+        hytrain.integrations import HybridTrainer``), which imports transformers; importing this module
+        does not."""
 
         def __init__(self, *args, hybrid_kwargs=None, **kwargs):
             self.hybrid_kwargs = dict(hybrid_kwargs or {})
@@ -104,6 +109,7 @@ def _trainer_class():
                     model=model, **self.hybrid_kwargs)
             return self.optimizer
 
+    HybridTrainer.__qualname__ = "HybridTrainer"  # its name in the module (the API reference's, pickle's)
     return HybridTrainer
 
 

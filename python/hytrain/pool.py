@@ -100,8 +100,38 @@ def page_placement() -> dict:
 
 
 class CapacityError(MemoryError):
-    """The optimizer state does not fit where it must live (host or GPU memory), found before
-    anything was allocated: the message names the bytes needed and available."""
+    """The optimizer state (or a streamed model) does not fit where it must live, found before any
+    of it is allocated: a ``MemoryError`` whose message names the bytes needed and available on each
+    side, and what would make it fit.
+
+    Raised by :class:`HybridAdamW` at its first step (or the first backward on CUDA) when neither the
+    host nor the GPU can hold the states, by ``set_gpu_blocks`` for a k whose states cannot go where
+    it would put them (the host has no room for the blocks moved back, or streamed layers keep theirs
+    on the host), and by :func:`stream_model` when the model does not fit on the GPU even streamed.
+    ``hytrain train`` reports it in one line and exits with status 2."""
+
+
+def _document_native_errors() -> None:
+    """Docstrings for the exceptions of the native module (pybind11 makes their classes without one)."""
+    try:
+        nat = native()
+    except ImportError:  # (no native build: nothing to document; native() says why at first use)
+        return
+    nat.PoolExhaustedError.__doc__ = (
+        "A host allocation failed: a :class:`PinnedPool` asked for more than its capacity left free, or the "
+        "system refused the memory (page-locked or not). A ``MemoryError`` raised by the allocation itself, "
+        "not checked beforehand as :class:`CapacityError` is; its message names the bytes requested and "
+        "available. Raise the pool's capacity (``hytrain train --pin-limit``) or train a smaller model. The "
+        "class is ``hytrain_native.PoolExhaustedError``, also reached as ``hytrain.PoolExhaustedError``.")
+    nat.DeviceTimeoutError.__doc__ = (
+        "A wait on device work passed its deadline: a ``TimeoutError`` raised by a wait given a timeout "
+        "(``CopyStream.wait(timeout=...)``, the native ``OffloadPipeline.wait_ready(..., timeout_s)``; "
+        "HybridAdamW waits without one), naming what had not finished (a copy ticket and how many copies were "
+        "done, or a block not yet updated). The work itself goes on. The class is "
+        "``hytrain_native.DeviceTimeoutError``, also reached as ``hytrain.DeviceTimeoutError``.")
+
+
+_document_native_errors()
 
 
 class PinnedPool:

@@ -58,8 +58,18 @@ def test_the_walk_catches_a_private_read():
 def test_the_optimizer_face_is_thin():
     import torch
 
+    # Thin in code: its docstrings are the API reference (torch's whole contract, argument by
+    # argument), so they are not what is counted.
     src = (PACKAGE / "hybrid" / "optimizer.py").read_text()
-    assert len(src.splitlines()) < 300
+    docs = set()
+    for node in ast.walk(ast.parse(src)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    code = [ln for i, ln in enumerate(src.splitlines(), 1)
+            if i not in docs and ln.strip() and not ln.strip().startswith("#")]
+    assert len(code) < 175, len(code)
     mro = [c for c in hytrain.HybridAdamW.__mro__ if c.__module__.startswith("hytrain")]
     assert mro == [hytrain.HybridAdamW]  # no hytrain mixins
     p = torch.nn.Parameter(torch.randn(8, 8))

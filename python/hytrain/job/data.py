@@ -12,6 +12,7 @@ import zlib
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .corpus import formats, open_corpus
 from .records import changed_files
@@ -182,10 +183,22 @@ def open_data(args, tokenizer, cursor=None, say=None):
 
 
 def inputs_and_targets(tokens, mask, ranks, device):
-    """This rank's rows of a global batch as the model's (inputs, targets): targets that carry no loss
-    (prompts, padding) are -100, which cross-entropy ignores."""
+    """This rank's rows of a global batch (seq_len + 1 tokens each) as (inputs, targets), already
+    shifted: the inputs are tokens 0 .. seq_len - 1, the target of input t is token t + 1. Targets that
+    carry no loss (prompts, padding) are -100, which cross-entropy ignores. :func:`step_loss` scores
+    them; they are not the models' ``labels``, which the models shift themselves."""
     b = ranks.rows(tokens).to(device, non_blocking=True)
     targets = b[:, 1:]
     if mask is not None:
         targets = targets.masked_fill(~ranks.rows(mask).to(device, non_blocking=True), -100)
     return b[:, :-1], targets
+
+
+def step_loss(model, inputs, targets):
+    """The next-token loss of one batch (fp32 mean over the targets that are not -100). The targets
+    are shifted already (:func:`inputs_and_targets`), so the model is asked for its logits only:
+    given them as ``labels`` it would shift them once more. Each of the seq_len inputs has its
+    target: the loss equals transformers' ``model(input_ids=rows, labels=rows).loss`` on the whole
+    rows of seq_len + 1 tokens (-100 where the mask says so)."""
+    logits = model(inputs)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)

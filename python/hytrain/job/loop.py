@@ -29,12 +29,12 @@ from .._native import native
 from ..blocks import detect_blocks
 from ..hybrid import HybridAdamW
 from ..pool import CapacityError, PinnedPool, parse_bytes
-from .data import inputs_and_targets, open_data
+from .data import inputs_and_targets, open_data, step_loss
 from .metrics import Metrics, Power, evaluate
 from .models import build_model, check_fit, job_tokenizer, stream_plan
 from .outputs import export_at_end, finish
 from .lock import RunLock
-from .options import DATA_OPTIONS, DTYPES, ConfigError, add_arguments, resolve_options, resumed_options
+from .options import DATA_OPTIONS, DTYPES, ConfigError, add_arguments, job_notes, resolve_options, resumed_options
 from .signals import Signals, Stopped, name
 from .ranks import LAUNCHED, PeerFailure, Ranks, as_peer_failure, launch, report_failure, tell_launcher, under_torchrun
 
@@ -218,6 +218,8 @@ def _run(args, ranks, say, out, sig) -> int:
             say(f"hytrain train: the data options differ from the checkpoint's: {args.data} is read from its "
                 "beginning", flush=True)
             cursor = None
+    for line, warning in job_notes(args):  # (a GPU the build cannot use; the fine-tuning --lr)
+        say(line, file=sys.stderr if warning else sys.stdout, flush=True)
     saved_format = ckpt.read_meta(resume_dir).get("state_format", "fp32") if resume_dir is not None else None
     asked_format = args.state_format
     args.state_format = asked_format or saved_format or "fp32"  # a resumed run keeps its format unless told
@@ -323,7 +325,7 @@ def _run(args, ranks, say, out, sig) -> int:
             waited = data.wait_seconds
             tokens, mask = data.batch(step)
             waited = data.wait_seconds - waited
-            loss = model(*inputs_and_targets(tokens, mask, ranks, device))
+            loss = step_loss(model, *inputs_and_targets(tokens, mask, ranks, device))
             (scaler.scale(loss) if scaler is not None else loss).backward()
             try:
                 if scaler is not None:

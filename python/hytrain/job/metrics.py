@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .data import inputs_and_targets
+from .data import inputs_and_targets, step_loss
 
 
 class Power:
@@ -179,6 +179,6 @@ def evaluate(model, batches, device, ranks) -> float:
     total = 0.0
     with torch.no_grad():
         for tokens, mask in batches:
-            total += float(model(*inputs_and_targets(tokens, mask, ranks, device)))
+            total += float(step_loss(model, *inputs_and_targets(tokens, mask, ranks, device)))
     model.train()
     return ranks.total(total, device) / ranks.world / len(batches)

@@ -27,9 +27,39 @@ def first_line(e: BaseException) -> str:
 
 
 
+# --lr's default: a pre-training rate for a model that starts from random weights, a fine-tuning rate
+# for a pretrained checkpoint (a transformers model directory, or a name in the Hugging Face cache).
+PRETRAINING_LR, FINE_TUNING_LR = 3e-3, 2e-5
+
+
+def plain(text: str) -> str:
+    """A docstring as plain text for ``--help``: reST roles and literals (``x``, :mod:`x`) lose their markup."""
+    return re.sub(r":[a-z]+(?::[a-z]+)*:`~?([^`]*)`", r"\1", text or "").replace("`", "")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` with each option's default after its help (where the help does not say it already)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or action.default in (None, argparse.SUPPRESS)
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
+def fine_tuning(args) -> bool:
+    """Whether the job starts from a pretrained checkpoint (not a preset, not ``--init random``)."""
+    return args.model not in PRESETS and getattr(args, "init", "pretrained") == "pretrained"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The job's options on ``p``; its help becomes plain text with every default shown."""
+    p.formatter_class = HelpFormatter
+    p.description = plain(p.description) or None
     a = p.add_argument
-    a("--config", help="TOML (or YAML, with PyYAML installed) file of the options below; flags win")
+    a("--config", help="TOML (or YAML, with PyYAML installed) file of the options below; flags win "
+      "(default: none, the flags and their defaults)")
     a("--model", default="tiny", help=f"preset ({', '.join(PRESETS)}) or a transformers model name/path")
     a("--init", choices=("pretrained", "random"), default="pretrained",
       help="a transformers model's weights: its checkpoint's (safetensors), or random from its config")
@@ -46,16 +76,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--eos-token", default=None, metavar="TEXT",
       help="the EOS token of streamed data (after each document, at the end of a response), where the "
            "tokenizer has none or another is wanted: a text that is one token of the tokenizer (e.g. '</s>'; "
-           "one byte for the byte tokenizer)")
+           "one byte for the byte tokenizer; default: the tokenizer's own)")
     a("--val-data", default=None, help="validation data (default: a held-out part of --data)")
     a("--export", action=argparse.BooleanOptionalAction, default=True,
       help="write a Hugging Face model directory (config, safetensors, tokenizer) to OUT/model at the end")
     a("--batch-size", type=int, default=16, help="sequences per step")
     a("--seq-len", type=int, default=128, help="tokens per sequence")
     a("--steps", type=int, default=400, help="optimizer steps in total (a resumed run continues to it)")
-    a("--lr", type=float, default=3e-3, help="peak learning rate (linear warm-up, cosine decay to 10%%)")
+    a("--lr", type=float, default=None,
+      help=f"peak learning rate (linear warm-up, cosine decay to 10%%); default: {PRETRAINING_LR:g} for a preset "
+           f"or --init random (pre-training), {FINE_TUNING_LR:g} for a pretrained transformers model (fine-tuning)")
     a("--warmup", type=int, default=30, help="warm-up steps")
-    a("--weight-decay", type=float, default=0.1)
+    a("--weight-decay", type=float, default=0.1, help="AdamW's decoupled weight decay")
     a("--max-grad-norm", type=float, default=1.0, help="global-norm clipping (0: off)")
     a("--gpu-blocks", type=_k_option, default="auto",
       help="k: leading blocks updated on the GPU (CUDA only), or 'auto': the scheduler picks k each step")
@@ -77,29 +109,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--device", default="auto", help="auto, cpu or cuda[:N]")
     a("--workers", type=int, default=0, help="CPU update threads (0: the usable cores)")
     a("--eval-every", type=int, default=100, help="validation every N steps (and at the end)")
-    a("--eval-batches", type=int, default=8)
+    a("--eval-batches", type=int, default=8, help="batches of held-out data in each validation")
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on signals)")
     a("--keep", type=int, default=2,
       help="checkpoints kept (0: none are written; what remains is the model directory written at the end)")
     a("--resume", default=None, help="a checkpoint directory, 'latest' in --out, or 'auto' (latest where "
-      "--out has a checkpoint, else a fresh start: for a job a scheduler requeues)")
+      "--out has a checkpoint, else a fresh start: for a job a scheduler requeues); default: a fresh start")
     a("--out", default="runs/default", help="output directory")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="seed of the weights (presets, --init random) and of the batches")
     a("--max-data-bytes", type=int, default=24 << 20, help="cap on the corpus read into memory")
-    a("--pin-limit", default=None, help="pinned-memory limit for optimizer state, e.g. 64GiB")
+    a("--pin-limit", default=None, help="pinned-memory limit for optimizer state, e.g. 64GiB (default: none; "
+      "the optimizer sizes its pool to its state)")
     a("--no-progress", action="store_true", help="no progress bar (one line per eval instead)")
     g = p.add_argument_group("several processes (one per GPU, sharded with FSDP2; see README)")
     g.add_argument("--nproc", default=None,
                    help="start torchrun with N processes on this node (or 'auto': one per GPU); "
-                        "--batch-size is the global batch, split between the ranks")
+                        "--batch-size is the global batch, split between the ranks (default: one process, "
+                        "no torchrun)")
     g.add_argument("--nnodes", default="1", help="torchrun --nnodes (e.g. 2 or 1:4), with --rdzv-endpoint")
-    g.add_argument("--rdzv-endpoint", default=None, help="torchrun's c10d rendezvous HOST:PORT (several nodes)")
+    g.add_argument("--rdzv-endpoint", default=None, help="torchrun's c10d rendezvous HOST:PORT (several nodes; "
+                   "default: a free port on this node)")
     g.add_argument("--rdzv-id", default="hytrain", help="torchrun's rendezvous id (the same on every node)")
     g.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun restarts the group this many times after a failure; the job resumes "
                         "from the latest checkpoint")
     g.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a collective may wait before the rank fails (a hung peer)")
+    g.add_argument("--verbose", action="store_true", help="print the torchrun command that --nproc runs")
 
 
 def resolve_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
@@ -147,8 +183,27 @@ def resolve_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
         p.set_defaults(**defaults)
         args = p.parse_args(argv)
     args.given = sorted(_flags_given(p, argv) | (set(defaults) if args.config else set()))
+    if args.lr is None:
+        args.lr = FINE_TUNING_LR if fine_tuning(args) else PRETRAINING_LR
     check_options(args)
     return args
+
+
+def job_notes(args) -> list[tuple[str, bool]]:
+    """What the job says before it trains, as (line, whether it is a warning, for stderr): a GPU that
+    torch sees while the native build has no CUDA (the job would train on the CPU without a word), and
+    the fine-tuning default of --lr where it applies."""
+    import hytrain
+
+    notes = []
+    if args.device == "auto" and torch.cuda.is_available() and hytrain.build_info().get("cuda") is None:
+        notes.append(("hytrain train: warning: torch sees a GPU, but hytrain was built without CUDA (no nvcc when "
+                      "it was installed): training runs on the CPU; to use the GPU, put nvcc on PATH (e.g. export "
+                      "PATH=/usr/local/cuda/bin:$PATH) and reinstall (pip install .)", True))
+    if "lr" not in getattr(args, "given", ()) and fine_tuning(args) and args.lr == FINE_TUNING_LR:
+        notes.append((f"hytrain train: lr {args.lr:g} (the fine-tuning default for a pretrained model; --lr to "
+                      "change)", False))
+    return notes
 
 
 def _flags_given(p: argparse.ArgumentParser, argv) -> set:

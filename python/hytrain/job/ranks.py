@@ -20,7 +20,6 @@ import torch
 from ..blocks import repeated_layers
 from .options import ConfigError
 from .processes import stop_when_orphaned
-from .torchrun import error_file_payload
 
 
 class PeerFailure(RuntimeError):
@@ -75,6 +74,10 @@ def tell_launcher(line: str, kind: str, rank: int, callstack: str = "") -> bool:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not (path and os.environ.get(LAUNCHED)):
         return True
+    # (Imported here: hytrain.job imports this module, and ``python -m hytrain.job.torchrun`` must find
+    # that module not yet imported, or runpy warns that it runs a second copy of it.)
+    from .torchrun import error_file_payload
+
     try:
         with open(path, "w") as f:
             f.write(error_file_payload(line, kind, callstack, time.time()))
@@ -176,7 +179,8 @@ def launch(args, argv: list[str]) -> int:
         raise ConfigError(f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
                           f"number of processes ({nproc})")
     cmd = torchrun_command(args, argv, nproc)
-    print("hytrain train: " + " ".join(cmd[1:]), flush=True)
+    if getattr(args, "verbose", False):  # (not by default: a command the ranks refuse says one line)
+        print("hytrain train: " + " ".join(cmd[1:]), flush=True)
     # OMP_NUM_THREADS=1 is what torchrun gives each rank anyway (the job sets its own thread counts);
     # setting it here spares its four-line banner saying so.
     # A fresh rendezvous store for every round of the group (torch's documented opt-out of the agent's

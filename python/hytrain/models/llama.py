@@ -3,6 +3,10 @@ rotary embeddings and grouped KV heads, SwiGLU MLP), final RMSNorm and an untied
 
 The repeated blocks live in ``model.layers`` (an ``nn.ModuleList``), which is what hytrain's block
 detection looks for.
+
+It is called as transformers' causal LMs are: ``model(tokens)`` gives the logits, ``model(tokens,
+labels)`` the next-token loss, the labels shifted inside the model (``model(tokens, tokens)`` trains
+position t to predict token t + 1; labels of -100 carry no loss).
 """
 
 from __future__ import annotations
@@ -15,8 +19,38 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+IGNORE_INDEX = -100
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy (in fp32) of ``logits[:, :-1]`` against ``labels[:, 1:]``: the logits at
+    position t are scored against the label of position t + 1, as transformers' causal LMs shift their
+    ``labels``. Labels equal to -100 (prompts, padding) carry no loss and are not counted in the mean.
+
+    ``logits``: (batch, seq, vocab); ``labels``: (batch, seq), aligned with the input tokens (pass the
+    tokens themselves for plain next-token prediction, not tokens shifted by one).
+    """
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"labels of shape {tuple(labels.shape)} for tokens of shape {tuple(logits.shape[:-1])}: "
+                         "the labels are aligned with the tokens (the model shifts them itself)")
+    # The labels move left (the last position gets -100) rather than the logits: no copy of the logits
+    # beyond their fp32 cast.
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
 @dataclass
 class LlamaConfig:
+    """The decoder's shape.
+
+    ``vocab_size``: rows of the embedding and the LM head. ``hidden_size``: the residual width, split
+    into ``num_heads`` attention heads (the head dimension must be even, for the rotary embedding);
+    ``num_kv_heads`` of them carry keys and values (grouped-query attention; it divides
+    ``num_heads``). ``intermediate_size``: the SwiGLU MLP's width. ``num_layers``: the repeated
+    blocks. ``max_seq_len``: the longest sequence a forward takes (the rotary tables' length);
+    ``rope_theta``: the rotary base; ``norm_eps``: RMSNorm's epsilon.
+    """
+
     vocab_size: int = 256
     hidden_size: int = 128
     intermediate_size: int = 344
@@ -36,6 +70,7 @@ class LlamaConfig:
             raise ValueError("the head dimension must be even for rotary embeddings")
 
     def num_parameters(self) -> int:
+        """The model's parameter count, from the shape alone."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         kv = h // self.num_heads * self.num_kv_heads
         per_layer = 2 * h + h * h * 2 + 2 * h * kv + 3 * h * i
@@ -91,7 +126,13 @@ class Block(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """``checkpointing=True``: each layer is recomputed in backward (activation checkpointing)."""
+    """The decoder of ``config`` (a :class:`LlamaConfig`), weights drawn from N(0, 0.02), norms at 1.
+
+    ``model(tokens)`` returns the logits; ``model(tokens, labels)`` the next-token loss, with the
+    labels shifted inside (see :meth:`forward`), so ``model(tokens, tokens)`` is causal language
+    modelling. ``checkpointing=True``: each layer is recomputed in backward (activation
+    checkpointing).
+    """
 
     def __init__(self, config: LlamaConfig, *, checkpointing: bool = False):
         super().__init__()
@@ -113,7 +154,18 @@ class LlamaModel(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, tokens, targets=None):
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens``: (batch, seq) token ids, seq at most ``config.max_seq_len``.
+
+        Without ``labels``: the logits, (batch, seq, vocab_size), in the weights' dtype; those at
+        position t are the prediction of token t + 1 (the attention is causal).
+
+        With ``labels`` (batch, seq; usually the tokens themselves): the loss, a scalar in fp32 -- the
+        mean cross-entropy of the logits at positions 0 .. seq - 2 against ``labels[:, 1:]``. The
+        shift happens here, as in transformers' ``LlamaForCausalLM(input_ids, labels=...)``: pass
+        the labels aligned with the tokens, never shifted by one already. Labels of -100 carry no
+        loss (a prompt, padding); a row's first label is never used.
+        """
         t = tokens.shape[1]
         if t > self.config.max_seq_len:
             raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
@@ -124,6 +176,6 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = checkpoint(layer, x, cos, sin, use_reentrant=False) if recompute else layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))
-        if targets is None:
+        if labels is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return next_token_loss(logits, labels)

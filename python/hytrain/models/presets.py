@@ -1,11 +1,12 @@
 """Model presets for ``hytrain train`` (shapes of the project's Llama-style decoder, up to the L3B and
-L7B workloads), and the wrapper that gives a transformers causal LM the same ``(tokens, targets)``
+L7B workloads), and the wrapper that gives a transformers causal LM the same ``(tokens, labels)``
 interface."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .llama import next_token_loss
 
 PRESETS = {
     "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=344, num_layers=4, num_heads=4, num_kv_heads=2),
@@ -23,8 +24,11 @@ PRESETS = {
 
 
 class CausalLM(torch.nn.Module):
-    """A transformers causal LM called as ``model(tokens, targets)`` (the loss) or ``model(tokens)``
-    (the logits); checkpoints hold it under its own parameter names (``saved_module``)."""
+    """A transformers causal LM called as the project's decoder is: ``model(tokens)`` gives the
+    logits, ``model(tokens, labels)`` the next-token loss with the labels shifted inside, exactly as
+    transformers' own ``model(input_ids=tokens, labels=labels).loss`` (so ``model(tokens, tokens)``
+    is next-token prediction; labels of -100 carry no loss). Checkpoints hold it under its own
+    parameter names (``saved_module``)."""
 
     def __init__(self, inner: torch.nn.Module):
         super().__init__()
@@ -34,8 +38,10 @@ class CausalLM(torch.nn.Module):
     def saved_module(self):
         return self.inner
 
-    def forward(self, tokens, targets=None):
+    def forward(self, tokens, labels=None):
+        """The logits (batch, seq, vocab) without ``labels``; with them (batch, seq, aligned with the
+        tokens), the fp32 mean cross-entropy of ``logits[:, :-1]`` against ``labels[:, 1:]``."""
         logits = self.inner(input_ids=tokens).logits
-        if targets is None:
+        if labels is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return next_token_loss(logits, labels)
