@@ -13,7 +13,7 @@ import torch
 import hytrain
 from hytrain.blocks import detect_blocks
 from hytrain.models import LlamaConfig, LlamaModel
-from test_hybrid_adam import Reference  # torch's AdamW on fp32 copies of the model's parameters
+from test_hybrid_adam import Reference, counting  # torch's AdamW on fp32 copies of the model's parameters
 
 CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4,
                   num_kv_heads=2, max_seq_len=64)
@@ -22,7 +22,7 @@ LR = 2e-3
 
 def data(n, seed=0, vocab=CFG.vocab_size, batch=2, seq=16):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(n)]
+    return [counting(g, (batch, seq), vocab) for _ in range(n)]
 
 
 def model_and_optimizer(**kw):

@@ -16,9 +16,16 @@ CFG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_lay
                   num_kv_heads=2, max_seq_len=64)
 
 
+def counting(g, shape, vocab):
+    """Rows that count up from a random start (mod ``vocab``): each token predicts the next, so the
+    next-token loss can fall (on random tokens it stays at ln V, whatever the optimizer does)."""
+    start = torch.randint(0, vocab, (*shape[:-1], 1), generator=g)
+    return (start + torch.arange(shape[-1])) % vocab
+
+
 def batches(n, micro=1, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randint(0, CFG.vocab_size, (2, 32), generator=g) for _ in range(micro)] for _ in range(n)]
+    return [[counting(g, (2, 32), CFG.vocab_size) for _ in range(micro)] for _ in range(n)]
 
 
 class Reference:
@@ -109,7 +116,8 @@ def test_matches_reference_bf16(with_model, max_grad_norm):
     if max_grad_norm is not None:
         assert 0 < ref.clipped < STEPS or ref.clipped == STEPS, "clipping should fire"
         assert ref.clipped > 0
-        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref.norms), rtol=2e-2, atol=0)
+        # bf16 weights: the two trajectories drift apart by bf16 roundings, more so as the loss falls fast
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref.norms), rtol=4e-2, atol=0)
     else:
         assert norms == [None] * STEPS
     assert losses[-1] < losses[0]
