@@ -157,10 +157,9 @@ def load_single(path, model, opt) -> dict:
     Returns :func:`load`'s dict, ``extra`` holding the checkpoint's config and its scheduler."""
     path = Path(path)
     tmp = path.parent / f".{path.name}.resharded.tmp"
-    # The global shapes, by the index the optimizer's sharded state uses (its parameters in order).
-    shapes = {i: tuple(e["exp_avg"].shape if "exp_avg" in e and e["exp_avg"].dtype != torch.uint8
-                       else e.get("master", e.get("exp_avg")).shape)
-              for i, e in opt.sharded_state_dict()["state"].items()}
+    # The parameters' global shapes, by the index the optimizer's sharded state uses: m is shaped like
+    # its parameter in every format (8-bit codes too, state_dicts._sharded_moment).
+    shapes = {i: tuple(e["exp_avg"].shape) for i, e in opt.sharded_state_dict()["state"].items()}
     own = getattr(model, "saved_module", model)  # the single checkpoint's names -> the model's own
     by_id = {id(t): k for k, t in model.state_dict(keep_vars=True).items()}
     names = {k: by_id.get(id(t), k) for k, t in own.state_dict(keep_vars=True).items()}

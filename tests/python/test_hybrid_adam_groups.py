@@ -108,6 +108,24 @@ class ZeroGradNet(torch.nn.Module):
         return self.b(torch.tanh(self.a(self.emb(ids))))
 
 
+def train_eps_zero_and_compare(model, ref, twin, opt):
+    """Five steps of torch's optimizer on ``model`` and HybridAdamW on its copy ``twin`` (on the
+    model's device), then torch's result -- 0/0 where the gradient was always zero -- in both."""
+    device = next(model.parameters()).device
+    for _ in range(5):
+        ids = torch.randint(0, 6, (6, 3), device=device)
+        for m, o in ((model, ref), (twin, opt)):
+            m(ids).square().mean().backward()
+            m.idle.grad = torch.zeros_like(m.idle)
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    assert model.idle.isnan().all() and model.emb.weight[6:].isnan().all()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(q.isnan(), p.isnan()), name
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
+
+
 @pytest.mark.parametrize("amsgrad", [False, True])
 def test_eps_zero_matches_torch_element_for_element(amsgrad):
     torch.manual_seed(0)
@@ -115,20 +133,8 @@ def test_eps_zero_matches_torch_element_for_element(amsgrad):
     twin = copy.deepcopy(model)
     ref = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.0, amsgrad=amsgrad, foreach=False)
     opt = hytrain.HybridAdamW(twin.parameters(), lr=1e-2, eps=0.0, amsgrad=amsgrad, workers=2, model=twin)
-    for _ in range(5):
-        ids = torch.randint(0, 6, (6, 3))
-        for m, o in ((model, ref), (twin, opt)):
-            m(ids).square().mean().backward()
-            m.idle.grad = torch.zeros_like(m.idle)
-            o.step()
-            o.zero_grad()
-    opt.synchronize()
-    # torch's result: 0/0 where the gradient was always zero, finite elsewhere
-    assert model.idle.isnan().all() and model.emb.weight[6:].isnan().all()
+    train_eps_zero_and_compare(model, ref, twin, opt)
     assert not model.emb.weight[:6].isnan().any() and not model.a.weight.isnan().any()
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        assert torch.equal(q.isnan(), p.isnan()), name
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
     for p, q in zip(model.parameters(), twin.parameters()):
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opt.state[q][key], ref.state[p][key], rtol=1e-5, atol=1e-7)
@@ -146,15 +152,4 @@ def test_eps_zero_on_the_gpu_matches_torch_element_for_element(gpu_blocks):
     ref = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.0, foreach=False)
     opt = hytrain.HybridAdamW(twin.parameters(), lr=1e-2, eps=0.0, workers=2, model=twin,
                               blocks=[twin.emb, twin.a, twin.b, [twin.idle]], gpu_blocks=gpu_blocks)
-    for _ in range(5):
-        ids = torch.randint(0, 6, (6, 3), device="cuda")
-        for m, o in ((model, ref), (twin, opt)):
-            m(ids).square().mean().backward()
-            m.idle.grad = torch.zeros_like(m.idle)
-            o.step()
-            o.zero_grad()
-    opt.synchronize()
-    assert model.idle.isnan().all() and model.emb.weight[6:].isnan().all()
-    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-        assert torch.equal(q.isnan(), p.isnan()), name
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, equal_nan=True, msg=name)
+    train_eps_zero_and_compare(model, ref, twin, opt)
