@@ -5,8 +5,8 @@
 #
 #   bash examples/finetune.sh [WORKDIR]      # WORKDIR: where to put everything (default: a temp dir)
 #
-# On a GPU the same command trains there (bf16 weights); with your own model and data, only the
-# paths change: hytrain train --model ./Llama-2-7b-hf --data ./train.jsonl ...
+# On a GPU the same command trains there (bf16 weights). With your own model and data, --model and
+# --data take their paths (README.md, "Fine-tune a Hugging Face model", has whole commands).
 set -euo pipefail
 
 WORK=${1:-$(mktemp -d)}
@@ -30,7 +30,8 @@ bpe = Tokenizer(models.BPE(unk_token="<unk>"))
 bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
 bpe.decoder = decoders.ByteLevel()
 bpe.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
-                                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                  show_progress=False))  # (its bar prints blank lines to a pipe)
 tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                               unk_token="<unk>")
 config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -16,7 +16,6 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -25,31 +24,9 @@ from hytrain import dist_checkpoint
 from hytrain.distributed import init_process_group
 from hytrain.models import LlamaConfig, LlamaModel
 
+from _data import held_out_loss, markov_rows  # examples/_data.py
+
 GLOBAL_BATCH = 8  # sequences per step, split between the ranks
-
-# The data: a Markov chain over token ids 0..31, each followed by one of 4 (a fixed table).
-FOLLOWERS = torch.randint(0, 32, (32, 4), generator=torch.Generator().manual_seed(0))
-
-
-def markov_rows(n, seed, length=32):
-    g = torch.Generator().manual_seed(seed)
-    cols = [torch.randint(0, 32, (n,), generator=g)]
-    while len(cols) < length:
-        cols.append(FOLLOWERS[cols[-1], torch.randint(0, 4, (n,), generator=g)])
-    return torch.stack(cols, dim=1)
-
-
-def held_out_loss(model, seen, device):
-    """(next-token loss on unseen rows, unigram baseline). The loss comes from the logits, position t
-    scored against token t + 1; the baseline is the entropy of the token frequencies in ``seen``, the
-    best a model that ignores the context can do."""
-    rows = markov_rows(16, seed=1_000_000).to(device)
-    with torch.no_grad():
-        logits = model(rows).float()  # without labels: the logits
-    held = F.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten()).item()
-    p = torch.bincount(seen.flatten().cpu()).double() / seen.numel()
-    return held, -(p[p > 0] * p[p > 0].log()).sum().item()
-
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--steps", type=int, default=40)

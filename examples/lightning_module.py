@@ -8,36 +8,17 @@ chain: each token is followed by one of four); the script checks that the model 
 token of unseen rows better than the token frequencies alone do.
 """
 
+import tempfile
+
 import lightning as L
 import torch
-import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
 
 import hytrain
 from hytrain.integrations import HybridClipping
 from hytrain.models import LlamaConfig, LlamaModel
 
-# The data: a Markov chain over token ids 0..31, each followed by one of 4 (a fixed table).
-FOLLOWERS = torch.randint(0, 32, (32, 4), generator=torch.Generator().manual_seed(0))
-
-
-def markov_rows(n, seed, length=32):
-    g = torch.Generator().manual_seed(seed)
-    cols = [torch.randint(0, 32, (n,), generator=g)]
-    while len(cols) < length:
-        cols.append(FOLLOWERS[cols[-1], torch.randint(0, 4, (n,), generator=g)])
-    return torch.stack(cols, dim=1)
-
-
-def held_out_loss(model, seen, device):
-    """(next-token loss on unseen rows, unigram baseline). The loss comes from the logits, position t
-    scored against token t + 1; the baseline is the entropy of the token frequencies in ``seen``, the
-    best a model that ignores the context can do."""
-    rows = markov_rows(16, seed=1_000_000).to(device)
-    with torch.no_grad():
-        logits = model(rows).float()  # without labels: the logits
-    held = F.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten()).item()
-    p = torch.bincount(seen.flatten().cpu()).double() / seen.numel()
-    return held, -(p[p > 0] * p[p > 0].log()).sum().item()
+from _data import held_out_loss, markov_rows  # examples/_data.py
 
 
 class TinyLlama(HybridClipping, L.LightningModule):
@@ -65,9 +46,11 @@ class TinyLlama(HybridClipping, L.LightningModule):
 torch.manual_seed(0)
 tokens = markov_rows(64, seed=0)
 module = TinyLlama()
-trainer = L.Trainer(max_steps=40, accelerator="auto", devices=1, gradient_clip_val=1.0, logger=False,
-                    enable_checkpointing=False, enable_model_summary=False)
-trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=8, shuffle=True))
+with tempfile.TemporaryDirectory() as logs:  # loss and grad_norm every 5 steps, as CSV (a real run keeps it)
+    trainer = L.Trainer(max_steps=40, accelerator="auto", devices=1, gradient_clip_val=1.0,
+                        logger=CSVLogger(logs), log_every_n_steps=5, enable_checkpointing=False,
+                        enable_model_summary=False)
+    trainer.fit(module, torch.utils.data.DataLoader(tokens, batch_size=8, shuffle=True))
 
 print(f"loss {module.losses[0]:.3f} -> {module.losses[-1]:.3f}, grad norm {float(trainer.callback_metrics['grad_norm']):.3f}")
 held, unigram = module.held_out

@@ -13,39 +13,16 @@ import os
 import tempfile
 
 import torch
-import torch.nn.functional as F
 
 import hytrain
 from hytrain.models import LlamaConfig, LlamaModel
+
+from _data import held_out_loss, markov_rows  # examples/_data.py
 
 STEPS = 40
 device = "cuda" if torch.cuda.is_available() and hytrain.cuda_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
 config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=2, max_seq_len=64)
-
-# The data: a Markov chain over token ids 0..31, each followed by one of 4 (a fixed table).
-FOLLOWERS = torch.randint(0, 32, (32, 4), generator=torch.Generator().manual_seed(0))
-
-
-def markov_rows(n, seed, length=32):
-    g = torch.Generator().manual_seed(seed)
-    cols = [torch.randint(0, 32, (n,), generator=g)]
-    while len(cols) < length:
-        cols.append(FOLLOWERS[cols[-1], torch.randint(0, 4, (n,), generator=g)])
-    return torch.stack(cols, dim=1)
-
-
-def held_out_loss(model, seen, device):
-    """(next-token loss on unseen rows, unigram baseline). The loss comes from the logits, position t
-    scored against token t + 1; the baseline is the entropy of the token frequencies in ``seen``, the
-    best a model that ignores the context can do."""
-    rows = markov_rows(16, seed=1_000_000).to(device)
-    with torch.no_grad():
-        logits = model(rows).float()  # without labels: the logits
-    held = F.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten()).item()
-    p = torch.bincount(seen.flatten().cpu()).double() / seen.numel()
-    return held, -(p[p > 0] * p[p > 0].log()).sum().item()
-
 
 torch.manual_seed(0)
 batches = [markov_rows(8, seed=step).to(device) for step in range(STEPS)]

@@ -17,23 +17,28 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hytrain
 
+from _data import markov_rows  # examples/_data.py
+
 STEPS = 16
 device = "cuda" if torch.cuda.is_available() and hytrain.cuda_available() else "cpu"
 config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 torch.manual_seed(0)
-batches = [torch.randint(0, config.vocab_size, (4, 32), device=device) for _ in range(1)]  # one batch, learned by heart
+batches = [markov_rows(4, seed=step).to(device) for step in range(STEPS)]
 
 
 def train(path, stream):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # on the CPU
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, use_cache=False)  # on the CPU
+    if hasattr(model, "activation_checkpointing_enable"):  # (older transformers: gradient_checkpointing_enable)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     window = hytrain.stream_model(model, device, stream=stream)  # moved layer by layer
     opt = hytrain.HybridAdamW(model.parameters(), lr=1e-2, model=model, state_format="8bit", max_grad_norm=1.0)
     model.train()
     losses = []
     for step in range(STEPS):
-        x = batches[step % len(batches)]
+        x = batches[step]
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()
