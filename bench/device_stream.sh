@@ -12,6 +12,10 @@
 #           rate against 2 and 4 processes at once, and with the pool's pages spread or left local
 #   placement  train_bench L3B at 27.13 GB (hytrain_k0, fp32 states: the host-bound case), pages left
 #           local, then spread (HYTRAIN_PAGE_PLACEMENT), one invocation each, $PLACE_ITERS timed
+#   timeline  train_bench L3B at 27.13 GB (hytrain_k0, fp32 states), one invocation per variant in
+#           $VARIANTS ("default", "torch1": torch's intra-op threads 1, "workersN": N update workers,
+#           "passive": OMP_WAIT_POLICY=passive), each with a trace of its last $TRACE_KEEP iterations,
+#           summarised per iteration by bench/trace_summary.py
 # Logs go to $OUT (or ./device-out).
 set -uo pipefail
 source "$(dirname "$0")/stage_env.sh"
@@ -41,6 +45,30 @@ for stage in "$@"; do
         HYTRAIN_PAGE_PLACEMENT=$placement python3 bench/train_bench.py --workloads l3b --modes hytrain_k0 \
           --cap-gb 27.13 --skip-nocap --no-profile --warmup 5 --iters "${PLACE_ITERS:-10}" 2>&1 \
           | tee "$out/placement_$placement.log" | grep -E "^RESULT|^\{" | cut -c1-1200 | tail -3
+      done ;;
+    timeline)
+      n=0
+      for variant in ${VARIANTS:-default torch1}; do
+        n=$((n + 1)); extra=(); envs=()
+        case "$variant" in
+          torch1) extra=(--torch-threads 1) ;;
+          workers*) extra=(--workers "${variant#workers}") ;;
+          passive) envs=(OMP_WAIT_POLICY=passive) ;;
+        esac
+        env "${envs[@]}" python3 bench/train_bench.py --workloads l3b --modes "${TIMELINE_MODE:-hytrain_k0}" \
+          --cap-gb 27.13 --skip-nocap --no-profile --warmup 5 --iters "${PLACE_ITERS:-10}" "${extra[@]}" \
+          --trace "$out/trace_$n$variant" --trace-keep "${TRACE_KEEP:-6}" > "$out/timeline_$n$variant.log" 2>&1
+        python3 - "$out/timeline_$n$variant.log" "$n$variant" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith('{"mode"'):
+        r = json.loads(line)
+        keys = ("iter_s_median", "iter_s_mean", "iter_s_p90", "iter_s_max", "wall_tokens_per_s", "warmup", "k")
+        print(sys.argv[2], {k: round(r[k], 3) if isinstance(r.get(k), float) else r.get(k) for k in keys})
+        print("  iterations", r.get("iter_times_s"))
+        print("  threads", json.dumps(r.get("thread_cpu")))
+PY
+        python3 bench/trace_summary.py "$out"/trace_$n$variant.*.json | cut -c1-220 | head -4
       done ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

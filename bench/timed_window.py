@@ -28,3 +28,44 @@ def window_figures(times, tokens_per_iteration=None) -> dict:
     if tokens_per_iteration is not None:
         out["wall_tokens_per_s"] = tokens_per_iteration * len(times) / total if total > 0 else None
     return out
+
+
+def thread_cpu() -> dict:
+    """This process's threads now: {tid: (name, CPU seconds so far)}, from /proc (Linux; {} elsewhere).
+    The main thread is named "main"."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = ("main" if int(tid) == os.getpid() else name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def thread_cpu_figures(before: dict, after: dict, window_s: float) -> dict:
+    """Where the CPU went between two :func:`thread_cpu` readings, by thread name: the threads of
+    that name that ran, the cores they kept busy on average over ``window_s`` and the busiest one's
+    share of a core. Threads started in between count from zero."""
+    groups = {}
+    for tid, (name, seconds) in after.items():
+        used = seconds - before.get(tid, (name, 0.0))[1]
+        g = groups.setdefault(name, {"threads": 0, "cpu_s": 0.0, "busiest_s": 0.0})
+        g["threads"] += used > 0
+        g["cpu_s"] += used
+        g["busiest_s"] = max(g["busiest_s"], used)
+    if window_s <= 0:
+        return {}
+    return {name: {"threads": g["threads"], "cores": round(g["cpu_s"] / window_s, 3),
+                   "busiest_core": round(g["busiest_s"] / window_s, 3)}
+            for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["cpu_s"]) if g["cpu_s"] > 0}

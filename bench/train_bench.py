@@ -49,7 +49,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timed_window import window_figures  # noqa: E402
+from timed_window import thread_cpu, thread_cpu_figures, window_figures  # noqa: E402
 
 WORKLOADS = {
     "l3b": dict(hidden_size=3072, num_layers=26, num_heads=24, intermediate_size=8192, checkpointing=False),
@@ -259,7 +259,10 @@ def run_mode(args):
     torch.cuda.synchronize()
     warmup = args.warmup
     i = 0
+    cpu_before = None
     while i < warmup + args.iters:
+        if i == warmup:
+            cpu_before = thread_cpu()
         t0 = time.perf_counter()
         iteration()
         stream.synchronize()
@@ -271,6 +274,7 @@ def run_mode(args):
             if i + 1 == warmup and warmup < args.warmup + SETTLE_MAX and len(set(plans[-SETTLE:])) > 1:
                 warmup += 1
         i += 1
+    cpu_after = thread_cpu()
     iter_s = statistics.median(times[warmup:])
     rec = {"mode": mode, "workload": workload, "model": "transformers" if use_tf else "hytrain",
            "params": n_params, "iter_s": iter_s, "tokens_per_s": BATCH * SEQ / iter_s,
@@ -281,7 +285,9 @@ def run_mode(args):
            # times the caching allocator hit the memory limit, freed its cache and retried (a device sync each)
            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
            "warmup": warmup, "iter_times_s": [round(t, 4) for t in times],
-           **window_figures(times[warmup:], BATCH * SEQ)}
+           **window_figures(times[warmup:], BATCH * SEQ),
+           # the cores each kind of thread kept busy over the timed window (hytrain-update: the CPU AdamW)
+           "thread_cpu": thread_cpu_figures(cpu_before or {}, cpu_after, sum(times[warmup:]))}
     if scaler is not None:
         rec["loss_scale"] = scaler.get_scale()
     rec["kept_grads"] = bool(args.keep_grads) if mode.startswith("hytrain") else None

@@ -8,6 +8,7 @@
 
 #include "hytrain/error.h"
 #include "hytrain/quant8.h"
+#include "hytrain/thread_name.h"
 
 namespace hytrain {
 
@@ -67,7 +68,10 @@ struct UpdateEngine::Runtime {
   Runtime(std::size_t queue_slices, SimdPath path) : queue(queue_slices), path(path) {}
 
   void start(int workers) {
-    for (int i = 0; i < workers; ++i) threads.emplace_back([this] { run_worker(); });
+    for (int i = 0; i < workers; ++i) threads.emplace_back([this] {
+      name_this_thread("hytrain-update");
+      run_worker();
+    });
   }
   void stop();  // drains the queue (overflow included), then joins the workers
   void run_worker();

@@ -6,6 +6,7 @@
 #include "cuda_check.h"
 #include "hytrain/copy_stream.h"
 #include "hytrain/error.h"
+#include "hytrain/thread_name.h"
 
 namespace hytrain {
 namespace cuda {
@@ -74,6 +75,7 @@ void CopyStream::set_listener(std::function<void(uint64_t)> listener) {
 }
 
 void CopyStream::poll_loop() {
+  name_this_thread("hytrain-copies");
   // The poller's own current device: events of this device are waited on here.
   if (cudaSetDevice(device_) != cudaSuccess) (void)cudaGetLastError();
   for (;;) {

@@ -264,6 +264,73 @@ def test_the_planner_from_recorded_costs():
     assert stats["state_budget_bytes"] == sched.memory_budget and planner.spec_from is None
 
 
+class _PagedShadows:
+    """Shadows in a page-locking pool: ``free`` bytes locked and unused; a reserve locks the rest at
+    ``rate`` bytes/s (the measured rate after the first)."""
+
+    def __init__(self, sizes, free, rate):
+        self.sizes, self.free, self.true_rate, self.lock_rate, self.made = sizes, free, rate, None, set()
+
+    def has(self, b):
+        return b in self.made
+
+    def need(self, b):
+        return 0 if b in self.made else self.sizes[b]
+
+    def free_room(self):
+        return self.free
+
+    def reserve(self, blocks):
+        short = sum(self.need(b) for b in blocks) - self.free
+        if short <= 0:
+            return 0
+        self.free += short
+        self.lock_rate = self.true_rate
+        return short
+
+    def allocate(self, b):
+        self.free -= self.sizes[b]
+        self.made.add(b)
+        return True
+
+
+class _ShadowStore:
+    def __init__(self, shadows):
+        self.shadows, self.trims = shadows, 0
+
+    def shadow_plan(self, start):
+        return list(range(len(self.shadows.sizes) - 1, start - 1, -1))
+
+    def trimmed(self):
+        self.trims += 1
+
+
+def test_speculation_shadows_are_page_locked_a_few_blocks_a_step():
+    """Eight offloaded blocks of 1 GB each to speculate from block 0, a pool that locks 4 GB/s and
+    iterations of 1 s: the first step locks one block (and measures the rate), each later one what
+    the pool locks in a quarter of an iteration (1 GB: one block) plus what it holds free; the start
+    falls block by block, and only steps that locked memory go unmeasured."""
+    L, GB = 8, 1 << 30
+    shadows = _PagedShadows([GB] * L, free=0, rate=4 * GB)
+    store = _ShadowStore(shadows)
+    plan = BlockPlan(groups_of([nn.Parameter(torch.zeros(10)) for _ in range(L)]), bucket_elements=1)
+    planner = Planner(plan, make_settings(speculate="auto"), native().BlockRuntime([1] * L, 1), store)
+    planner.summary = {"iter_gpu_s": 1.0}
+    starts = []
+    for _ in range(3):
+        planner.speculate_from(0, True)
+        starts.append(planner.spec_from)
+    assert starts == [7, 6, 5] and shadows.lock_rate == 4 * GB
+    shadows.free = 2 * GB + GB // 2  # room in the pool: 2.5 GB free plus 1 GB locked this step
+    planner.speculate_from(0, True)
+    assert planner.spec_from == 2
+    shadows.free = 10 * GB
+    planner.speculate_from(0, True)
+    assert planner.spec_from == 0 and store.trims == 5
+    planner.speculate_from(None, True)
+    assert planner.spec_from is None
+
+
 def test_the_planner_gives_way_where_the_allocator_retried():
     """A slow CPU: every block the budget holds goes to the GPU (5 of 8). An iteration in which the
     caching allocator reached the limit and retried costs one block's room for the rest of the run:

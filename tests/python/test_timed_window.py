@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from timed_window import window_figures  # noqa: E402
+from timed_window import thread_cpu, thread_cpu_figures, window_figures  # noqa: E402
 
 
 def test_a_window_with_one_slow_iteration():
@@ -25,3 +25,32 @@ def test_p90_by_nearest_rank_and_no_tokens():
     assert f["iter_s_p90"] == 4.0 and f["iter_s_median"] == 2.0 and f["p90_over_median"] == 2.0
     assert "wall_tokens_per_s" not in f
     assert window_figures([]) == {}
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc (Linux)")
+def test_thread_cpu_finds_a_busy_thread_by_name():
+    import ctypes
+    import threading
+    import time
+
+    libc = ctypes.CDLL(None)
+    stop = threading.Event()
+
+    def spin():
+        libc.pthread_setname_np(ctypes.c_ulong(threading.get_ident()), b"busy-spinner")
+        while not stop.is_set():
+            pass
+
+    before = thread_cpu()
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=spin)
+    worker.start()
+    time.sleep(0.6)
+    after = thread_cpu()
+    stop.set()
+    worker.join()
+    f = thread_cpu_figures(before, after, time.perf_counter() - t0)
+    # The spinner holds the GIL most of the time; it and the main thread share one core between them.
+    assert "busy-spinner" in f and f["busy-spinner"]["threads"] == 1, f
+    assert 0.2 < f["busy-spinner"]["cores"] + f.get("main", {}).get("cores", 0.0) < 1.3, f
+    assert thread_cpu_figures(before, after, 0.0) == {}

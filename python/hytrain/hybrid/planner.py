@@ -17,6 +17,8 @@ from ..pool import CapacityError, format_bytes
 from . import collectives
 from .common import local
 
+SHADOW_STALL_SHARE = 0.25  # of an iteration, the longest a step stalls page-locking new shadow memory
+
 
 def fit(sizes, room) -> int:
     """How many leading blocks of these sizes fit in ``room`` bytes."""
@@ -369,23 +371,45 @@ class Planner:
 
     def speculate_from(self, start, allowed) -> None:
         """Blocks >= start speculate in the next backward. Their shadows are allocated (from the last
-        block down, within the host headroom; where that ends, the start rises). Allocation is slow
-        the first time (page-locking), so the iteration it falls in is not measured."""
+        block down, within the host headroom; where that ends, the start rises), a few blocks a step
+        (:meth:`_paced`). Page-locking new memory stalls the step: an iteration that did is not
+        measured."""
         self.spec_from = None
         if start is None or not allowed:
             return
         store = self.store
         plan = store.shadow_plan(start)
-        missing = [b for b in plan if not store.shadows.has(b)]
-        store.shadows.reserve(missing)
+        missing = self._paced([b for b in plan if not store.shadows.has(b)])
+        locked = store.shadows.reserve(missing)
         for b in plan:
             if b in missing and not store.shadows.allocate(b):
                 break  # the pool's capacity: speculation starts above this block
+            if not store.shadows.has(b):
+                break  # a later step's share: speculation starts above it until then
             self.spec_from = b
         if missing:
             store.trimmed()
-        if missing and self.meter is not None:
+        if locked and self.meter is not None:
             self.meter.pending = None  # the allocation stalled this iteration: not a measurement
+
+    def _paced(self, missing):
+        """The shadows to allocate this step, from the last block down: page-locking new pool memory
+        stalls the step it falls in, so a step takes what the pool locks in a quarter of the last
+        measured iteration, at the rate it locked at before, besides what the pool holds free (at
+        least one block; the first time, one block, which measures the rate). Speculation reaches
+        its planned start over a few steps, none far slower than the others, not in one long one."""
+        shadows = self.store.shadows
+        room = shadows.free_room()
+        if not missing or room is None:
+            return missing
+        rate, iter_s = shadows.lock_rate, self.summary.get("iter_gpu_s")
+        budget, out = room + (rate * iter_s * SHADOW_STALL_SHARE if rate and iter_s else 0), []
+        for b in missing:
+            budget -= self.store.shadows.need(b)
+            if out and budget < 0:
+                break
+            out.append(b)
+        return out
 
     def stats(self) -> dict:
         out = {"k": self.settings.gpu_blocks, "speculative_from": self.spec_from, **self.summary}

@@ -8,6 +8,8 @@ goes to the GPU or the host needs the room for states coming back."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .. import _checks
@@ -33,6 +35,7 @@ class Shadows:
         self.plan, self.settings, self.rt, self.state, self.pool, self.table = plan, settings, rt, state, pool, table
         self.streams = streams  # whether a block streams its weights (window.py)
         self.entries = {}
+        self.lock_rate = None  # bytes/s at which the pool page-locked new slabs, at the last reserve
 
     def rebind(self, state) -> None:
         """``optimizer.state`` is another dict now (see ``StateStore.rebind``)."""
@@ -43,6 +46,18 @@ class Shadows:
 
     def has(self, b) -> bool:
         return all(id(p) in self.entries for p in self.plan.blocks[b])
+
+    def need(self, b) -> int:
+        """The pool bytes block b's shadows would take (0 where it has them)."""
+        return self._need(b)
+
+    def free_room(self):
+        """Bytes the pool has page-locked and not handed out (shadows carved there cost no new
+        locking); None where the pool does not page-lock (nothing to pace)."""
+        if not self.pool.page_locked:
+            return None
+        stats = self.pool.stats()
+        return max(0, stats["reserved"] - stats["in_use"])
 
     def _need(self, b) -> int:
         return 0 if self.has(b) else sum(self._tensor_bytes(b))
@@ -102,14 +117,20 @@ class Shadows:
     def reserve(self, blocks) -> None:
         """Page-locks, on many threads at once, the memory these blocks' shadows are about to take
         beyond what the pool's free blocks already hold (slabs of the pool's size, into which the
-        shadows are carved); ``StateStore.trimmed`` gives back what they leave."""
+        shadows are carved); ``StateStore.trimmed`` gives back what they leave. Returns the bytes
+        newly page-locked."""
         if not blocks or not self.pool.page_locked:
-            return
+            return 0
         stats = self.pool.stats()
         short = sum(n for b in blocks for n in self._tensor_bytes(b)) - (stats["reserved"] - stats["in_use"])
-        if short > 0:
-            slab = self.pool.slab_bytes
-            self.pool.reserve_for([slab] * -(-short // slab))
+        if short <= 0:
+            return 0
+        slab = self.pool.slab_bytes
+        slabs = -(-short // slab)
+        start = time.perf_counter()
+        self.pool.reserve_for([slab] * slabs)
+        self.lock_rate = slabs * slab / max(time.perf_counter() - start, 1e-6)
+        return slabs * slab
 
     def allocate(self, b) -> bool:
         """Block b's own shadows from the pool; False (and none) where its capacity is reached."""
