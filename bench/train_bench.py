@@ -101,9 +101,9 @@ def build_model(workload, dtype, use_transformers):
     return model, (lambda x: model(x, x))
 
 
-def deepspeed_config(micro_batch):
+def deepspeed_config(micro_batch, accum=1):
     """DeepSpeed ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeedCPUAdam), bf16, clipping."""
-    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accum,
             "bf16": {"enabled": True}, "gradient_clipping": CLIP,
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                   "contiguous_gradients": True, "overlap_comm": True},
@@ -211,35 +211,38 @@ def run_mode(args):
             **({"fence": False} if mode == "hytrain_nofence" else {}),
             **({"watch_writes": False} if mode == "hytrain_nowatch" else {}), state_format=state_format,
             **({"release_grads": False} if args.keep_grads else {}),
-            **({"workers": args.workers} if args.workers else {}))
+            **({"workers": args.workers} if args.workers else {}), accumulation_steps=args.accum)
     elif mode == "deepspeed_offload":
         import deepspeed
 
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=deepspeed_config(BATCH))
+                                          config=deepspeed_config(BATCH, args.accum))
     else:
         raise SystemExit(f"unknown mode {mode}")
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=g)
 
+    accum = args.accum
+
     def iteration():
+        # accum micro-batches of BATCH x SEQ tokens a step, each loss divided by accum (the mean).
         if engine is not None:
-            loss = loss_fn(x)
-            engine.backward(loss)
-            engine.step()
+            for _ in range(accum):  # DeepSpeed steps its optimizer at the accumulation boundary
+                engine.backward(loss_fn(x))
+                engine.step()
             return
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = loss_fn(x)
+        for _ in range(accum):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_fn(x) / accum
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
-            scaler.scale(loss).backward()
             if args.keep_grads:
                 opt.clip_grad_norm_(CLIP)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
             return
-        loss.backward()
         if mode == "torch_gpu":
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         elif args.keep_grads and mode.startswith("hytrain"):  # the loop clips, through the optimizer
@@ -276,16 +279,17 @@ def run_mode(args):
         i += 1
     cpu_after = thread_cpu()
     iter_s = statistics.median(times[warmup:])
+    tokens = BATCH * SEQ * accum
     rec = {"mode": mode, "workload": workload, "model": "transformers" if use_tf else "hytrain",
-           "params": n_params, "iter_s": iter_s, "tokens_per_s": BATCH * SEQ / iter_s,
-           "tflops": 6 * n_params * BATCH * SEQ / iter_s / 1e12,
+           "params": n_params, "iter_s": iter_s, "tokens_per_s": tokens / iter_s,
+           "tflops": 6 * n_params * tokens / iter_s / 1e12, "tokens_per_step": tokens, "accum": accum,
            "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9,
            "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9,
            "cap_gb": cap if mode.startswith("hytrain") else None, "k": None, "predicted_iter_s": None,
            # times the caching allocator hit the memory limit, freed its cache and retried (a device sync each)
            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0),
            "warmup": warmup, "iter_times_s": [round(t, 4) for t in times],
-           **window_figures(times[warmup:], BATCH * SEQ),
+           **window_figures(times[warmup:], tokens),
            # the cores each kind of thread kept busy over the timed window (hytrain-update: the CPU AdamW)
            "thread_cpu": thread_cpu_figures(cpu_before or {}, cpu_after, sum(times[warmup:]))}
     if scaler is not None:
@@ -333,6 +337,8 @@ def child(mode, workload, args, cap=None, trace=None, label=None):
         cmd += ["--workers", str(args.workers)]
     if args.torch_threads:
         cmd += ["--torch-threads", str(args.torch_threads)]
+    if args.accum != 1:
+        cmd += ["--accum", str(args.accum)]
     env = dict(os.environ)
     if mode == "deepspeed_offload":
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
@@ -394,6 +400,8 @@ def main():
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch's intra-op threads in each run (default: torch's, every core), beside "
                          "hytrain's update workers")
+    ap.add_argument("--accum", type=int, default=1,
+                    help="micro-batches of 2 x 2048 tokens a step (gradient accumulation): 4 -> 16 K tokens a step")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.torch_threads:
@@ -437,15 +445,17 @@ def main():
             rec = child("hytrain_auto", workload, args, label="hytrain_auto_nocap")  # without the cap
             results[(workload, "hytrain_auto_nocap")] = rec
 
-    def t(w, m):
-        return results.get((w, m), {}).get("iter_s")
+    def t(w, m):  # wall-clock: the timed window's mean iteration (the median where a record lacks it)
+        rec = results.get((w, m), {})
+        return rec.get("iter_s_mean") or rec.get("iter_s")
 
-    summary = {"summary": True, "device": torch.cuda.get_device_name()}
+    summary = {"summary": True, "device": torch.cuda.get_device_name(),
+               "ratios_of": "wall-clock time: the timed window's total over its iterations"}
     for w in {w for w, _ in results}:
         ref = t(w, "torch_gpu")
         for (ww, m), rec in results.items():
-            if ww == w and rec.get("iter_s") and ref and m != "torch_gpu":
-                summary[f"{w}_{m}_vs_torch_gpu"] = round(rec["iter_s"] / ref, 3)
+            if ww == w and t(w, m) and ref and m != "torch_gpu":
+                summary[f"{w}_{m}_vs_torch_gpu"] = round(t(w, m) / ref, 3)
         ds = t(w, "deepspeed_offload")
         for m in (b + suffix for b in ("hytrain_auto", "hytrain_k0") for suffix in ("", *FORMATS)):
             if ds and t(w, m):

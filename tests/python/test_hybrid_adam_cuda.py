@@ -197,25 +197,52 @@ def test_cuda_clipping_hands_gradients_off_during_backward_and_survives_a_bad_st
         assert counts["adopted"] > 2 * counts["redone"], counts
 
 
-def _speculating_pair(**kw):
-    """A model and its reference copy, HybridAdamW speculating from block 1 (k = 1) and the reference
-    optimizer, both clipping at 3x the first batch's gradient norm: unscaled steps do not clip.
-    ``kw``: more AdamW arguments for both."""
-    model, ref_model = pair()
-    probe = copy.deepcopy(model)
+def _clip_limit():
+    """3x the first batch's gradient norm at the initial weights: unscaled steps do not clip."""
+    probe, _ = pair()
     x0 = cuda_batches(1)[0][0]
     probe(x0, x0).backward()
-    limit = 3 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
+    return 3 * torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf")).item()
+
+
+def _speculating_pair(**kw):
+    """A model and its reference copy, HybridAdamW speculating from block 1 (k = 1) and the reference
+    optimizer, both clipping at :func:`_clip_limit`. ``kw``: more AdamW arguments for both."""
+    model, ref_model = pair()
+    limit = _clip_limit()
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=limit, model=model,
                               gpu_blocks=1, workers=2, speculate=1, **kw)
     return model, ref_model, opt, Reference(ref_model, lr=3e-3, weight_decay=0.1, max_grad_norm=limit, **kw)
+
+
+def _assert_speculation_changed_nothing(model, losses, ref_losses, data, factors):
+    """The run must be bit for bit the same training without speculation (HybridAdamW with
+    ``speculate=False``, k = 1), and follow torch's AdamW (the reference) loss for loss. Its weights
+    are compared with torch's only through the losses: over 90 bf16 steps at lr 3e-3 the two drift
+    apart by bf16 roundings of updates that agree to an ulp (the shorter runs above compare them)."""
+    plain, _ = pair()
+    opt = hytrain.HybridAdamW(plain.parameters(), lr=3e-3, weight_decay=0.1, max_grad_norm=_clip_limit(),
+                              model=plain, gpu_blocks=1, workers=2, speculate=False)
+    plain_losses = []
+    for x, factor in zip(data, factors):
+        loss = plain(x, x)
+        (loss * factor).backward()
+        opt.step()
+        opt.zero_grad()
+        plain_losses.append(loss.item())
+    opt.synchronize()
+    assert losses == plain_losses
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("k_changes", [False, True])
 def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
     # Every third step's loss is scaled up 50 times: its gradients are clipped, the others' are not.
     # Blocks >= 1 are updated during backward whenever the step before did not clip; a step that
-    # then clips redoes them from the untouched state. Both must follow the reference exactly.
+    # then clips redoes them from the untouched state. Either way the run must be the one without
+    # speculation, bit for bit, and follow torch's losses.
     # k_changes: k changes at random every step (asynchronously), so speculating blocks move up
     # (their shadows and host state given back) and come down again (host state taken anew);
     # a state_dict round trip in the middle must change nothing.
@@ -223,8 +250,9 @@ def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
     losses, ref_losses = [], []
     n = len(opt.blocks)
     ks = torch.randint(0, n, (3 * STEPS,), generator=torch.Generator().manual_seed(5)).tolist()
-    for i, (x,) in enumerate(cuda_batches(3 * STEPS)):
-        factor = 50.0 if i % 3 == 2 else 1.0
+    data = [x for (x,) in cuda_batches(3 * STEPS)]
+    factors = [50.0 if i % 3 == 2 else 1.0 for i in range(len(data))]
+    for i, (x, factor) in enumerate(zip(data, factors)):
         for m, o, out in ((model, opt, losses), (ref_model, ref, ref_losses)):
             loss = m(x, x)
             (loss * factor).backward()
@@ -238,7 +266,7 @@ def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     opt.synchronize()
     assert_placement(opt)
-    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    _assert_speculation_changed_nothing(model, losses, ref_losses, data, factors)
     assert 0 < ref.clipped < 3 * STEPS
     counts = opt.speculation_counts
     assert counts["adopted"] > 0 and counts["redone"] > 0, counts
@@ -249,13 +277,15 @@ def test_cuda_speculation_in_place_with_undo_records(capacity, monkeypatch):
     # fp32 states speculate in place with undo records (about 5 bytes a parameter, not a copy of the
     # state). With no room for escapes (capacity 0) a pass leaves some elements untouched: it cannot be
     # adopted and is redone. Every third step clips (redone from the record). Either way the run
-    # follows the reference, and a state_dict() between backward and step() is the state before.
+    # is the one without speculation, bit for bit, and a state_dict() between backward and step()
+    # is the state before.
     if capacity == 0:
         monkeypatch.setattr(hytrain.hybrid.shadows, "undo_capacity", lambda n: 0)
     model, ref_model, opt, ref = _speculating_pair()
     losses, ref_losses = [], []
-    for i, (x,) in enumerate(cuda_batches(3 * STEPS)):
-        factor = 50.0 if i % 3 == 2 else 1.0
+    data = [x for (x,) in cuda_batches(3 * STEPS)]
+    factors = [50.0 if i % 3 == 2 else 1.0 for i in range(len(data))]
+    for i, (x, factor) in enumerate(zip(data, factors)):
         for m, o, out in ((model, opt, losses), (ref_model, ref, ref_losses)):
             before = copy.deepcopy(o.state_dict()) if (o is opt and i == 7) else None
             loss = m(x, x)
@@ -272,7 +302,7 @@ def test_cuda_speculation_in_place_with_undo_records(capacity, monkeypatch):
     opt.synchronize()
     store = opt._engine.store
     assert store.shadows.entries and all("codes" in sh for sh in store.shadows.entries.values())
-    assert_close_models(model, ref_model, losses, ref_losses, torch.bfloat16)
+    _assert_speculation_changed_nothing(model, losses, ref_losses, data, factors)
     counts = opt.speculation_counts
     assert counts["redone"] > 0, counts
     if capacity == "default":

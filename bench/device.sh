@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
-# Streamed weights on one GPU (use a machine kind with a large host: nvidia-h100-x2 has 270 GB), in
-# stages (one call or several, the machine kept warm):
+# The GPU machine's measurements in stages (one call or several, the machine kept warm):
 #   build   installs this tree
+#   deepspeed  DeepSpeed from .whl/ (carry it), for the stages that compare with it
+#   gputests  every GPU test file (pytest -m gpu), the log in $OUT/gpu_tests.log
+#   settle  train_bench L3B at 27.13 GB, hytrain k = 0 with fp32, bf16 and 8-bit states ($SETTLE_MODES):
+#           every iteration from the first (the settling phase) and the timed window's figures
+#   wallclock  train_bench L3B, DeepSpeed ZeRO-Offload against hytrain held to DeepSpeed's GPU memory
+#           ($WALL_MODES), wall-clock tokens/s over the timed window
+#   practical  train_bench L3B, torch all-GPU against hytrain k = 0 at $ACCUMS micro-batches of 4 K
+#           tokens a step (1 4 16: 4 K, 16 K, 64 K tokens)
+# Streamed weights on one GPU (a machine kind with a large host: nvidia-h100-x2 has 270 GB):
 #   tests   test_window_cuda.py (streamed against resident, bit for bit), test_window.py, and
 #           test_hybrid_adam_cuda.py (the resident pipeline the streamed blocks share)
 #   speed   capacity_bench.py at $SPEED_SIZE (7b): resident (hytrain_8bit) against every layer
@@ -22,6 +30,25 @@ source "$(dirname "$0")/stage_env.sh"
 for stage in "$@"; do
   case "$stage" in
     build) install_tree ;;
+    deepspeed) install_deepspeed ;;
+    gputests)
+      timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/python \
+        > "$out/gpu_tests.log" 2>&1
+      grep -E "^FAILED|^ERROR|passed|failed" "$out/gpu_tests.log" | cut -c1-240 | head -40 ;;
+    settle)
+      python3 bench/train_bench.py --workloads l3b --modes "${SETTLE_MODES:-hytrain_k0,hytrain_k0_bf16,hytrain_k0_8bit}" \
+        --cap-gb 27.13 --skip-nocap --no-profile --warmup 5 --iters "${ITERS_TIMED:-10}" > "$out/settle.log" 2>&1
+      python3 bench/summarise_runs.py "$out/settle.log" ;;
+    wallclock)
+      python3 bench/train_bench.py --workloads l3b --modes "${WALL_MODES:-deepspeed_offload,hytrain_k0,hytrain_k0_bf16}" \
+        --cap-gb deepspeed --skip-nocap --no-profile --warmup 5 --iters "${ITERS_TIMED:-10}" > "$out/wallclock.log" 2>&1
+      python3 bench/summarise_runs.py "$out/wallclock.log" ;;
+    practical)
+      for accum in ${ACCUMS:-1 4 16}; do
+        python3 bench/train_bench.py --workloads l3b --modes torch_gpu,hytrain_k0 --accum "$accum" --no-profile \
+          --warmup "${PRACTICAL_WARMUP:-4}" --iters "${PRACTICAL_ITERS:-6}" > "$out/practical_$accum.log" 2>&1
+        python3 bench/summarise_runs.py "$out/practical_$accum.log"
+      done ;;
     tests)
       timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider -rs \
         tests/python/test_window_cuda.py tests/python/test_window.py ${MORE_TESTS-tests/python/test_hybrid_adam_cuda.py} 2>&1 \
