@@ -35,7 +35,9 @@ def line(rec, ref_tps):
             f"median {f('iter_s_median')} mean {f('iter_s_mean')} p90 {f('iter_s_p90')} max {f('iter_s_max')} s; "
             f"warmup {rec.get('warmup')} k {rec.get('k')} peak reserved {f('peak_gpu_reserved_gb')} GB"
             + (f"; update threads {upd} cores" if upd is not None else "")
-            + f"\n    iterations {[round(t, 3) for t in its]}")
+            + f"\n    iterations {[round(t, 3) for t in its]}"
+            + (f"\n    step() {rec['step_call_s']}" if rec.get("step_call_s") else "")
+            + (f"\n    shadows made (blocks, s) {rec['shadow_allocations']}" if rec.get("shadow_allocations") else ""))
 
 
 def main(paths):

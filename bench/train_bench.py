@@ -224,6 +224,7 @@ def run_mode(args):
     x = torch.randint(0, VOCAB, (BATCH, SEQ), device="cuda", generator=g)
 
     accum = args.accum
+    step_calls = []
 
     def iteration():
         # accum micro-batches of BATCH x SEQ tokens a step, each loss divided by accum (the mean).
@@ -247,7 +248,9 @@ def run_mode(args):
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         elif args.keep_grads and mode.startswith("hytrain"):  # the loop clips, through the optimizer
             opt.clip_grad_norm_(CLIP)
+        t_step = time.perf_counter()
         opt.step()
+        step_calls.append(time.perf_counter() - t_step)  # host time inside step(), every iteration
         opt.zero_grad()
 
     # Iterations end when the compute stream has drained. Not torch.cuda.synchronize(): that would
@@ -299,7 +302,8 @@ def run_mode(args):
     if mode.startswith("hytrain"):
         stats = opt.schedule_stats()
         rec.update(speculative_from=stats.get("speculative_from"), speculation=dict(opt.speculation_counts),
-                   first_k=stats.get("first_k"))
+                   first_k=stats.get("first_k"), shadow_allocations=stats.get("shadow_allocations"),
+                   step_call_s=[round(t, 4) for t in step_calls[:len(times)]])
         rec.update(k=stats["k"], k_per_iteration=ks, grad_norms=[round(v, 4) for v in norms if v is not None], predicted_iter_s=stats.get("predicted_iter_s"),
                    predicted_gpu_idle_s=stats.get("predicted_gpu_idle_s"), gpu_wait_frac=stats.get("gpu_wait_frac"),
                    state_budget_gb=stats.get("state_budget_bytes", 0) / 1e9)

@@ -265,11 +265,11 @@ def test_the_planner_from_recorded_costs():
 
 
 class _PagedShadows:
-    """Shadows in a page-locking pool: ``free`` bytes locked and unused; a reserve locks the rest at
-    ``rate`` bytes/s (the measured rate after the first)."""
+    """Shadows in a page-locking pool: ``free`` bytes locked and unused; a background reservation
+    locks what is short, and is done when the test says (``finish``)."""
 
-    def __init__(self, sizes, free, rate):
-        self.sizes, self.free, self.true_rate, self.lock_rate, self.made = sizes, free, rate, None, set()
+    def __init__(self, sizes, free):
+        self.sizes, self.free, self.made, self.in_flight, self.started = sizes, free, set(), 0, 0
 
     def has(self, b):
         return b in self.made
@@ -280,15 +280,21 @@ class _PagedShadows:
     def free_room(self):
         return self.free
 
-    def reserve(self, blocks):
-        short = sum(self.need(b) for b in blocks) - self.free
-        if short <= 0:
-            return 0
-        self.free += short
-        self.lock_rate = self.true_rate
-        return short
+    def reserve_in_background(self, blocks):
+        if self.in_flight:
+            return False
+        self.in_flight = sum(self.need(b) for b in blocks) - self.free
+        self.started += 1
+        return self.in_flight > 0
+
+    def locking_done(self):
+        return not self.in_flight
+
+    def finish(self):
+        self.free, self.in_flight = self.free + self.in_flight, 0
 
     def allocate(self, b):
+        assert not self.in_flight and self.sizes[b] <= self.free  # never beyond what is locked
         self.free -= self.sizes[b]
         self.made.add(b)
         return True
@@ -305,28 +311,23 @@ class _ShadowStore:
         self.trims += 1
 
 
-def test_speculation_shadows_are_page_locked_a_few_blocks_a_step():
-    """Eight offloaded blocks of 1 GB each to speculate from block 0, a pool that locks 4 GB/s and
-    iterations of 1 s: the first step locks one block (and measures the rate), each later one what
-    the pool locks in a quarter of an iteration (1 GB: one block) plus what it holds free; the start
-    falls block by block, and only steps that locked memory go unmeasured."""
+def test_speculation_shadows_wait_for_page_locking_in_the_background():
+    """Eight offloaded blocks of 1 GB each to speculate from block 0, in a pool with 2.5 GB locked
+    and free: blocks 7 and 6 take their shadows at once, the rest is page-locked in the background
+    (the step does not wait), speculation starts at 6 until that is done, then comes down to 0."""
     L, GB = 8, 1 << 30
-    shadows = _PagedShadows([GB] * L, free=0, rate=4 * GB)
+    shadows = _PagedShadows([GB] * L, free=2 * GB + GB // 2)
     store = _ShadowStore(shadows)
     plan = BlockPlan(groups_of([nn.Parameter(torch.zeros(10)) for _ in range(L)]), bucket_elements=1)
     planner = Planner(plan, make_settings(speculate="auto"), native().BlockRuntime([1] * L, 1), store)
-    planner.summary = {"iter_gpu_s": 1.0}
-    starts = []
-    for _ in range(3):
-        planner.speculate_from(0, True)
-        starts.append(planner.spec_from)
-    assert starts == [7, 6, 5] and shadows.lock_rate == 4 * GB
-    shadows.free = 2 * GB + GB // 2  # room in the pool: 2.5 GB free plus 1 GB locked this step
     planner.speculate_from(0, True)
-    assert planner.spec_from == 2
-    shadows.free = 10 * GB
+    assert planner.spec_from == 6 and shadows.in_flight == 6 * GB - GB // 2 and store.trims == 0
+    planner.speculate_from(0, True)  # still locking: nothing more, no second reservation
+    assert planner.spec_from == 6 and shadows.started == 1
+    shadows.finish()
     planner.speculate_from(0, True)
-    assert planner.spec_from == 0 and store.trims == 5
+    assert planner.spec_from == 0 and store.trims == 1 and shadows.started == 1
+    assert [n for n, _ in planner.shadow_allocations] == [2, 6]
     planner.speculate_from(None, True)
     assert planner.spec_from is None
 

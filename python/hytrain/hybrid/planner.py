@@ -17,7 +17,6 @@ from ..pool import CapacityError, format_bytes
 from . import collectives
 from .common import local
 
-SHADOW_STALL_SHARE = 0.25  # of an iteration, the longest a step stalls page-locking new shadow memory
 
 
 def fit(sizes, room) -> int:
@@ -70,6 +69,7 @@ class Planner:
         self.meter = None
         self.scheduler = None
         self.spec_from = None  # blocks >= this (offloaded, with shadows) speculate in the next backward
+        self.shadow_allocations = []  # (blocks, seconds) of each step that made shadows
         self.prediction = None  # the scheduler's simulated iteration for the k in use
         self.summary = {}  # the last measured iteration's figures
         self.gpu_memory_limit = None
@@ -370,49 +370,53 @@ class Planner:
         return plan[-1] if plan else None
 
     def speculate_from(self, start, allowed) -> None:
-        """Blocks >= start speculate in the next backward. Their shadows are allocated (from the last
-        block down, within the host headroom; where that ends, the start rises), a few blocks a step
-        (:meth:`_paced`). Page-locking new memory stalls the step: an iteration that did is not
-        measured."""
+        """Blocks >= start speculate in the next backward. Their shadows are allocated from the last
+        block down, within the host headroom (where that ends, the start rises) and, in a pool that
+        page-locks, within the memory it has locked already: what more they need is page-locked on
+        a thread of its own (seconds for some GB), and the start comes down to the planned one in
+        the step after that has finished. No step waits for page-locking."""
         self.spec_from = None
         if start is None or not allowed:
             return
         store = self.store
+        began = time.perf_counter()
         plan = store.shadow_plan(start)
-        missing = self._paced([b for b in plan if not store.shadows.has(b)])
-        locked = store.shadows.reserve(missing)
+        missing = [b for b in plan if not store.shadows.has(b)]
+        now = self._within_locked(missing)
         for b in plan:
-            if b in missing and not store.shadows.allocate(b):
+            if b in now and not store.shadows.allocate(b):
                 break  # the pool's capacity: speculation starts above this block
             if not store.shadows.has(b):
-                break  # a later step's share: speculation starts above it until then
+                break  # its shadows wait for the memory being locked: speculation starts above it
             self.spec_from = b
-        if missing:
-            store.trimmed()
-        if locked and self.meter is not None:
-            self.meter.pending = None  # the allocation stalled this iteration: not a measurement
+        rest = [b for b in missing if not store.shadows.has(b)]
+        if rest and store.shadows.reserve_in_background(rest) and self.meter is not None:
+            self.meter.pending = None  # page-locking beside the updates: not a measurement
+        if now:
+            if not rest:
+                store.trimmed()  # what the shadows left of the locked memory
+            self.shadow_allocations.append((len(now), round(time.perf_counter() - began, 4)))
 
-    def _paced(self, missing):
-        """The shadows to allocate this step, from the last block down: page-locking new pool memory
-        stalls the step it falls in, so a step takes what the pool locks in a quarter of the last
-        measured iteration, at the rate it locked at before, besides what the pool holds free (at
-        least one block; the first time, one block, which measures the rate). Speculation reaches
-        its planned start over a few steps, none far slower than the others, not in one long one."""
+    def _within_locked(self, missing):
+        """The leading blocks of ``missing`` (from the last block down) whose shadows fit in what the
+        pool has page-locked and not handed out; every one where the pool does not page-lock."""
         shadows = self.store.shadows
+        if not missing or not shadows.locking_done():
+            return [] if missing and shadows.free_room() is not None else missing
         room = shadows.free_room()
-        if not missing or room is None:
+        if room is None:
             return missing
-        rate, iter_s = shadows.lock_rate, self.summary.get("iter_gpu_s")
-        budget, out = room + (rate * iter_s * SHADOW_STALL_SHARE if rate and iter_s else 0), []
+        out = []
         for b in missing:
-            budget -= self.store.shadows.need(b)
-            if out and budget < 0:
+            room -= shadows.need(b)
+            if room < 0:
                 break
             out.append(b)
         return out
 
     def stats(self) -> dict:
-        out = {"k": self.settings.gpu_blocks, "speculative_from": self.spec_from, **self.summary}
+        out = {"k": self.settings.gpu_blocks, "speculative_from": self.spec_from, **self.summary,
+               "shadow_allocations": list(self.shadow_allocations)}
         if self.first_k is not None:
             out["first_k"] = self.first_k  # (made at once, made in the first step as room came)
         p = self.prediction

@@ -8,6 +8,7 @@ goes to the GPU or the host needs the room for states coming back."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -18,6 +19,7 @@ from . import budgets
 from .common import STATE_KEYS, like, local
 
 STATE_AND_MASTER = ("master", *STATE_KEYS)
+BACKGROUND_LOCK_THREADS = 4  # page-locking threads beside the training: the update workers keep the rest
 
 
 def undo_capacity(n) -> int:
@@ -36,6 +38,8 @@ class Shadows:
         self.streams = streams  # whether a block streams its weights (window.py)
         self.entries = {}
         self.lock_rate = None  # bytes/s at which the pool page-locked new slabs, at the last reserve
+        self._locking = None  # the thread of a background reservation in flight
+        self.lock_error = None  # why the last background reservation failed, if it did
 
     def rebind(self, state) -> None:
         """``optimizer.state`` is another dict now (see ``StateStore.rebind``)."""
@@ -114,21 +118,49 @@ class Shadows:
             for p in self.plan.blocks[b]:
                 self.drop(p)
 
-    def reserve(self, blocks) -> None:
-        """Page-locks, on many threads at once, the memory these blocks' shadows are about to take
-        beyond what the pool's free blocks already hold (slabs of the pool's size, into which the
-        shadows are carved); ``StateStore.trimmed`` gives back what they leave. Returns the bytes
-        newly page-locked."""
+    def reserve_in_background(self, blocks) -> bool:
+        """Starts page-locking what these blocks' shadows need beyond the pool's free room (slabs of
+        the pool's size, into which the shadows are carved) on a thread of its own (a few
+        page-locking threads), so that no step waits for it; the blocks take their shadows from
+        that room once it is there (:meth:`locking_done`), and ``StateStore.trimmed`` gives back what
+        they leave. Returns whether a reservation started (not while one is in flight, nor where
+        nothing is short)."""
+        if self._locking is not None:
+            return False
+        short = self._short(blocks)
+        if short <= 0:
+            return False
+
+        def lock():
+            try:
+                self._lock(short, threads=BACKGROUND_LOCK_THREADS)
+            except (MemoryError, RuntimeError) as e:  # the pool's capacity, the system's memory:
+                self.lock_error = str(e)  # the shadows then fit where they can (allocate says so)
+
+        self._locking = threading.Thread(target=lock, name="hytrain-shadows")
+        self._locking.start()
+        return True
+
+    def locking_done(self) -> bool:
+        """Whether no background reservation is in flight (one that has finished is joined)."""
+        if self._locking is not None:
+            if self._locking.is_alive():
+                return False
+            self._locking.join()
+            self._locking = None
+        return True
+
+    def _short(self, blocks) -> int:
         if not blocks or not self.pool.page_locked:
             return 0
         stats = self.pool.stats()
-        short = sum(n for b in blocks for n in self._tensor_bytes(b)) - (stats["reserved"] - stats["in_use"])
-        if short <= 0:
-            return 0
+        return sum(n for b in blocks for n in self._tensor_bytes(b)) - (stats["reserved"] - stats["in_use"])
+
+    def _lock(self, short, threads) -> int:
         slab = self.pool.slab_bytes
         slabs = -(-short // slab)
         start = time.perf_counter()
-        self.pool.reserve_for([slab] * slabs)
+        self.pool.reserve_for([slab] * slabs, threads=threads)
         self.lock_rate = slabs * slab / max(time.perf_counter() - start, 1e-6)
         return slabs * slab
 
