@@ -10,7 +10,9 @@ text. Per size, one `hytrain train` process, timed from the command's start:
   total_s        the whole command (with --export: writing OUT/model, a Hugging Face directory, at the end)
 
 Shapes (transformers LlamaForCausalLM, untied, vocab 32000): 7b hidden 4096 x 32 layers, 13b hidden 5120
-x 40 layers. Micro-batch --batch-size x --seq-len tokens, activation checkpointing on; --keep 0 (no
+x 40 layers, 70b Llama-2-70B's (hidden 8192 x 80 layers, 8 KV heads); 32b is Qwen2.5-32B's (hidden 5120 x
+64 layers, 8 KV heads, vocab 152064). 32b and 70b are written from host memory (a machine kind with a
+large host and disk: their checkpoints take 65 and 138 GB); the job streams them by itself. Micro-batch --batch-size x --seq-len tokens, activation checkpointing on; --keep 0 (no
 checkpoint: a 7 B model's with fp32 states is 94 GB, more than the GPU machine's disk holds).
 """
 
@@ -35,7 +37,14 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
     "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32),
     "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40),
+    # Qwen2.5-32B's shape as a Llama (GQA, vocab 152064): 32.8 B
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064),
+    # Llama-2-70B's shape (GQA): 69.0 B
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8),
 }
+BUILT_ON_HOST = ("32b", "70b")  # their bf16 weights (65, 138 GB) are made and saved from host memory
 WORDS = ("the of and to in is was for on that with as by at from his her they which this be are an had "
          "not were but have one their all there been has would when who will more no if out so said what up "
          "its about into than them can only other new some could time these two may then do first any my now "
@@ -61,8 +70,9 @@ def make_model(where: Path, size: str, device: str) -> float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     t0 = time.perf_counter()
-    cfg = LlamaConfig(vocab_size=32000 if size != "tiny" else 512, max_position_embeddings=4096,
-                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **SHAPES[size])
+    shape = {"vocab_size": 32000 if size != "tiny" else 512, **SHAPES[size]}
+    cfg = LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                      **shape)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(torch.bfloat16)
@@ -149,7 +159,7 @@ def main(argv=None) -> int:
     sample = make_data(data, args.shards, args.docs_per_shard)
     for size in sizes:
         model = root / size
-        made_s = make_model(model, size, args.device)
+        made_s = make_model(model, size, "cpu" if size in BUILT_ON_HOST else args.device)
         make_tokenizer(model, sample)
         rec = run_job(model, data, root / f"run-{size}", args, size)
         rec["checkpoint_write_s"] = round(made_s, 1)
