@@ -88,6 +88,23 @@ def test_no_module_is_over_about_500_lines():
     assert not over, "modules over 520 lines:\n" + "\n".join(over)
 
 
+def test_no_function_of_the_job_is_over_80_lines():
+    # Counted as the modules are: every line a definition spans (its decorators, docstring, comments
+    # and blank lines included), a method or a nested function as well as the function around it.
+    job = PACKAGE / "job"
+    over = []
+    for f, tree in _modules().items():
+        if job not in f.parents:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                n = node.end_lineno - first + 1
+                if n > 80:
+                    over.append(f"{f.relative_to(PACKAGE)}:{first}: {node.name}, {n} lines")
+    assert not over, "functions over 80 lines:\n" + "\n".join(sorted(over))
+
+
 def _module_name(f) -> str:
     parts = list(f.relative_to(PACKAGE.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .corpus import formats, open_corpus
+from .models import check_fit, job_tokenizer
 from .records import changed_files
 from .tokenizers import ByteTokenizer, with_eos
 from .options import ConfigError
@@ -149,9 +150,10 @@ def _say(line):
             pass
 
 
-def open_data(args, tokenizer, cursor=None, say=None):
-    """The job's data: the embedded corpus and plain text in memory; JSON lines, gzip shards,
-    Parquet, Arrow and saved datasets streamed (``--data-kind``, ``--text-field``, ``--val-data``).
+def open_data(plan, tokenizer, cursor=None, say=None):
+    """The job's data (``plan``: a DataPlan): the embedded corpus and plain text in memory; JSON lines,
+    gzip shards, Parquet, Arrow and saved datasets streamed (``--data-kind``, ``--text-field``,
+    ``--val-data``).
 
     Streamed documents and responses end with the tokenizer's EOS (``--eos-token`` gives one): a
     tokenizer without one is refused rather than packing documents with nothing between them (the
@@ -159,27 +161,38 @@ def open_data(args, tokenizer, cursor=None, say=None):
     ``cursor`` whose files' fingerprints differ from the files now (a file rewritten, added or removed
     since the checkpoint) is said in one line (``say``, else stdout on the first process) and the data
     is read from its beginning, as when the data options change."""
-    tokenizer = with_eos(tokenizer, getattr(args, "eos_token", None))
-    streamed = args.data != "stdlib" and (args.val_data or args.data_kind not in ("auto", "text")
-                                          or formats(args.data) != {"text"})
+    tokenizer = with_eos(tokenizer, getattr(plan, "eos_token", None))
+    streamed = plan.data != "stdlib" and (plan.val_data or plan.data_kind not in ("auto", "text")
+                                          or formats(plan.data) != {"text"})
     if not streamed:
-        return InMemory(args.data, tokenizer, batch=args.batch_size, seq_len=args.seq_len, seed=args.seed,
-                        max_bytes=args.max_data_bytes)
-    corpus = open_corpus(args.data, tokenizer, seq_len=args.seq_len, text_field=args.text_field, kind=args.data_kind,
-                         val_spec=args.val_data, seed=args.seed)
+        return InMemory(plan.data, tokenizer, batch=plan.batch_size, seq_len=plan.seq_len, seed=plan.seed,
+                        max_bytes=plan.max_data_bytes)
+    corpus = open_corpus(plan.data, tokenizer, seq_len=plan.seq_len, text_field=plan.text_field, kind=plan.data_kind,
+                         val_spec=plan.val_data, seed=plan.seed)
     # (A chat's template ends its turns itself; the byte alphabet has no token to spare: documents
     # follow each other as bytes, unless --eos-token names one, such as a newline.)
     if corpus.kind != "chat" and tokenizer.eos_id is None and not isinstance(tokenizer, ByteTokenizer):
         raise ConfigError(f"the tokenizer has no EOS token to end each {'document' if corpus.kind == 'text' else 'response'} "
-                          f"of {args.data} with: pass --eos-token TEXT, a text that is one token of it")
+                          f"of {plan.data} with: pass --eos-token TEXT, a text that is one token of it")
     files = corpus.fingerprint()
     saved = cursor.get("files") if isinstance(cursor, dict) else None
     changed = changed_files(saved, files) if isinstance(saved, dict) else None   # (None: an older checkpoint's)
     if changed:
-        (say or _say)(f"hytrain train: the data files differ from the checkpoint's: {changed}; {args.data} is read "
+        (say or _say)(f"hytrain train: the data files differ from the checkpoint's: {changed}; {plan.data} is read "
                       f"from its beginning")
         cursor = None
-    return Streamed(corpus, batch=args.batch_size, cursor=cursor, files=files)
+    return Streamed(corpus, batch=plan.batch_size, cursor=cursor, files=files)
+
+
+def open_job_data(model, plan, cursor, say):
+    """The open-data phase: the tokenizer (``model``, a ModelPlan: ``--tokenizer``, else the model's
+    own), checked against the model before anything is read; the data read with it from ``cursor``
+    (a resumed run's, or None) by ``plan`` (a DataPlan); and the validation batches. Returns (data,
+    validation batches)."""
+    tokenizer = job_tokenizer(model)
+    check_fit(model, tokenizer)
+    data = open_data(plan, tokenizer, cursor, say=say)
+    return data, data.validation(plan.eval_batches)
 
 
 def inputs_and_targets(tokens, mask, ranks, device):

@@ -1,5 +1,6 @@
 """The job's options: flags, a TOML/YAML config file under them, and the checks run before anything
-is built (a bad option exits 2 with a message, never a traceback)."""
+is built (a bad option exits 2 with a message, never a traceback). The options resolved here become
+the run plan (plan.py), once."""
 
 from __future__ import annotations
 
@@ -57,7 +58,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The job's options on ``p``; its help becomes plain text with every default shown."""
     p.formatter_class = HelpFormatter
     p.description = plain(p.description) or None
-    a = p.add_argument
+    _model_and_data_options(p.add_argument)
+    _training_options(p.add_argument)
+    _process_options(p.add_argument_group("several processes (one per GPU, sharded with FSDP2; see README)"))
+
+
+def _model_and_data_options(a) -> None:
     a("--config", help="TOML (or YAML, with PyYAML installed) file of the options below; flags win "
       "(default: none, the flags and their defaults)")
     a("--model", default="tiny", help=f"preset ({', '.join(PRESETS)}) or a transformers model name/path")
@@ -82,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="write a Hugging Face model directory (config, safetensors, tokenizer) to OUT/model at the end")
     a("--batch-size", type=int, default=16, help="sequences per step")
     a("--seq-len", type=int, default=128, help="tokens per sequence")
+
+
+def _training_options(a) -> None:
     a("--steps", type=int, default=400, help="optimizer steps in total (a resumed run continues to it)")
     a("--lr", type=float, default=None,
       help=f"peak learning rate (linear warm-up, cosine decay to 10%%); default: {PRETRAINING_LR:g} for a preset "
@@ -121,7 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--pin-limit", default=None, help="pinned-memory limit for optimizer state, e.g. 64GiB (default: none; "
       "the optimizer sizes its pool to its state)")
     a("--no-progress", action="store_true", help="no progress bar (one line per eval instead)")
-    g = p.add_argument_group("several processes (one per GPU, sharded with FSDP2; see README)")
+
+
+def _process_options(g) -> None:
     g.add_argument("--nproc", default=None,
                    help="start torchrun with N processes on this node (or 'auto': one per GPU); "
                         "--batch-size is the global batch, split between the ranks (default: one process, "
@@ -190,20 +201,27 @@ def resolve_options(p: argparse.ArgumentParser, argv) -> argparse.Namespace:
 
 
 def job_notes(args) -> list[tuple[str, bool]]:
+    """What the job says before it trains, for the resolved options (:func:`resolve_options`): see
+    :func:`notes`."""
+    return notes(args, args.lr, args.device, getattr(args, "given", ()))
+
+
+def notes(model, lr: float, device: str, given) -> list[tuple[str, bool]]:
     """What the job says before it trains, as (line, whether it is a warning, for stderr): a GPU that
     torch sees while the native build has no CUDA (the job would train on the CPU without a word), and
-    the fine-tuning default of --lr where it applies."""
+    the fine-tuning default of --lr where it applies. ``model``: what names the model (its ``model``
+    and ``init``: a ModelPlan, or the options); ``given``: the options the command line sets."""
     import hytrain
 
-    notes = []
-    if args.device == "auto" and torch.cuda.is_available() and hytrain.build_info().get("cuda") is None:
-        notes.append(("hytrain train: warning: torch sees a GPU, but hytrain was built without CUDA (no nvcc when "
-                      "it was installed): training runs on the CPU; to use the GPU, put nvcc on PATH (e.g. export "
-                      "PATH=/usr/local/cuda/bin:$PATH) and reinstall (pip install .)", True))
-    if "lr" not in getattr(args, "given", ()) and fine_tuning(args) and args.lr == FINE_TUNING_LR:
-        notes.append((f"hytrain train: lr {args.lr:g} (the fine-tuning default for a pretrained model; --lr to "
-                      "change)", False))
-    return notes
+    said = []
+    if device == "auto" and torch.cuda.is_available() and hytrain.build_info().get("cuda") is None:
+        said.append(("hytrain train: warning: torch sees a GPU, but hytrain was built without CUDA (no nvcc when "
+                     "it was installed): training runs on the CPU; to use the GPU, put nvcc on PATH (e.g. export "
+                     "PATH=/usr/local/cuda/bin:$PATH) and reinstall (pip install .)", True))
+    if "lr" not in given and fine_tuning(model) and lr == FINE_TUNING_LR:
+        said.append((f"hytrain train: lr {lr:g} (the fine-tuning default for a pretrained model; --lr to "
+                     "change)", False))
+    return said
 
 
 def _flags_given(p: argparse.ArgumentParser, argv) -> set:
@@ -216,38 +234,6 @@ def _flags_given(p: argparse.ArgumentParser, argv) -> set:
     finally:
         for a, d in saved:
             a.default = d
-
-
-# A resume: what may change under a checkpoint (from the resume point on), and what may not.
-CHANGEABLE = ("lr", "warmup", "weight_decay", "max_grad_norm", "steps", "eval_every", "save_every", "keep",
-              "workers")
-FIXED = ("model", "seq_len", "precision", "batch_size", "tokenizer")
-KEPT = ("data", "data_kind", "text_field", "eos_token", "val_data", "max_data_bytes", "seed", "gpu_blocks",
-        "speculate", "gpu_memory_limit", "pin_limit", "init", "export")
-
-# What decides the rows a data cursor points into: another value reads the data from its beginning.
-DATA_OPTIONS = ("data", "data_kind", "text_field", "eos_token", "val_data", "seq_len", "tokenizer", "seed")
-
-
-def resumed_options(args, saved: dict) -> list:
-    """The options of a resumed run: those the command line (or its config) does not give are the
-    checkpoint's; a given one of ``FIXED`` that differs is refused (one line); returns the
-    (name, before, now) of the ``CHANGEABLE`` ones that change."""
-    given, changes = set(getattr(args, "given", ())), []
-    for key in (*CHANGEABLE, *FIXED, *KEPT):
-        if key not in saved:
-            continue
-        now, before = getattr(args, key, None), saved[key]
-        if key not in given:
-            setattr(args, key, before)
-        elif now != before:
-            flag = "--" + key.replace("_", "-")
-            if key in FIXED:
-                raise ConfigError(f"{flag} {now} differs from the checkpoint's {before}: it cannot change under a "
-                                  f"checkpoint (leave {flag} out to resume, or start a new run with another --out)")
-            if key in CHANGEABLE:
-                changes.append((flag, before, now))
-    return changes
 
 
 def _check_config_type(path, key, value, action) -> None:

@@ -28,14 +28,25 @@ class ExportFailed:
         self.line = line
 
 
-def export_at_end(model, out, args, ranks) -> Path | ExportFailed:
+def run_config(out: Path, plan, model, ranks) -> dict:
+    """The run's config: its options (``plan``: the RunPlan, as resumed), the model's config and the
+    number of processes; written to config.json by the first process (``hytrain export`` reads it),
+    and held by each checkpoint."""
+    config = {"options": plan.options(), "model": model.config, "world_size": ranks.world}
+    if ranks.main:
+        (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
+    return config
+
+
+def export_at_end(model, out, plan, keep: int, ranks) -> Path | ExportFailed:
     """The trained model as a Hugging Face model directory, ``OUT/model`` (config, safetensors shards,
-    the tokenizer's files): written beside an earlier one (a resumed run's), then put in its place.
-    A failed export (a full disk, an I/O error, an unreadable tokenizer) is not the training's
-    failure: it returns :class:`ExportFailed`, naming the last good checkpoint and how to export it."""
-    where = model_path(args)
-    tokenizer = args.tokenizer if args.tokenizer not in (None, "bytes") else (str(where) if where else None)
-    if args.tokenizer == "bytes":
+    the tokenizer's files; ``plan``: the ModelPlan, whose tokenizer goes with it): written beside an
+    earlier one (a resumed run's), then put in its place. A failed export (a full disk, an I/O error,
+    an unreadable tokenizer) is not the training's failure: it returns :class:`ExportFailed`, naming
+    the last good checkpoint (``keep``: 0 where none was written) and how to export it."""
+    where = model_path(plan)
+    tokenizer = plan.tokenizer if plan.tokenizer not in (None, "bytes") else (str(where) if where else None)
+    if plan.tokenizer == "bytes":
         tokenizer = None
     target, fresh, old = out / "model", out / ".model-new", out / ".model-old"
     try:
@@ -54,7 +65,7 @@ def export_at_end(model, out, args, ranks) -> Path | ExportFailed:
             if old.exists() and not target.exists():  # the earlier export back in its place
                 with contextlib.suppress(OSError):
                     os.rename(old, target)
-        return ExportFailed(_export_failed(out, target, e, args.keep))
+        return ExportFailed(_export_failed(out, target, e, keep))
     return target
 
 

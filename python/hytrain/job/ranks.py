@@ -17,6 +17,7 @@ import uuid
 
 import torch
 
+from .. import cuda_available
 from ..blocks import repeated_layers
 from .options import ConfigError
 from .processes import stop_when_orphaned
@@ -132,15 +133,15 @@ def resolve_nproc(spec, device: str) -> int:
     return n
 
 
-def torchrun_command(args, argv: list[str], nproc: int) -> list[str]:
-    """The torchrun command that runs this job on ``nproc`` processes of this node: the job's own
-    flags are passed on without the launcher's."""
+def torchrun_command(process, argv: list[str], nproc: int) -> list[str]:
+    """The torchrun command that runs this job on ``nproc`` processes of this node (``process``: a
+    ProcessPlan): the job's own flags are passed on without the launcher's."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--max-restarts", str(args.max_restarts)]
-    if args.rdzv_endpoint:
-        cmd += ["--nnodes", str(args.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
-                "--rdzv-id", args.rdzv_id]
-    elif args.nnodes != "1":
+           "--max-restarts", str(process.max_restarts)]
+    if process.rdzv_endpoint:
+        cmd += ["--nnodes", str(process.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", process.rdzv_endpoint,
+                "--rdzv-id", process.rdzv_id]
+    elif process.nnodes != "1":
         raise ConfigError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (a node every agent reaches)")
     else:  # one node: a rendezvous on a free local port, so that two jobs on one machine do not collide,
         # and a run id of this launch's own (the run lock tells a restart of this job, which keeps it,
@@ -172,14 +173,15 @@ def _strip_launcher_flags(argv: list[str]) -> list[str]:
     return out
 
 
-def launch(args, argv: list[str]) -> int:
-    """Runs the job under torchrun; returns torchrun's exit status."""
-    nproc = resolve_nproc(args.nproc, args.device)
-    if not args.rdzv_endpoint and args.batch_size % nproc:  # several nodes: each rank checks the world
-        raise ConfigError(f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
+def launch(process, batch_size: int, argv: list[str]) -> int:
+    """Runs the job under torchrun (``process``: a ProcessPlan; ``batch_size``: the global batch);
+    returns torchrun's exit status."""
+    nproc = resolve_nproc(process.nproc, process.device)
+    if not process.rdzv_endpoint and batch_size % nproc:  # several nodes: each rank checks the world
+        raise ConfigError(f"--batch-size {batch_size} (the global batch) must be a multiple of the "
                           f"number of processes ({nproc})")
-    cmd = torchrun_command(args, argv, nproc)
-    if getattr(args, "verbose", False):  # (not by default: a command the ranks refuse says one line)
+    cmd = torchrun_command(process, argv, nproc)
+    if process.verbose:  # (not by default: a command the ranks refuse says one line)
         print("hytrain train: " + " ".join(cmd[1:]), flush=True)
     # OMP_NUM_THREADS=1 is what torchrun gives each rank anyway (the job sets its own thread counts);
     # setting it here spares its four-line banner saying so.
@@ -213,6 +215,36 @@ def launch(args, argv: list[str]) -> int:
     if forwarded and rc != 0:
         return 128 + forwarded[0]  # stopped by the signal (the ranks saved): not finished
     return 128 - rc if rc < 0 else rc
+
+
+def set_up(process) -> "Ranks":
+    """The set-up-ranks phase (``process``: a ProcessPlan): a job torchrun started joins its process
+    group; a plain job is one process."""
+    return Ranks.join(process.device, process.timeout) if under_torchrun() else Ranks()
+
+
+def place(ranks: "Ranks", process, batch_size: int) -> torch.device:
+    """This rank's device (its local GPU under torchrun, else ``--device``), once the global batch
+    (``batch_size``) is known to split evenly between the ranks."""
+    device = ranks.device(process.device) or pick_device(process.device)
+    if batch_size % ranks.world:
+        raise ConfigError(f"--batch-size {batch_size} (the global batch) must be a multiple of the "
+                          f"number of processes ({ranks.world})")
+    return device
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() and cuda_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if not (torch.cuda.is_available() and cuda_available()):
+            raise ConfigError("--device cuda: no usable GPU (or hytrain was built without CUDA)")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type != "cpu":
+        raise ConfigError(f"--device must be auto, cpu or cuda[:N], got {spec!r}")
+    return dev
 
 
 class Ranks:
