@@ -31,16 +31,25 @@ FAST = ["--batch-size", "4", "--seq-len", "32", "--no-progress", "--device", "cp
         "--eval-batches", "2"]
 
 
+@pytest.fixture(scope="module")
+def fast(corpus):
+    """FAST on a small text file: the ranks read it at once instead of walking the standard library."""
+    return [*FAST, "--data", corpus]
+
+
 def job(*args, timeout=300):
     proc = subprocess.run([sys.executable, "-m", "hytrain", "train", *args], capture_output=True, text=True,
                           timeout=timeout, env=_env())
     return proc
 
 
-def ok(*args, **kw):
-    proc = job(*args, **kw)
+def succeeded(proc):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc
+
+
+def ok(*args, **kw):
+    return succeeded(job(*args, **kw))
 
 
 def metrics(out):
@@ -51,13 +60,58 @@ def losses(out):
     return {r["step"]: r["loss"] for r in metrics(out)}
 
 
-def test_two_processes_match_one_on_the_same_global_batch(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    ok("--steps", "6", "--eval-every", "3", "--out", str(one), *FAST)
-    ok("--steps", "6", "--eval-every", "3", "--out", str(two), "--nproc", "2", *FAST)
+def together(logs: Path, **runs) -> dict:
+    """``hytrain train ARGS`` for each ``name=ARGS``, all started at once (a short run here spends most
+    of its time starting and ending processes, which overlap well), waited for: name -> the completed
+    process (stdout, stderr and exit status, for the caller to check)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = {}
+    try:
+        for name, args in runs.items():
+            with open(logs / f"{name}.out", "w") as out, open(logs / f"{name}.err", "w") as err:
+                procs[name] = subprocess.Popen([sys.executable, "-m", "hytrain", "train", *args], stdout=out,
+                                               stderr=err, text=True, env=_env())
+        for p in procs.values():
+            p.wait(timeout=300)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return {name: subprocess.CompletedProcess(p.args, p.returncode, (logs / f"{name}.out").read_text(),
+                                              (logs / f"{name}.err").read_text()) for name, p in procs.items()}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, fast):
+    """The runs that several tests read: one process and two on the same global batch (6 steps,
+    validation and a checkpoint at 3 and 6), and one process with 8-bit states (checkpoints at 3 and 6).
+    name -> (its output directory, its completed process); each test checks the runs it reads."""
+    root = tmp_path_factory.mktemp("shared")
+    runs = {
+        "one": ["--steps", "6", "--eval-every", "3", "--save-every", "3", "--keep", "3", "--no-export"],
+        "two": ["--steps", "6", "--eval-every", "3", "--save-every", "3", "--keep", "3", "--nproc", "2"],
+        "one_8bit": ["--steps", "6", "--save-every", "3", "--keep", "3", "--eval-every", "0", "--no-export",
+                     "--state-format", "8bit"],
+    }
+    done = together(root / "logs", **{name: [*args, "--out", str(root / name), *fast] for name, args in runs.items()})
+    return {name: (root / name, proc) for name, proc in done.items()}
+
+
+def shared_run(shared, name) -> Path:
+    """The output directory of one of the shared runs, which must have succeeded."""
+    out, proc = shared[name]
+    succeeded(proc)
+    return out
+
+
+def test_two_processes_match_one_on_the_same_global_batch(shared):
+    one, two = shared_run(shared, "one"), shared_run(shared, "two")
     a, b = metrics(one), metrics(two)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
     torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in a]),
                                rtol=1e-5, atol=1e-5)
+    assert len([r for r in b if "val_loss" in r]) == 2
     torch.testing.assert_close(torch.tensor([r["val_loss"] for r in b if "val_loss" in r]),
                                torch.tensor([r["val_loss"] for r in a if "val_loss" in r]), rtol=1e-5, atol=1e-5)
     assert all(len(r["k_ranks"]) == 2 and len(r["step_s_ranks"]) == 2 and len(r["gpu_wait_frac_ranks"]) == 2
@@ -68,18 +122,28 @@ def test_two_processes_match_one_on_the_same_global_batch(tmp_path):
     assert (two / "trace.json").is_file() and (two / "trace.rank1.json").is_file()
 
 
+@pytest.fixture(scope="module")
+def resumed_on_two(shared, tmp_path_factory, fast):
+    """Each single-process run of ``shared`` resumed from its checkpoint at step 3 on two processes
+    (both at once): format -> (the single-process run, the resumed one, its completed process)."""
+    root = tmp_path_factory.mktemp("resumed")
+    whole = {"fp32": shared["one"][0], "8bit": shared["one_8bit"][0]}
+    done = together(root / "logs", **{
+        fmt: ["--steps", "6", "--save-every", "3", "--eval-every", "0", "--out", str(root / fmt), "--resume",
+              str(w / "checkpoints" / "step_00000003"), "--nproc", "2", "--no-export", *fast]
+        for fmt, w in whole.items()})
+    return {fmt: (whole[fmt], root / fmt, done[fmt]) for fmt in whole}
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "8bit"])
-def test_a_single_process_checkpoint_resumes_on_two_processes(tmp_path, fmt):
+def test_a_single_process_checkpoint_resumes_on_two_processes(fmt, shared, resumed_on_two):
     # Resharded on load (dist_checkpoint.load_single): the same losses as the single process going on,
     # as two processes match one on the same global batch; 8-bit m and v are quantised afresh over the
     # new shards' blocks, so close, not equal. The LR schedule goes on; the next checkpoints are sharded.
-    whole = tmp_path / "whole"
-    ok("--steps", "6", "--save-every", "3", "--keep", "3", "--eval-every", "0", "--out", str(whole),
-       "--state-format", fmt, *FAST)
+    whole = shared_run(shared, "one" if fmt == "fp32" else "one_8bit")
     ck = whole / "checkpoints" / "step_00000003"
-    two = tmp_path / "two"
-    proc = ok("--steps", "6", "--save-every", "3", "--eval-every", "0", "--out", str(two), "--resume", str(ck),
-              "--nproc", "2", *FAST)
+    _, two, proc = resumed_on_two[fmt]
+    succeeded(proc)
     assert "resumed from" in proc.stdout + proc.stderr
     want, got = losses(whole), losses(two)
     assert sorted(got) == [4, 5, 6]
@@ -92,36 +156,39 @@ def test_a_single_process_checkpoint_resumes_on_two_processes(tmp_path, fmt):
     assert not list(ck.parent.glob(".*resharded*")), "the resharded copy is removed after the load"
 
 
-def test_sharded_checkpoints_resume_on_two_processes_and_on_one(tmp_path):
-    whole = tmp_path / "whole"
-    ok("--steps", "8", "--save-every", "4", "--keep", "3", "--eval-every", "0", "--out", str(whole),
-       "--nproc", "2", *FAST)
-    ck = whole / "checkpoints" / "step_00000004"
+def test_sharded_checkpoints_resume_on_two_processes_and_on_one(tmp_path, shared, fast):
+    whole = shared_run(shared, "two")
+    ck = whole / "checkpoints" / "step_00000003"
     assert json.loads((ck / "meta.json").read_text())["world_size"] == 2
+    # `latest` names a damaged checkpoint (a flipped byte in its meta.json): the ranks fall back to the
+    # one before it, said once (not by every rank), and train on as the run did. (A copy of the run,
+    # resumed at the same time as the run's own checkpoint at step 3 is resumed into another directory.)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(whole, damaged)
+    meta = damaged / "checkpoints" / "step_00000006" / "meta.json"
+    raw = bytearray(meta.read_bytes())
+    raw[raw.index(b'"step"') + 2] ^= 1
+    meta.write_bytes(bytes(raw))
     again, single = tmp_path / "again", tmp_path / "single"
-    ok("--steps", "8", "--eval-every", "0", "--out", str(again), "--resume", str(ck), "--nproc", "2", *FAST)
-    ok("--steps", "8", "--eval-every", "0", "--out", str(single), "--resume", str(ck), *FAST)
+    done = together(tmp_path / "logs", again=["--steps", "6", "--eval-every", "0", "--out", str(again), "--resume",
+                                              str(ck), "--nproc", "2", "--no-export", *fast],
+                    damaged=["--steps", "8", "--eval-every", "0", "--out", str(damaged), "--resume", "latest",
+                             "--nproc", "2", "--no-export", *fast])
+    succeeded(done["again"])
+    ok("--steps", "6", "--eval-every", "0", "--out", str(single), "--resume", str(ck), "--no-export", *fast)
     want = losses(whole)
-    assert losses(again) == {s: want[s] for s in range(5, 9)}  # same world size: bit for bit
+    assert losses(again) == {s: want[s] for s in range(4, 7)}  # same world size: bit for bit
     got = losses(single)
-    assert sorted(got) == [5, 6, 7, 8]
+    assert sorted(got) == [4, 5, 6]
     torch.testing.assert_close(torch.tensor([got[s] for s in got]), torch.tensor([want[s] for s in got]),
                                rtol=1e-5, atol=1e-5)
     # The LR schedule went on from the checkpoint too.
     lr = {r["step"]: r["lr"] for r in metrics(whole)}
-    assert {r["step"]: r["lr"] for r in metrics(again)} == {s: lr[s] for s in range(5, 9)}
-    # `latest` names a damaged checkpoint (a flipped byte in its meta.json): the ranks fall back to the
-    # one before it, said once (not by every rank), and train on as the run did.
-    damaged = tmp_path / "damaged"
-    shutil.copytree(whole, damaged)
-    meta = damaged / "checkpoints" / "step_00000008" / "meta.json"
-    raw = bytearray(meta.read_bytes())
-    raw[raw.index(b'"step"') + 2] ^= 1
-    meta.write_bytes(bytes(raw))
-    proc = ok("--steps", "10", "--eval-every", "0", "--out", str(damaged), "--resume", "latest", "--nproc", "2", *FAST)
-    assert proc.stderr.count("step_00000008, which") == 1 and "resuming from step_00000004" in proc.stderr
+    assert {r["step"]: r["lr"] for r in metrics(again)} == {s: lr[s] for s in range(4, 7)}
+    proc = succeeded(done["damaged"])
+    assert proc.stderr.count("step_00000006, which") == 1 and "resuming from step_00000003" in proc.stderr
     assert "is damaged (meta.json was altered: its content does not match its checksum)" in proc.stderr
-    assert {s: losses(damaged)[s] for s in range(5, 9)} == {s: want[s] for s in range(5, 9)}
+    assert {s: losses(damaged)[s] for s in range(4, 7)} == {s: want[s] for s in range(4, 7)}
 
 
 def _is_worker(pid):
@@ -198,12 +265,19 @@ def _assert_rewound(out, steps, saved, before):
     assert json.loads((out / "summary.json").read_text())["steps"] == steps
 
 
+# Runs in which a worker is killed: the first checkpoint comes after 10 steps, and some 50 steps more
+# (a few seconds, and dozens of the test's looks) leave ample time to see it and kill a worker before
+# the run would end.
+KILL_STEPS, KILL_SAVE_EVERY = 60, 10
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
-def test_a_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path):
+def test_a_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path, fast):
     out = tmp_path / "run"
-    steps = 400
-    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", str(steps), "--save-every", "25",
-                             "--eval-every", "0", "--out", str(out), "--nproc", "2", "--max-restarts", "1", *FAST],
+    steps = KILL_STEPS
+    proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", str(steps), "--save-every",
+                             str(KILL_SAVE_EVERY), "--eval-every", "0", "--out", str(out), "--nproc", "2",
+                             "--max-restarts", "1", "--no-export", *fast],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         _, saved, before = _kill_a_worker_past_a_checkpoint([proc], out)
@@ -218,14 +292,14 @@ def test_a_killed_worker_is_restarted_from_the_last_checkpoint(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
 @pytest.mark.parametrize("target", ["group", "launcher"])
-def test_a_sigkill_to_the_job_stops_the_ranks_too(tmp_path, target):
+def test_a_sigkill_to_the_job_stops_the_ranks_too(tmp_path, target, fast):
     """kill -9 of the launcher's process group (the launcher and torchrun's agent; torchrun starts the
     ranks in sessions of their own): the ranks see their agent gone; of the launcher alone: the agent
     sees it gone and passes SIGTERM on. Either way the ranks finish the step, save a checkpoint,
     release the lock and exit, instead of training on unseen."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
-                             "--save-every", "1000", "--eval-every", "0", "--out", str(out), *FAST],
+                             "--save-every", "1000", "--eval-every", "0", "--out", str(out), *fast],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             start_new_session=True)
     try:
@@ -279,8 +353,8 @@ def _two_agents(args, envs=(None, None), during=None, timeout=300):
     return outs, got
 
 
-def two_agents_one_worker_killed(tmp_path, device_args, steps=400, save_every=25, envs=(None, None),
-                                 survivor_hangs=False):
+def two_agents_one_worker_killed(tmp_path, device_args, steps=KILL_STEPS, save_every=KILL_SAVE_EVERY,
+                                 envs=(None, None), survivor_hangs=False):
     """Two agents (``_two_agents``, --max-restarts 1); one worker is killed a few steps past a
     checkpoint: both agents restart their workers in a new rendezvous round, which resumes from the
     last checkpoint, and the run ends with every step logged once and the steps run again bit for
@@ -323,16 +397,40 @@ def _restarted_workers(agents, victim) -> dict:
     return seen
 
 
+_SHORT_AGENT_WAIT = """
+import sys
+if "hytrain.job.torchrun" in getattr(sys, "orig_argv", []):  # torchrun's agent only
+    from torch.distributed.elastic.multiprocessing import api
+    _close = api.PContext.close
+    def _shorter(self, death_sig=None, timeout=30):
+        return _close(self, death_sig, min(timeout, 3))
+    api.PContext.close = _shorter
+"""
+
+
+def _short_agent_wait(tmp_path) -> dict:
+    """The environment for a job whose torchrun agent, stopping its workers, sends SIGKILL to those
+    still there 3 s after its SIGTERM instead of torch's 30 s (the same sequence, sooner): a stopped
+    or hung rank, whose SIGTERM stays pending or unheard, is then gone in 3 s."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(_SHORT_AGENT_WAIT)
+    return {"PYTHONPATH": str(site) + os.pathsep + _env().get("PYTHONPATH", "")}
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
 @pytest.mark.parametrize("survivor", ["fails", "hangs"])
-def test_two_agents_restart_a_killed_worker_from_the_last_checkpoint(tmp_path, survivor):
+def test_two_agents_restart_a_killed_worker_from_the_last_checkpoint(tmp_path, survivor, fast):
     # "hangs": the other worker neither fails nor exits when its peer dies (an NCCL rank waits in its
     # collective), so only the killed worker's agent counts a restart; the other agent restarts its
-    # worker for the membership change. Both new workers must still meet and resume.
-    two_agents_one_worker_killed(tmp_path, FAST, survivor_hangs=survivor == "hangs")
+    # worker for the membership change. Both new workers must still meet and resume. (The survivor
+    # resumed after its agent's SIGTERM now and then stays blocked until the SIGKILL that follows.)
+    env = _short_agent_wait(tmp_path)
+    two_agents_one_worker_killed(tmp_path, [*fast, "--no-export"], envs=(env, env),
+                                 survivor_hangs=survivor == "hangs")
 
 
-def test_launcher_options(tmp_path):
+def test_launcher_options(tmp_path, capsys):
     import argparse
 
     from hytrain.job.options import add_arguments, resolve_options
@@ -358,8 +456,12 @@ def test_launcher_options(tmp_path):
     with pytest.raises(ConfigError, match="--nproc"):
         resolve_nproc("0", "cpu")
     assert resolve_nproc("auto", "cpu") == 1
-    proc = job("--nproc", "3", "--batch-size", "4", "--out", str(tmp_path / "r"), "--device", "cpu")
-    assert proc.returncode == 2 and "multiple of the number of processes (3)" in proc.stderr
+    from hytrain.job import main
+
+    # Refused by the launcher itself, before torchrun starts (in this process: nothing is started).
+    capsys.readouterr()
+    assert main(["--nproc", "3", "--batch-size", "4", "--out", str(tmp_path / "r"), "--device", "cpu"]) == 2
+    assert "multiple of the number of processes (3)" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
 
 
@@ -380,26 +482,25 @@ def test_numa_placement_of_ranks():
     assert rank_cpus(0, 2, nodes, set(range(8)), [1, 1]) == sorted(range(8))
 
 
-def test_two_agents_rendezvous_as_two_nodes(tmp_path):
+def test_two_agents_rendezvous_as_two_nodes(tmp_path, shared, fast):
     # Two torchrun agents on this host, as two nodes of one process each (--nnodes 2, c10d rendezvous
-    # on a local port): one job of world size 2, the same training as one process.
-    one, two = tmp_path / "one", tmp_path / "two"
-    ok("--steps", "4", "--eval-every", "0", "--out", str(one), *FAST)
-    _two_agents(["--steps", "4", "--eval-every", "0", "--out", str(two), *FAST], timeout=240)
+    # on a local port): one job of world size 2, the same training as one process (the shared run).
+    one, two = shared_run(shared, "one"), tmp_path / "two"
+    _two_agents(["--steps", "6", "--eval-every", "3", "--out", str(two), *fast], timeout=240)
     b = metrics(two)
-    assert all(len(r["k_ranks"]) == 2 for r in b)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6] and all(len(r["k_ranks"]) == 2 for r in b)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in b]), torch.tensor([r["loss"] for r in metrics(one)]),
                                rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
-def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(tmp_path):
+def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(tmp_path, fast):
     """A scheduler that signals only the launcher: torchrun and every rank hear it, every rank stops
     after the same step and saves, nothing is left running, the exit status says the run did not
     finish, and --resume latest continues it."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
-                             "--eval-every", "0", "--out", str(out), *FAST], stdout=subprocess.PIPE,
+                             "--eval-every", "0", "--out", str(out), *fast], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.monotonic() + 240
@@ -421,19 +522,19 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(tmp_path):
     last = metrics(out)[-1]["step"]
     assert int((out / "checkpoints" / "latest").read_text().split("_")[1]) == last
     more = ok("--nproc", "2", "--steps", str(last + 2), "--eval-every", "0", "--out", str(out), "--resume",
-              "latest", *FAST)
+              "latest", "--no-export", *fast)
     assert f"at step {last}" in more.stdout
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
 @pytest.mark.parametrize("to", ["launcher", "every_process"])
-def test_sigusr1_saves_and_goes_on_then_sighup_saves_and_stops(tmp_path, to):
+def test_sigusr1_saves_and_goes_on_then_sighup_saves_and_stops(tmp_path, to, fast):
     """Slurm's early warning (``--signal=USR1@120``) to the launcher or to every process of the job:
     every rank saves at the end of the same step and training goes on; a hang-up then stops the run
     as SIGTERM does (exit 128 + SIGHUP), saved."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
-                             "--eval-every", "0", "--out", str(out), *FAST], stdout=subprocess.PIPE,
+                             "--eval-every", "0", "--out", str(out), *fast], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env())
 
     def send(signum):
@@ -474,12 +575,12 @@ def test_sigusr1_saves_and_goes_on_then_sighup_saves_and_stops(tmp_path, to):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
-def test_sigterm_to_one_rank_is_a_clean_stop_not_a_failure(tmp_path):
+def test_sigterm_to_one_rank_is_a_clean_stop_not_a_failure(tmp_path, fast):
     """A signal that reaches one rank only: every rank saves after the same step and stops, and the
     launcher says no rank failed (exit 128 + N, no error line)."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
-                             "--eval-every", "0", "--out", str(out), *FAST], stdout=subprocess.PIPE,
+                             "--eval-every", "0", "--out", str(out), *fast], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.monotonic() + 240
@@ -502,14 +603,16 @@ def test_sigterm_to_one_rank_is_a_clean_stop_not_a_failure(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
-def test_a_hung_rank_is_named_as_such(tmp_path):
+def test_a_hung_rank_is_named_as_such(tmp_path, fast):
     """A rank that stops answering (SIGSTOP: alive, not dying) is reported as hung past --timeout, by
     the rank that waited for it, in one line with its own exit status (124), not as a rank killed by
     the agent's SIGKILL afterwards."""
     out = tmp_path / "run"
+    # (The agent's SIGTERM to the stopped rank stays pending; its SIGKILL comes after the shorter wait.)
+    env = {**_env(), **_short_agent_wait(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
-                             "--eval-every", "0", "--timeout", "5", "--out", str(out), *FAST],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                             "--eval-every", "0", "--timeout", "5", "--out", str(out), *fast],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -549,20 +652,20 @@ def _one_error_line(stderr: str, *words) -> str:
     return lines[0]
 
 
-def test_an_error_every_rank_hits_is_shown_once_without_torchrun_report(tmp_path):
-    proc = job("--nproc", "2", "--steps", "2", "--out", str(tmp_path / "x"), "--resume", str(tmp_path / "none"), *FAST)
+def test_an_error_every_rank_hits_is_shown_once_without_torchrun_report(tmp_path, fast):
+    proc = job("--nproc", "2", "--steps", "2", "--out", str(tmp_path / "x"), "--resume", str(tmp_path / "none"), *fast)
     assert proc.returncode == 2, proc.stderr[-4000:]
     _one_error_line(proc.stderr, "hytrain train: error:", "does not exist")
     assert "OMP_NUM_THREADS" not in proc.stderr
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the workers through /proc")
-def test_a_rank_killed_without_restarts_is_named_once_and_the_others_stop(tmp_path):
+def test_a_rank_killed_without_restarts_is_named_once_and_the_others_stop(tmp_path, fast):
     """kill -9 of one rank: the launcher names that rank and its signal in one line (not the peer's
     gloo error, not torchrun's report), exits 128 + 9, and nothing is left running."""
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
-                             "--eval-every", "0", "--out", str(out), *FAST], stdout=subprocess.PIPE,
+                             "--eval-every", "0", "--out", str(out), *fast], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline, victim = time.monotonic() + 240, None
@@ -621,9 +724,9 @@ def _mount_tmpfs(where: Path, size: str) -> bool:
     return r.returncode == 0
 
 
-def _run_until_disk_full(out: Path, fill, extra_env=None):
+def _run_until_disk_full(out: Path, fill, fast, extra_env=None):
     proc = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--nproc", "2", "--steps", "100000",
-                             "--save-every", "3", "--keep", "1", "--eval-every", "0", "--out", str(out), *FAST],
+                             "--save-every", "3", "--keep", "1", "--eval-every", "0", "--out", str(out), *fast],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**_env(), **(extra_env or {})})
     try:
@@ -650,7 +753,7 @@ def _after_full_disk(out: Path, rc: int, stderr: str, *words):
     return last
 
 
-def test_a_disk_that_fills_under_torchrun_stops_every_rank_with_the_last_checkpoint_intact(tmp_path):
+def test_a_disk_that_fills_under_torchrun_stops_every_rank_with_the_last_checkpoint_intact(tmp_path, fast):
     """A write that fails on one rank (an injected ENOSPC inside DCP's save on rank 1): every rank
     stops, one line names the checkpoint and the bytes, the partial directory is gone, and the last
     good checkpoint verifies and resumes."""
@@ -661,17 +764,17 @@ def test_a_disk_that_fills_under_torchrun_stops_every_rank_with_the_last_checkpo
     env = _env()
     env = {"PYTHONPATH": str(site) + os.pathsep + env.get("PYTHONPATH", ""), "FULL_DISK_FLAG": str(flag)}
     out = tmp_path / "run"
-    rc, _, stderr = _run_until_disk_full(out, flag.touch, env)
+    rc, _, stderr = _run_until_disk_full(out, flag.touch, fast, env)
     last = _after_full_disk(out, rc, stderr, "No space left on device", "GB needed")
     flag.unlink()
     step = int(last.name.split("_")[1])
     more = ok("--nproc", "2", "--steps", str(step + 1), "--eval-every", "0", "--out", str(out), "--resume",
-              "latest", *FAST)
+              "latest", "--no-export", *fast)
     assert f"at step {step}" in more.stdout
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="mounts a small tmpfs")
-def test_a_real_small_disk_under_torchrun(tmp_path):
+def test_a_real_small_disk_under_torchrun(tmp_path, fast):
     """The same on a real file system that fills: a 48 MB tmpfs (where this machine lets a test mount
     one), filled by another writer once the first checkpoint is there."""
     disk = tmp_path / "disk"
@@ -685,7 +788,7 @@ def test_a_real_small_disk_under_torchrun(tmp_path):
             with open(disk / "ballast", "wb") as f:
                 f.write(b"\0" * max(0, free - (1 << 20)))
 
-        rc, _, stderr = _run_until_disk_full(out, fill)
+        rc, _, stderr = _run_until_disk_full(out, fill, fast)
         _after_full_disk(out, rc, stderr, "GB free")
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=20)

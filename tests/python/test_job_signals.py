@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from hytrain import checkpoint as ckpt
 from hytrain import plots
 from hytrain.job import loop, main
@@ -16,7 +18,13 @@ FAST = ["--batch-size", "4", "--seq-len", "64", "--no-progress", "--device", "cp
         "--eval-every", "0"]
 
 
-def test_a_second_sigterm_in_a_long_step_stops_at_once_keeping_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def fast(corpus):
+    """FAST on a small text file (read at once; the embedded default walks the standard library)."""
+    return [*FAST, "--data", corpus]
+
+
+def test_a_second_sigterm_in_a_long_step_stops_at_once_keeping_the_last_checkpoint(tmp_path, monkeypatch, capsys, fast):
     real, calls = loop.inputs_and_targets, {"n": 0}
 
     def slow(*args, **kwargs):
@@ -31,7 +39,7 @@ def test_a_second_sigterm_in_a_long_step_stops_at_once_keeping_the_last_checkpoi
     monkeypatch.setattr(loop, "inputs_and_targets", slow)
     out = tmp_path / "run"
     t0 = time.time()
-    assert main(["--steps", "10", "--save-every", "2", "--out", str(out), *FAST]) == 128 + signal.SIGTERM
+    assert main(["--steps", "10", "--save-every", "2", "--out", str(out), *fast]) == 128 + signal.SIGTERM
     assert time.time() - t0 < 45
     said = capsys.readouterr().out
     assert "SIGTERM: step 3 (running for" in said and "send it again to stop at once" in said, said
@@ -40,10 +48,10 @@ def test_a_second_sigterm_in_a_long_step_stops_at_once_keeping_the_last_checkpoi
     assert not (out / "hytrain.lock").exists()
     # It resumes from there.
     monkeypatch.setattr(loop, "inputs_and_targets", real)
-    assert main(["--steps", "4", "--resume", "latest", "--out", str(out), *FAST]) == 0
+    assert main(["--steps", "4", "--resume", "latest", "--out", str(out), *fast]) == 0
 
 
-def test_one_stop_delivered_twice_at_once_still_finishes_the_step_and_saves(tmp_path, monkeypatch, capsys):
+def test_one_stop_delivered_twice_at_once_still_finishes_the_step_and_saves(tmp_path, monkeypatch, capsys, fast):
     # A signal to the process group that a launcher forwards again (torchrun's agent does) arrives
     # twice within milliseconds: one request, acted on at the end of the step.
     real, calls = loop.inputs_and_targets, {"n": 0}
@@ -57,13 +65,13 @@ def test_one_stop_delivered_twice_at_once_still_finishes_the_step_and_saves(tmp_
 
     monkeypatch.setattr(loop, "inputs_and_targets", twice)
     out = tmp_path / "run"
-    assert main(["--steps", "10", "--out", str(out), *FAST]) == 128 + signal.SIGTERM
+    assert main(["--steps", "10", "--out", str(out), *fast]) == 128 + signal.SIGTERM
     said = capsys.readouterr().out
     assert "stopped by signal 15 (SIGTERM) after step 3" in said and "stopped at once" not in said, said
     assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == 3
 
 
-def test_a_signal_during_the_end_of_run_outputs_waits_for_the_summary(tmp_path, monkeypatch, capsys):
+def test_a_signal_during_the_end_of_run_outputs_waits_for_the_summary(tmp_path, monkeypatch, capsys, fast):
     real = plots.write_all
 
     def interrupted(*args, **kwargs):
@@ -72,14 +80,14 @@ def test_a_signal_during_the_end_of_run_outputs_waits_for_the_summary(tmp_path, 
 
     monkeypatch.setattr(plots, "write_all", interrupted)
     out = tmp_path / "run"
-    assert main(["--steps", "2", "--out", str(out), *FAST]) == 128 + signal.SIGINT
+    assert main(["--steps", "2", "--out", str(out), *fast]) == 128 + signal.SIGINT
     said = capsys.readouterr().out
     assert "SIGINT: writing summary.json first" in said and "Traceback" not in said
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2 and os.path.isfile(summary["loss_png"])
 
 
-def test_a_second_signal_during_the_outputs_stops_at_once(tmp_path, monkeypatch, capsys):
+def test_a_second_signal_during_the_outputs_stops_at_once(tmp_path, monkeypatch, capsys, fast):
     def stuck(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(REPEAT_S + 0.2)
@@ -89,7 +97,7 @@ def test_a_second_signal_during_the_outputs_stops_at_once(tmp_path, monkeypatch,
     monkeypatch.setattr(plots, "write_all", stuck)
     out = tmp_path / "run"
     t0 = time.time()
-    assert main(["--steps", "2", "--out", str(out), *FAST]) == 128 + signal.SIGINT
+    assert main(["--steps", "2", "--out", str(out), *fast]) == 128 + signal.SIGINT
     assert time.time() - t0 < 45
     said = capsys.readouterr().out
     assert "stopped at once by a second SIGINT during the end-of-run outputs" in said, said

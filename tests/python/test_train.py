@@ -20,6 +20,13 @@ from hytrain.job import main
 FAST = ["--batch-size", "4", "--seq-len", "64", "--no-progress", "--device", "cpu", "--workers", "1"]
 
 
+@pytest.fixture(scope="module")
+def fast(corpus):
+    """FAST on a small text file, for the runs whose checks do not depend on what they learn from: read
+    at once, where the embedded default walks the standard library's sources at every start."""
+    return [*FAST, "--data", corpus]
+
+
 def metrics(out):
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
@@ -39,52 +46,52 @@ def test_embedded_default_learns(tmp_path):
     assert summary["peak_host_gb"] > summary["state_host_gb"]
 
 
-def test_resume_is_bit_identical_on_cpu(tmp_path):
+def test_resume_is_bit_identical_on_cpu(tmp_path, fast):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert main(["--steps", "12", "--eval-every", "0", "--out", a, *FAST]) == 0
-    assert main(["--steps", "6", "--eval-every", "0", "--out", b, *FAST]) == 0
-    assert main(["--steps", "12", "--eval-every", "0", "--out", b, "--resume", "latest", *FAST]) == 0
+    assert main(["--steps", "12", "--eval-every", "0", "--out", a, *fast]) == 0
+    assert main(["--steps", "6", "--eval-every", "0", "--out", b, *fast]) == 0
+    assert main(["--steps", "12", "--eval-every", "0", "--out", b, "--resume", "latest", *fast]) == 0
     la = [r["loss"] for r in metrics(a)]
     lb = [r["loss"] for r in metrics(b)]
     assert [r["step"] for r in metrics(b)] == list(range(1, 13))
     assert la == lb
 
 
-def test_resume_in_another_state_format_converts_and_says_so(tmp_path, capsys):
+def test_resume_in_another_state_format_converts_and_says_so(tmp_path, capsys, fast):
     out = str(tmp_path / "run")
-    assert main(["--steps", "4", "--eval-every", "0", "--out", out, "--state-format", "bf16", *FAST]) == 0
+    assert main(["--steps", "4", "--eval-every", "0", "--out", out, "--state-format", "bf16", *fast]) == 0
     capsys.readouterr()
     # Without --state-format a resumed run keeps the checkpoint's format, silently.
-    assert main(["--steps", "5", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    assert main(["--steps", "5", "--eval-every", "0", "--out", out, "--resume", "latest", *fast]) == 0
     assert "they continue as" not in capsys.readouterr().out
     assert ckpt.read_meta(ckpt.resolve(out, "latest"))["state_format"] == "bf16"
     # Asked for another format, it converts and says so.
     assert main(["--steps", "6", "--eval-every", "0", "--out", out, "--resume", "latest", "--state-format", "fp32",
-                 *FAST]) == 0
+                 *fast]) == 0
     said = capsys.readouterr().out
     assert "optimizer states are bf16; they continue as fp32, as --state-format fp32 asks" in said
     assert json.load(open(os.path.join(out, "summary.json")))["state_format"] == "fp32"
     assert ckpt.read_meta(ckpt.resolve(out, "latest"))["state_format"] == "fp32"
 
 
-def test_a_fresh_start_on_an_earlier_runs_out_is_refused(tmp_path, capsys):
+def test_a_fresh_start_on_an_earlier_runs_out_is_refused(tmp_path, capsys, fast):
     # Its steps would go into the same metrics and checkpoints, and --resume latest would later pick
     # the earlier run's higher step: refused in one line, nothing of the earlier run touched.
     out = str(tmp_path / "run")
-    assert main(["--steps", "3", "--eval-every", "0", "--out", out, *FAST]) == 0
+    assert main(["--steps", "3", "--eval-every", "0", "--out", out, *fast]) == 0
     before = sorted(os.listdir(os.path.join(out, "checkpoints"))), open(os.path.join(out, "metrics.jsonl")).read()
     capsys.readouterr()
-    assert main(["--steps", "2", "--eval-every", "0", "--out", out, *FAST]) == 2
+    assert main(["--steps", "2", "--eval-every", "0", "--out", out, *fast]) == 2
     err = capsys.readouterr().err
     assert "holds an earlier run's checkpoints (the newest step_00000003)" in err and "--resume latest" in err
     assert (sorted(os.listdir(os.path.join(out, "checkpoints"))), open(os.path.join(out, "metrics.jsonl")).read()) == before
-    assert main(["--steps", "4", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    assert main(["--steps", "4", "--eval-every", "0", "--out", out, "--resume", "latest", *fast]) == 0
     assert [r["step"] for r in metrics(out) if "loss" in r] == [1, 2, 3, 4]
 
 
-def test_8bit_states_train_and_resume_on_cpu(tmp_path):
+def test_8bit_states_train_and_resume_on_cpu(tmp_path, fast):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    args = ["--eval-every", "0", "--state-format", "8bit", *FAST]
+    args = ["--eval-every", "0", "--state-format", "8bit", *fast]
     assert main(["--steps", "8", "--out", a, *args]) == 0
     assert main(["--steps", "4", "--out", b, *args]) == 0
     assert main(["--steps", "8", "--out", b, "--resume", "latest", *args]) == 0
@@ -93,32 +100,32 @@ def test_8bit_states_train_and_resume_on_cpu(tmp_path):
     assert summary["state_format"] == "8bit"
 
 
-def test_resume_after_steps_past_the_last_save_records_each_step_once(tmp_path):
+def test_resume_after_steps_past_the_last_save_records_each_step_once(tmp_path, fast):
     # Killed after step 8, saved at step 4: the steps the kill lost are taken again, and
     # metrics.jsonl ends with every step once, their losses those of an uninterrupted run.
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert main(["--steps", "8", "--eval-every", "0", "--out", a, *FAST]) == 0
-    assert main(["--steps", "8", "--eval-every", "0", "--save-every", "4", "--out", b, *FAST]) == 0
+    assert main(["--steps", "8", "--eval-every", "0", "--out", a, *fast]) == 0
+    assert main(["--steps", "8", "--eval-every", "0", "--save-every", "4", "--out", b, *fast]) == 0
     ckpt_dir = ckpt.resolve(b, "latest")
     assert ckpt_dir.name == "step_00000008"
     os.rename(ckpt_dir, ckpt_dir.parent / ".step_00000008.trash")  # as if the kill came before the save
     with open(os.path.join(b, "metrics.jsonl"), "a") as f:
         f.write('{"step": 9, "loss"')  # and cut a record short
-    assert main(["--steps", "8", "--eval-every", "0", "--out", b, "--resume", "latest", *FAST]) == 0
+    assert main(["--steps", "8", "--eval-every", "0", "--out", b, "--resume", "latest", *fast]) == 0
     assert [r["step"] for r in metrics(b)] == list(range(1, 9))
     assert [r["loss"] for r in metrics(b)] == [r["loss"] for r in metrics(a)]
     summary = json.load(open(os.path.join(b, "summary.json")))
     assert summary["from_step"] == 5 and summary["first_loss"] == metrics(a)[4]["loss"]
 
 
-def test_the_loss_plot_after_a_resume_has_the_whole_run(tmp_path, monkeypatch):
+def test_the_loss_plot_after_a_resume_has_the_whole_run(tmp_path, monkeypatch, fast):
     from hytrain import plots
 
     drawn = []
     monkeypatch.setattr(plots, "write_all", lambda out, history, trace: drawn.append(history) or {})
     out = str(tmp_path / "run")
-    assert main(["--steps", "4", "--eval-every", "0", "--save-every", "2", "--out", out, *FAST]) == 0
-    assert main(["--steps", "6", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    assert main(["--steps", "4", "--eval-every", "0", "--save-every", "2", "--out", out, *fast]) == 0
+    assert main(["--steps", "6", "--eval-every", "0", "--out", out, "--resume", "latest", *fast]) == 0
     assert [r["step"] for r in drawn[-1]] == list(range(1, 7))  # not only the resumed steps 5 and 6
     assert [r["loss"] for r in drawn[-1]] == [r["loss"] for r in metrics(out)]
 
@@ -162,15 +169,15 @@ def test_fp16_on_the_gpu_overlaps_backward_and_resumes_with_the_scale(tmp_path, 
     assert max(abs(r["loss"] - q["loss"]) for r, q in zip(ra, rb)) < 2e-2
 
 
-def test_damaged_checkpoints_are_refused(tmp_path, capsys):
+def test_damaged_checkpoints_are_refused(tmp_path, capsys, fast):
     out = str(tmp_path / "run")
-    assert main(["--steps", "2", "--eval-every", "0", "--out", out, *FAST]) == 0
+    assert main(["--steps", "2", "--eval-every", "0", "--out", out, *fast]) == 0
     path = ckpt.resolve(out, "latest")
     opt_file = path / "optimizer.pt"
     data = bytearray(opt_file.read_bytes())
     data[len(data) // 2] ^= 0xFF
     opt_file.write_bytes(bytes(data))
-    assert main(["--steps", "4", "--out", out, "--resume", "latest", *FAST]) == 2
+    assert main(["--steps", "4", "--out", out, "--resume", "latest", *fast]) == 2
     assert "optimizer.pt is corrupted" in capsys.readouterr().err
     model_file = path / "model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:100])
@@ -181,13 +188,13 @@ def test_damaged_checkpoints_are_refused(tmp_path, capsys):
         ckpt.verify(path)
 
 
-def test_a_resume_from_an_older_checkpoint_replaces_the_later_ones(tmp_path, capsys):
+def test_a_resume_from_an_older_checkpoint_replaces_the_later_ones(tmp_path, capsys, fast):
     # Checkpoints at 2, 4, 6; step 6 is damaged; the user resumes from step 4 and saves at 8 keeping 2.
     # The resumed run's first save removes step 6 (the replaced run's future): the directory then
     # holds this history, 4 and 8, and --resume latest takes 8. (Pruning by name alone kept the
     # damaged 6 and removed the good 4.)
     out = tmp_path / "run"
-    args = ["--eval-every", "0", "--out", str(out), *FAST]
+    args = ["--eval-every", "0", "--out", str(out), *fast]
     assert main(["--steps", "6", "--save-every", "2", "--keep", "5", *args]) == 0
     opt_file = out / "checkpoints" / "step_00000006" / "optimizer.pt"
     data = bytearray(opt_file.read_bytes())
@@ -210,9 +217,9 @@ def test_a_resume_from_an_older_checkpoint_replaces_the_later_ones(tmp_path, cap
     assert [p.name for p in ckpt.complete_checkpoints(out)] == ["step_00000008", "step_00000010", "step_00000012"]
 
 
-def test_kill_during_save_keeps_the_last_good_checkpoint(tmp_path):
+def test_kill_during_save_keeps_the_last_good_checkpoint(tmp_path, fast):
     out = str(tmp_path / "run")
-    assert main(["--steps", "2", "--eval-every", "0", "--out", out, *FAST]) == 0
+    assert main(["--steps", "2", "--eval-every", "0", "--out", out, *fast]) == 0
     good = ckpt.resolve(out, "latest")
     # A second save in a child process that is SIGKILLed halfway (after the weights, while the
     # optimizer state is being written).
@@ -235,15 +242,15 @@ def test_kill_during_save_keeps_the_last_good_checkpoint(tmp_path):
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert ckpt.resolve(out, "latest") == good
     ckpt.verify(good)
-    assert main(["--steps", "3", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    assert main(["--steps", "3", "--eval-every", "0", "--out", out, "--resume", "latest", *fast]) == 0
 
 
-def test_kill_while_old_checkpoints_are_pruned(tmp_path):
+def test_kill_while_old_checkpoints_are_pruned(tmp_path, fast):
     """SIGKILL halfway through removing the oldest checkpoint (--keep 1): the new checkpoint is whole
     and found by latest, the half-removed one is out of sight (renamed before its removal) and the
     next run removes it."""
     out = str(tmp_path / "run")
-    assert main(["--steps", "2", "--save-every", "1", "--keep", "2", "--eval-every", "0", "--out", out, *FAST]) == 0
+    assert main(["--steps", "2", "--save-every", "1", "--keep", "2", "--eval-every", "0", "--out", out, *fast]) == 0
     code = textwrap.dedent(f"""
         import os, shutil, signal, torch
         from pathlib import Path
@@ -273,40 +280,39 @@ def test_kill_while_old_checkpoints_are_pruned(tmp_path):
     (root / "step_00000001").mkdir()
     (root / "step_00000001" / "meta.json").write_text("{")
     assert ckpt.resolve(out, "latest").name == "step_00000003"
-    assert main(["--steps", "4", "--keep", "1", "--eval-every", "0", "--out", out, "--resume", "latest", *FAST]) == 0
+    assert main(["--steps", "4", "--keep", "1", "--eval-every", "0", "--out", out, "--resume", "latest", *fast]) == 0
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004"]
 
 
-def test_resuming_with_another_model_is_one_line(tmp_path, capsys):
+def test_resuming_with_another_model_is_one_line(tmp_path, capsys, fast):
     out = str(tmp_path / "run")
-    assert main(["--steps", "1", "--eval-every", "0", "--out", out, *FAST]) == 0
+    assert main(["--steps", "1", "--eval-every", "0", "--out", out, *fast]) == 0
     capsys.readouterr()
-    assert main(["--steps", "2", "--model", "small", "--out", out, "--resume", "latest", *FAST]) == 2
+    assert main(["--steps", "2", "--model", "small", "--out", out, "--resume", "latest", *fast]) == 2
     err = capsys.readouterr().err
     assert "--model small differs from the checkpoint's tiny" in err and err.count("\n") == 1, err
 
 
-def test_a_failing_metrics_sink_is_reported_once_and_training_goes_on(tmp_path):
+def test_a_failing_metrics_sink_is_reported_once_and_training_goes_on(tmp_path, capsys, fast):
     out = tmp_path / "run"
     out.mkdir()
     if not os.path.exists("/dev/full"):
         pytest.skip("needs /dev/full (every write fails with ENOSPC)")
     (out / "metrics.jsonl").symlink_to("/dev/full")
-    r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "4", "--eval-every", "2", "--out",
-                        str(out), *FAST], capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if "metrics.jsonl" in ln]
-    assert len(lines) == 1 and "No space left on device" in lines[0] and "training goes on" in lines[0], r.stderr
+    assert main(["--steps", "4", "--eval-every", "2", "--out", str(out), *fast]) == 0
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "metrics.jsonl" in ln]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "training goes on" in lines[0], err
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
     ckpt.verify(ckpt.resolve(out, "latest"))
 
 
 @pytest.mark.parametrize("keep", [None, "0"])
-def test_sigterm_finishes_the_step_saves_and_exits(tmp_path, keep):
+def test_sigterm_finishes_the_step_saves_and_exits(tmp_path, keep, fast):
     # --keep 0 (no checkpoints): the model so far is written as the run's model directory instead.
     out = str(tmp_path / "run")
     p = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", "100000", "--eval-every", "0",
-                          "--out", out, *FAST, *(["--keep", keep] if keep else [])],
+                          "--out", out, *fast, *(["--keep", keep] if keep else [])],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -326,7 +332,7 @@ def test_sigterm_finishes_the_step_saves_and_exits(tmp_path, keep):
     assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == last
 
 
-def test_sigterm_outside_the_training_loop_ends_the_run_and_releases_its_lock(tmp_path, monkeypatch, capsys):
+def test_sigterm_outside_the_training_loop_ends_the_run_and_releases_its_lock(tmp_path, monkeypatch, capsys, fast):
     # While the model is built (before the loop's own handler, which finishes the step and saves):
     # the run ends with 143 and one line, and its lock is released (no takeover notice next time).
     from hytrain.job import loop
@@ -339,12 +345,12 @@ def test_sigterm_outside_the_training_loop_ends_the_run_and_releases_its_lock(tm
 
     out = tmp_path / "run"
     monkeypatch.setattr(loop, "build_model", signalled)
-    assert main(["--steps", "2", "--eval-every", "0", "--out", str(out), *FAST]) == 143
+    assert main(["--steps", "2", "--eval-every", "0", "--out", str(out), *fast]) == 143
     assert "stopped by signal 15 outside the training loop" in capsys.readouterr().out
     assert not (out / "hytrain.lock").exists() and not (out / "checkpoints").exists()
     assert signal.getsignal(signal.SIGTERM) == before
     monkeypatch.setattr(loop, "build_model", build)
-    assert main(["--steps", "2", "--eval-every", "0", "--out", str(out), *FAST]) == 0
+    assert main(["--steps", "2", "--eval-every", "0", "--out", str(out), *fast]) == 0
     assert "taking over" not in capsys.readouterr().err
 
 
@@ -374,11 +380,11 @@ def test_bad_options_fail_before_training(tmp_path, capsys):
     assert not (tmp_path / "x" / "metrics.jsonl").exists()
 
 
-def test_toml_config_and_flags(tmp_path):
+def test_toml_config_and_flags(tmp_path, fast):
     cfg = tmp_path / "c.toml"
     cfg.write_text('steps = 3\neval-every = 0\nlr = 0.001\nspeculate = false\n')
     out = str(tmp_path / "run")
-    assert main(["--config", str(cfg), "--out", out, "--steps", "2", *FAST]) == 0
+    assert main(["--config", str(cfg), "--out", out, "--steps", "2", *fast]) == 0
     assert [r["step"] for r in metrics(out)] == [1, 2]
     opts = json.load(open(os.path.join(out, "config.json")))["options"]
     assert opts["lr"] == 0.001 and opts["steps"] == 2 and opts["speculate"] == "off"
@@ -439,26 +445,27 @@ def test_activation_checkpointing_is_the_same_forward():
 
 # ---- the job under faults ---------------------------------------------------------------------------
 
-def test_a_finished_run_resumed_says_so_and_touches_nothing(tmp_path):
+def test_a_finished_run_resumed_says_so_and_touches_nothing(tmp_path, capsys, fast):
     out = tmp_path / "run"
-    assert main(["--steps", "3", "--eval-every", "0", "--out", str(out), *FAST]) == 0
+    assert main(["--steps", "3", "--eval-every", "0", "--out", str(out), *fast]) == 0
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
-    r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "3", "--out", str(out), "--resume",
-                        "latest", *FAST], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "already reached step 3" in r.stdout, r.stderr
+    capsys.readouterr()
+    assert main(["--steps", "3", "--out", str(out), "--resume", "latest", *fast]) == 0
+    said = capsys.readouterr()
+    assert "already reached step 3" in said.out, said.err
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
 
 
-def test_one_run_per_output_directory(tmp_path):
+def test_one_run_per_output_directory(tmp_path, fast):
     out = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", "100000", "--eval-every", "0",
-                          "--out", str(out), *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--out", str(out), *fast], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (out / "metrics.jsonl").exists():
             time.sleep(0.2)
         second = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "5", "--out", str(out),
-                                 *FAST], capture_output=True, text=True, timeout=120)
+                                 *fast], capture_output=True, text=True, timeout=120)
         assert second.returncode == 2, second.stderr
         assert f"pid {p.pid}" in second.stderr and "in use by another run" in second.stderr
         assert second.stderr.count("\n") == 1
@@ -468,16 +475,16 @@ def test_one_run_per_output_directory(tmp_path):
     assert not (out / "hytrain.lock").exists()  # released at the end
 
 
-def test_a_stale_lock_is_taken_over(tmp_path):
+def test_a_stale_lock_is_taken_over(tmp_path, capsys, fast):
     out = tmp_path / "run"
     out.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     import socket
     (out / "hytrain.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": 0}))
-    r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "2", "--eval-every", "0", "--out",
-                        str(out), *FAST], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "taking over" in r.stderr, r.stderr
+    assert main(["--steps", "2", "--eval-every", "0", "--out", str(out), *fast]) == 0
+    err = capsys.readouterr().err
+    assert "taking over" in err, err
 
 
 def _race_for_the_lock(out, barrier, results):
@@ -529,10 +536,10 @@ def _wait_steps(out, n, p, timeout=120):
     raise AssertionError(f"fewer than {n} steps in {timeout} s")
 
 
-def test_sigusr1_saves_and_goes_on_and_sighup_stops_saved(tmp_path):
+def test_sigusr1_saves_and_goes_on_and_sighup_stops_saved(tmp_path, fast):
     out = str(tmp_path / "run")
     p = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", "100000", "--eval-every", "0",
-                          "--out", out, *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          "--out", out, *fast], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_steps(out, 2, p)
         p.send_signal(signal.SIGUSR1)
@@ -556,6 +563,7 @@ def test_a_sigusr1_before_the_first_step_is_kept_for_it(tmp_path):
     """A warning that comes while the model is built is not lost (nor the process, by the signal's
     default action): the first step saves."""
     out = str(tmp_path / "run")
+    # (The embedded default data: reading it keeps the run before its first step for a while.)
     p = subprocess.Popen([sys.executable, "-m", "hytrain", "train", "--steps", "3", "--eval-every", "0",
                           "--out", out, *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
@@ -567,10 +575,10 @@ def test_a_sigusr1_before_the_first_step_is_kept_for_it(tmp_path):
     assert "SIGUSR1" in stdout
 
 
-def test_a_closed_stderr_does_not_stop_training(tmp_path):
+def test_a_closed_stderr_does_not_stop_training(tmp_path, fast):
     out = tmp_path / "run"
-    fast = [a for a in FAST if a != "--no-progress"]  # the progress bar writes to stderr
-    cmd = (f"{sys.executable} -m hytrain train --steps 6 --eval-every 2 --out {out} {' '.join(fast)} "
+    args = [a for a in fast if a != "--no-progress"]  # the progress bar writes to stderr
+    cmd = (f"{sys.executable} -m hytrain train --steps 6 --eval-every 2 --out {out} {' '.join(args)} "
            "2>&1 >/dev/null | head -c 1")
     r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
@@ -578,9 +586,9 @@ def test_a_closed_stderr_does_not_stop_training(tmp_path):
     assert ckpt.resolve(out, "latest").name == "step_00000006"
 
 
-def test_a_closed_stdout_does_not_stop_training(tmp_path):
+def test_a_closed_stdout_does_not_stop_training(tmp_path, fast):
     out = tmp_path / "run"
-    cmd = (f"{sys.executable} -m hytrain train --steps 6 --eval-every 2 --out {out} {' '.join(FAST)} | head -c 1")
+    cmd = (f"{sys.executable} -m hytrain train --steps 6 --eval-every 2 --out {out} {' '.join(fast)} | head -c 1")
     r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     assert metrics(str(out))[-1]["step"] == 6
@@ -634,7 +642,7 @@ def test_bad_config_files_are_one_line_with_exit_2(tmp_path, capsys, name, conte
     ('RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4461824 vs 4461712")',
      "unexpected pos 4461824"),
 ])
-def test_a_full_disk_stops_the_run_with_the_last_good_checkpoint(tmp_path, error, words):
+def test_a_full_disk_stops_the_run_with_the_last_good_checkpoint(tmp_path, error, words, fast):
     """The second save fails as on a full disk (an injected ENOSPC, or the writer's own error): the
     partial directory is removed, the message names the path and the bytes, the run stops (exit 2),
     and the first checkpoint is intact and resumable."""
@@ -650,7 +658,7 @@ def test_a_full_disk_stops_the_run_with_the_last_good_checkpoint(tmp_path, error
             return real(obj, f, *a, **k)
         torch.save = save
         sys.exit(main(["--steps", "4", "--save-every", "2", "--eval-every", "0", "--out", {str(out)!r},
-                       *{FAST!r}]))
+                       *{fast!r}]))
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert r.returncode == 2, r.stderr
@@ -661,7 +669,7 @@ def test_a_full_disk_stops_the_run_with_the_last_good_checkpoint(tmp_path, error
     assert not list(root.glob(".*.tmp"))
     assert ckpt.resolve(out, "latest").name == "step_00000002"
     ckpt.verify(root / "step_00000002")
-    assert main(["--steps", "4", "--eval-every", "0", "--out", str(out), "--resume", "latest", *FAST]) == 0
+    assert main(["--steps", "4", "--eval-every", "0", "--out", str(out), "--resume", "latest", *fast]) == 0
 
 
 def test_a_disk_too_small_for_keep_plus_one_is_refused_at_start(tmp_path, capsys, monkeypatch):
@@ -712,25 +720,22 @@ def test_a_full_disk_leaves_no_write_probe(tmp_path, capsys, monkeypatch):
     assert list(out.iterdir()) == []
 
 
-def test_resume_auto_starts_fresh_then_continues(tmp_path):
+def test_resume_auto_starts_fresh_then_continues(tmp_path, capsys, fast):
     """A batch script a scheduler requeues runs one command: ``--resume auto`` starts afresh where --out
     has no checkpoint and continues from the last one where it has."""
     out = str(tmp_path / "run")
-    first = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "2", "--eval-every", "0", "--out",
-                            out, "--resume", "auto", *FAST], capture_output=True, text=True, timeout=180)
-    assert first.returncode == 0, first.stderr
-    again = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "4", "--eval-every", "0", "--out",
-                            out, "--resume", "auto", *FAST], capture_output=True, text=True, timeout=180)
-    assert again.returncode == 0, again.stderr
-    assert "at step 2" in again.stdout and [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+    assert main(["--steps", "2", "--eval-every", "0", "--out", out, "--resume", "auto", *fast]) == 0
+    capsys.readouterr()
+    assert main(["--steps", "4", "--eval-every", "0", "--out", out, "--resume", "auto", *fast]) == 0
+    assert "at step 2" in capsys.readouterr().out and [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("flags", [["--lr", "1e9", "--warmup", "0"], ["--weight-decay", "3e3"]],
                          ids=["lr", "weight_decay"])
-def test_a_diverging_run_is_one_line_and_keeps_its_last_good_checkpoint(tmp_path, flags):
+def test_a_diverging_run_is_one_line_and_keeps_its_last_good_checkpoint(tmp_path, flags, fast):
     out = str(tmp_path / "run")
     r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "40", "--eval-every", "0",
-                        "--save-every", "1", "--out", out, *FAST, *flags], capture_output=True, text=True,
+                        "--save-every", "1", "--out", out, *fast, *flags], capture_output=True, text=True,
                        timeout=180)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
@@ -742,13 +747,12 @@ def test_a_diverging_run_is_one_line_and_keeps_its_last_good_checkpoint(tmp_path
         assert saved < diverged
 
 
-def test_pruning_keeps_the_newest_checkpoints_that_verify(tmp_path):
+def test_pruning_keeps_the_newest_checkpoints_that_verify(tmp_path, fast):
     """--keep counts only checkpoints that verify: a damaged one among the newest is not kept in place
     of an older good one."""
     out = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "3", "--eval-every", "0", "--save-every",
-                        "1", "--keep", "3", "--out", str(out), *FAST], capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr
+    assert main(["--steps", "3", "--eval-every", "0", "--save-every", "1", "--keep", "3", "--out", str(out),
+                 *fast]) == 0
     done = ckpt.complete_checkpoints(out)
     assert [d.name for d in done] == ["step_00000001", "step_00000002", "step_00000003"]
     victim = max((f for f in done[1].iterdir() if f.name != "meta.json"), key=lambda f: f.stat().st_size)
@@ -759,20 +763,20 @@ def test_pruning_keeps_the_newest_checkpoints_that_verify(tmp_path):
     assert ckpt._pruned(done, done[2], keep=1) == [done[0], done[1]]  # (older than the newest good one)
 
 
-def test_a_resume_takes_changed_options_and_refuses_fixed_ones(tmp_path):
+def test_a_resume_takes_changed_options_and_refuses_fixed_ones(tmp_path, capsys, fast):
     """--lr, --weight-decay, --steps... given on a resume take effect from the resume point, said once,
     and are what config.json records; options not given are the checkpoint's (not the defaults); a
     model-shaping option that differs is refused in one line."""
     out = str(tmp_path / "run")
 
     def job(*extra):
-        return subprocess.run([sys.executable, "-m", "hytrain", "train", "--eval-every", "0", "--out", out, *FAST,
-                               *extra], capture_output=True, text=True, timeout=180)
+        return main(["--eval-every", "0", "--out", out, *fast, *extra])
 
-    assert job("--steps", "6", "--save-every", "3", "--lr", "2e-3", "--warmup", "2").returncode == 0
-    r = job("--steps", "8", "--resume", "latest", "--lr", "1e-2", "--weight-decay", "0.05")
-    assert r.returncode == 0, r.stderr
-    assert "from step 7: --lr 0.002 -> 0.01, --weight-decay 0.1 -> 0.05, --steps 6 -> 8" in r.stdout
+    assert job("--steps", "6", "--save-every", "3", "--lr", "2e-3", "--warmup", "2") == 0
+    capsys.readouterr()
+    assert job("--steps", "8", "--resume", "latest", "--lr", "1e-2", "--weight-decay", "0.05") == 0
+    said = capsys.readouterr().out
+    assert said.count("from step 7: --lr 0.002 -> 0.01, --weight-decay 0.1 -> 0.05, --steps 6 -> 8") == 1, said
     rows = metrics(out)
     warm, steps = 2, 8  # the schedule of the resumed run: warm-up 2 (the checkpoint's), 8 steps, peak 1e-2
     frac = (7 - warm) / (steps - warm)
@@ -780,23 +784,22 @@ def test_a_resume_takes_changed_options_and_refuses_fixed_ones(tmp_path):
     assert rows[6]["step"] == 7 and rows[6]["lr"] == pytest.approx(want, rel=1e-6)
     options = json.loads((tmp_path / "run" / "config.json").read_text())["options"]
     assert options["lr"] == 1e-2 and options["weight_decay"] == 0.05 and options["warmup"] == 2
-    r = job("--steps", "9", "--resume", "latest")  # nothing given: the checkpoint's values, not the defaults
-    assert r.returncode == 0, r.stderr
+    assert job("--steps", "9", "--resume", "latest") == 0  # nothing given: the checkpoint's values, not the defaults
     frac = (9 - warm) / (9 - warm)
     assert metrics(out)[-1]["lr"] == pytest.approx(1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))), rel=1e-6)
     bad = subprocess.run([sys.executable, "-m", "hytrain", "train", "--steps", "10", "--resume", "latest", "--out",
-                          out, "--seq-len", "32", *[a for a in FAST if a not in ("--seq-len", "64")]],
+                          out, "--seq-len", "32", *[a for a in fast if a not in ("--seq-len", "64")]],
                          capture_output=True, text=True, timeout=180)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--seq-len 32 differs" in bad.stderr, bad.stderr
 
 
-def test_fp16_weights_train_with_dynamic_loss_scaling_and_resume_with_the_scale(tmp_path, monkeypatch):
+def test_fp16_weights_train_with_dynamic_loss_scaling_and_resume_with_the_scale(tmp_path, monkeypatch, fast):
     # --precision fp16: torch's GradScaler drives HybridAdamW (a step whose gradients overflow is
     # skipped and the scale halves); the scale goes into the checkpoint and a resume goes on with it.
     # A GradScaler starting at 2^30 overflows fp16 gradients at once: the first steps are skipped.
     real = torch.amp.GradScaler
     monkeypatch.setattr(torch.amp, "GradScaler", lambda device: real(device, init_scale=2.0 ** 30))
-    args = ["--precision", "fp16", "--eval-every", "0", "--save-every", "4", *FAST]
+    args = ["--precision", "fp16", "--eval-every", "0", "--save-every", "4", *fast]
     whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
     assert main(["--steps", "8", "--out", whole, *args]) == 0
     assert main(["--steps", "4", "--out", part, *args]) == 0
