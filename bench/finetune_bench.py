@@ -4,6 +4,8 @@ network) beside a byte-level BPE tokenizer trained here, and C4-style gzip JSONL
 text. Per size, one `hytrain train` process, timed from the command's start:
 
   first_step_s   command start -> the first step's metrics record (load, tokenizer, data, state, step)
+  startup_s      the job's own account (summary.json): seconds from its process's start to the end of
+                 loading the model, building the optimizer and the first step
   iter_s         median step time of the steps after the first two
   data_wait      the share of the step time the loop waited for the reader thread (median)
   peak_gpu_reserved_gb, peak_host_gb   from the run's summary.json (caching allocator; process RSS)
@@ -76,9 +78,14 @@ def make_model(where: Path, size: str, device: str) -> float:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    if size in BUILT_ON_HOST:  # drawing 33-69 B normals on the CPU would take minutes: a tiled pool of them
+        from capacity_bench import init_params
+
+        init_params(list(model.parameters()))
+    else:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
     model.config.dtype = torch.bfloat16
     model.save_pretrained(where, max_shard_size="5GB")
     del model
@@ -133,7 +140,7 @@ def run_job(model: Path, data: Path, out: Path, args, size: str) -> dict:
                if any("gpu_wait_frac" in r for r in later) else None,
                loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"], params=summary["params"],
                peak_gpu_reserved_gb=summary.get("peak_gpu_reserved_gb"), peak_host_gb=summary["peak_host_gb"],
-               model_dir=summary.get("model_dir"),
+               model_dir=summary.get("model_dir"), startup_s=summary.get("startup_s"),
                **window_figures([r["step_s"] for r in later], args.batch_size * args.seq_len))
     return rec
 
@@ -150,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--docs-per-shard", type=int, default=4000)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--export", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="keep a model directory an earlier run wrote (and leave "
+                    "the last size's in place)")
     args = ap.parse_args(argv)
     sizes = args.sizes.split(",")
     formats = args.formats.split(",")
@@ -159,12 +168,14 @@ def main(argv=None) -> int:
     sample = make_data(data, args.shards, args.docs_per_shard)
     for size in sizes:
         model = root / size
-        made_s = make_model(model, size, "cpu" if size in BUILT_ON_HOST else args.device)
-        make_tokenizer(model, sample)
+        made_s = 0.0
+        if not (args.reuse and (model / "config.json").is_file() and (model / "tokenizer.json").is_file()):
+            made_s = make_model(model, size, "cpu" if size in BUILT_ON_HOST else args.device)
+            make_tokenizer(model, sample)
         rec = run_job(model, data, root / f"run-{size}", args, size)
         rec["checkpoint_write_s"] = round(made_s, 1)
         print(json.dumps(rec), flush=True)
-        if size != sizes[-1]:
+        if size != sizes[-1] and not args.reuse:
             subprocess.run(["rm", "-rf", str(model), str(root / f"run-{size}")], check=False)
     return 0
 

@@ -76,6 +76,8 @@ class WeightWindow:
         self._forwards = 0
         self._kept = set()  # layers kept on the device
         self._keep = set()  # layers to keep from their next forward on
+        # (Parameters on the meta device become real ones first, uninitialised: see below.)
+        self._unread = _materialize(model, [layers[i] for i in self.streamed], device)
         self._params = {i: [p for p in layers[i].parameters()] for i in self.streamed}
         self._trainable = {i: [p for p in ps if p.requires_grad] for i, ps in self._params.items()}
         self._homes = {}  # id(p) -> pinned host tensor
@@ -87,16 +89,16 @@ class WeightWindow:
         self._hooks = []
         self._stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.stats = {"loads": 0, "prefetched": 0, "max_loaded": 0, "bytes_in": 0, "kept": 0}
-        # Layer by layer (a model built on the CPU never has two copies of much at once): the streamed
-        # layers' weights to their homes, everything else to the device.
+        # Tensor by tensor (a model built on the CPU never has two copies of much at once): the
+        # streamed layers' weights to their homes, everything else to the device. A parameter that
+        # was on the meta device gets its place uninitialised, for a checkpoint to be read into
+        # (``home(p)`` where it streams, the parameter itself where it does not: job/reads.py).
         stream_ids = {id(p) for i in self.streamed for p in self._params[i]}
         for i, layer in enumerate(layers):
             if i in self._arrived:
                 self._place(i)
                 for b in layer.buffers(recurse=True):
                     b.data = b.data.to(device)
-            else:
-                layer.to(device)
         with torch.no_grad():
             for p in model.parameters():
                 if id(p) not in stream_ids and p.device != device:
@@ -104,6 +106,7 @@ class WeightWindow:
             for b in model.buffers():
                 if b.device != device:
                     b.data = b.data.to(device)
+        self._unread = set()
         self._install()
 
     # -- what the optimizer asks ----------------------------------------------------------------------
@@ -164,7 +167,7 @@ class WeightWindow:
         """Layer i's weights move to their homes; the parameters keep an empty storage on the device."""
         for p in self._params[i]:
             with torch.no_grad():
-                home = self.pool.copy_of(p.detach())
+                home = self.pool.empty(p.shape, p.dtype) if id(p) in self._unread else self.pool.copy_of(p.detach())
                 gpu = torch.empty(p.shape, dtype=p.dtype, device=self.device)
                 gpu.untyped_storage().resize_(0)
                 p.data = gpu
@@ -302,9 +305,18 @@ class WeightWindow:
         for i in self.streamed:
             for p in self._trainable[i]:
                 self._hooks.append(p.register_post_accumulate_grad_hook(_Call(ref, "_grad_arrived", i)))
-        self._hooks.append(self.model.register_state_dict_post_hook(_Call(ref, "_state_dict", with_args=True)))
-        self._hooks.append(self.model.register_load_state_dict_pre_hook(_Call(ref, "_load_state_dict",
-                                                                             with_args=True)))
+        # state_dict() and load_state_dict() of the model or of any module inside it (a wrapper's
+        # checkpoint holds what it wraps): the streamed layers' entries are their homes (each layer's
+        # own hook runs within any ancestor's state_dict); a load is refused by the first module it
+        # visits that holds a streamed layer, before it has written anything.
+        for i in self.streamed:
+            hook = _Call(ref, "_state_dict", with_args=True)
+            self._hooks.append(self.layers[i].register_state_dict_post_hook(hook))
+        streamed = {id(p) for i in self.streamed for p in self._params[i]}
+        for module in self.model.modules():
+            if any(id(p) in streamed for p in module.parameters()):
+                self._hooks.append(module.register_load_state_dict_pre_hook(_Call(ref, "_load_state_dict",
+                                                                                  with_args=True)))
 
     def _load_state_dict(self, module, state_dict, prefix, *_) -> None:
         """The model's load_state_dict, before it writes anything: refused where it would write a
@@ -376,6 +388,26 @@ class _Call:
         return (_Call, (None, self.name))
 
 
+def _materialize(model, streamed_layers, device) -> set:
+    """The model's parameters and buffers on the meta device replaced by real ones, uninitialised (tied
+    ones stay tied): a streamed layer's on the CPU, its pages untouched (each gets a home instead),
+    the rest on ``device``. Returns the ids of the new parameters (nothing in them to copy)."""
+    inside = {id(p) for layer in streamed_layers for p in layer.parameters()}
+    new = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                if id(p) not in new:
+                    where = "cpu" if id(p) in inside else device
+                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=where),
+                                              requires_grad=p.requires_grad)
+                setattr(module, name, new[id(p)])
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b.is_meta:
+                setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
+    return {id(p) for p in new.values()}
+
+
 def _tensors(x):
     if isinstance(x, torch.Tensor):
         yield x
@@ -393,9 +425,13 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
                  pool: PinnedPool | None = None) -> WeightWindow:
     """Places ``model`` on ``device`` (default: the current CUDA device, else the CPU) with its last
     repeated layers streamed from pinned host memory, and returns the window. The model may be on
-    the CPU (it is moved layer by layer, each layer's CPU memory freed as it goes) or already on the
-    device. Build HybridAdamW with ``model=model`` afterwards or before (its state is made at the
-    first step); it finds the window.
+    the CPU (it is moved layer by layer, each layer's CPU memory freed as it goes), already on the
+    device, or on the meta device: then each streamed parameter gets an uninitialised home and the
+    rest uninitialised device memory, for its weights to be read straight into (``window.home(p)``
+    where ``window.streams(p)``, else the parameter: what ``hytrain train --model DIR`` does with a
+    checkpoint's files; meta buffers too, so build it with real ones where they are computed). Build
+    HybridAdamW with ``model=model`` afterwards or before (its state is made at the first step); it
+    finds the window.
 
     ``stream``: ``"auto"``, a number of layers (the last ones), or 0. Auto: none where the weights
     leave half of the device free; else every layer that can, until the second training

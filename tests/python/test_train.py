@@ -44,6 +44,12 @@ def test_embedded_default_learns(tmp_path):
     assert summary["k"] == 0 and summary["state_gpu_gb"] == 0 and summary["shadows_host_gb"] == 0
     assert 8 * summary["params"] <= summary["state_host_gb"] * 1e9 <= 8 * summary["params"] * 1.01 + 1e6
     assert summary["peak_host_gb"] > summary["state_host_gb"]
+    # How long the start took, from the process's start (pytest's, here) to the end of each phase:
+    # in order, and the first step's in its metrics record too.
+    start = summary["startup_s"]
+    assert list(start) == ["model", "optimizer", "first_step"]
+    assert 0 < start["model"] <= start["optimizer"] <= start["first_step"]
+    assert metrics(out)[0]["startup_s"] == start["first_step"] and "startup_s" not in metrics(out)[1]
 
 
 def test_resume_is_bit_identical_on_cpu(tmp_path, fast):

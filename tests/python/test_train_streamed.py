@@ -53,6 +53,53 @@ def test_a_streamed_run_and_its_resume_are_the_resident_run_bit_for_bit(tmp_path
     assert losses(a) == losses(c)
 
 
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory):
+    """{"fp32-shards": an untied 4-layer Llama in fp32 safetensors shards (read into bf16: cast piece
+    by piece), "bf16-tied": a tied one in one bf16 file (read by the kernel straight into its homes)}."""
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+
+    root, out = tmp_path_factory.mktemp("hf"), {}
+    for i, (kind, tied, dtype, shard) in enumerate((("fp32-shards", False, torch.float32, "40KB"),
+                                                    ("bf16-tied", True, torch.bfloat16, "10GB"))):
+        torch.manual_seed(i)
+        cfg = HFConfig(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                       tie_word_embeddings=tied)
+        LlamaForCausalLM(cfg).to(dtype).save_pretrained(root / kind, max_shard_size=shard)
+        out[kind] = root / kind
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fp32-shards", "bf16-tied"])
+def test_a_streamed_pretrained_model_is_read_straight_into_its_homes(tmp_path, hf_models, corpus, monkeypatch,
+                                                                     kind):
+    # --model DIR streamed: built on the meta device, placed by stream_model, each streamed layer's
+    # weights read from the files into its home and the rest onto the device (reads.py), never the
+    # whole model in pageable memory; resumed, from the checkpoint the same way. The losses are the
+    # resident run's (read by the old path) bit for bit.
+    from hytrain.job import reads
+
+    read = []
+    real = reads.read_into
+    monkeypatch.setattr(reads, "read_into", lambda file, dests, **kw: read.append(file.name) or real(file, dests, **kw))
+    args = ["--model", str(hf_models[kind]), "--tokenizer", "bytes", "--data", corpus, *FAST]
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    assert main(["--steps", "6", "--out", a, "--stream", "off", *args]) == 0
+    assert not read
+    assert main(["--steps", "6", "--out", b, "--stream", "2", *args]) == 0
+    assert read and all(f.startswith("model") for f in read)
+    if kind == "fp32-shards":
+        assert len(set(read)) > 3  # every shard read
+    read.clear()
+    assert main(["--steps", "3", "--out", c, "--stream", "3", "--save-every", "3", *args]) == 0
+    read.clear()
+    assert main(["--steps", "6", "--out", c, "--stream", "3", "--resume", "latest", *args]) == 0
+    assert read == ["model.safetensors"]  # the checkpoint's weights only, not the model directory's
+    assert losses(a) == losses(b) == losses(c) and len(losses(a)) == 6
+    assert json.load(open(os.path.join(b, "summary.json")))["streamed_layers"] == 2
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--stream", "2", "--precision", "fp32"], "only bf16/fp16 weights stream"),
     (["--stream", "9", "--precision", "bf16"], "a number of layers in [0, 4]"),

@@ -288,3 +288,58 @@ def test_a_rollback_with_load_state_dict_is_refused_before_anything_is_written()
     with pytest.raises(ValueError, match="does not stream"):
         window.weights(m.layers[0].q.weight)
     train(m, opt, batches(1, seed=10))  # training goes on
+
+
+class _Wrapper(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, tokens):
+        return self.inner(tokens)
+
+
+def test_state_dict_and_load_of_a_module_inside_the_streamed_model():
+    # A wrapper streams; its inner module's state_dict (what a checkpoint of the wrapper holds) has
+    # the streamed layers' weights, and its load_state_dict is refused before writing anything.
+    resident = model(seed=4)
+    wrapped = _Wrapper(copy.deepcopy(resident))
+    hytrain.stream_model(wrapped, "cpu", stream=3)
+    sd_r, sd_s = resident.state_dict(), wrapped.inner.state_dict()
+    assert sd_r.keys() == sd_s.keys() and all(torch.equal(sd_r[k], sd_s[k]) for k in sd_r)
+    assert torch.equal(wrapped.inner.layers[2].state_dict()["q.weight"], resident.layers[2].q.weight)
+    zeros = {k: torch.zeros_like(v) for k, v in sd_r.items()}
+    for target, sd in ((wrapped.inner, zeros), (wrapped.inner.layers, {k[len("layers."):]: v for k, v in zeros.items()
+                                                                       if k.startswith("layers.")})):
+        with pytest.raises(RuntimeError, match="load_state_dict would write 27 streamed parameters"):
+            target.load_state_dict(sd)
+    after = wrapped.inner.state_dict()
+    assert all(torch.equal(sd_r[k], after[k]) for k in sd_r)  # nothing written, resident ones included
+
+
+def test_a_model_on_the_meta_device_is_placed_empty_and_read_into_its_places():
+    # stream_model of a meta model allocates each streamed parameter's home and everything else on
+    # the device, uninitialised and untouched (tied weights stay tied); written there, it is the model.
+    resident = model(seed=6)
+    with torch.device("meta"):
+        meta = LlamaModel(CFG).to(torch.bfloat16)
+    meta.lm_head.weight = meta.embed.weight  # tied, outside the layers
+    resident.lm_head.weight = resident.embed.weight
+    window = hytrain.stream_model(meta, "cpu", stream=2)
+    assert not any(p.is_meta for p in meta.parameters()) and meta.lm_head.weight is meta.embed.weight
+    assert all(p.untyped_storage().nbytes() == 0 for p in window.params)
+    assert window.host_bytes() == sum(p.numel() * 2 for i in (2, 3) for p in resident.layers[i].parameters())
+    own = dict(meta.named_parameters())
+    with torch.no_grad():
+        for name, p in resident.named_parameters():
+            (window.home(own[name]) if window.streams(own[name]) else own[name]).copy_(p)
+        bufs = dict(resident.named_buffers())
+        for name, b in meta.named_buffers():  # (meta too here: the rotary tables)
+            b.copy_(bufs[name])
+    tokens = batches(1, seed=6)[0][0]
+    with torch.no_grad():
+        assert torch.equal(resident(tokens), meta(tokens))
+    opt_r = hytrain.HybridAdamW(resident.parameters(), model=resident, lr=1e-2)
+    opt_s = hytrain.HybridAdamW(meta.parameters(), model=meta, lr=1e-2)
+    data = batches(2, seed=7)
+    assert train(resident, opt_r, data) == train(meta, opt_s, data)

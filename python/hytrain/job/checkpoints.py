@@ -89,13 +89,13 @@ def resumed_plan(plan: RunPlan, resume: Resume | None, out: Path, say) -> RunPla
     return plan.replaced(state_format=resume.asked_format or resume.state_format or "fp32")
 
 
-def resumed_weights(resume: Resume | None, ranks):
-    """What reads a resumed single-process run's weights into the model before it is placed (a
-    streamed parameter takes no load_state_dict afterwards), else None (a fresh start; a sharded
-    checkpoint or several processes: :func:`restore` reads them)."""
+def resumed_weights(resume: Resume | None, ranks) -> Path | None:
+    """The checkpoint whose weights the load-model phase reads into the model before it is placed (a
+    resumed single-process run: a streamed parameter takes no load_state_dict afterwards), else None
+    (a fresh start; a sharded checkpoint or several processes: :func:`restore` reads them)."""
     if resume is None or resume.sharded or ranks.distributed:
         return None
-    return lambda m: ckpt.load_weights(resume.dir, m)
+    return Path(resume.dir)
 
 
 def restore(resume: Resume, optimizer, schedule, model, updates, out: Path, ranks, say) -> int:

@@ -26,13 +26,11 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint import fsync
 from .options import ConfigError, first_line
+from .reads import FILE_DTYPES, header, read_placed
 
 CHUNK_BYTES = 16 << 20  # the most of one tensor held in the file's dtype while it is cast
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
-_FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                "BOOL": torch.bool}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -101,20 +99,18 @@ def _headers(files: list[Path]) -> dict:
     """``{name: (file, shape, file dtype)}`` from the files' headers (no tensor data is read)."""
     found = {}
     for file in files:
-        with _open(file) as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                if sl.get_dtype() not in _FILE_DTYPES:
-                    raise ConfigError(f"{file}: tensor {name} has dtype {sl.get_dtype()}, which is not read here")
-                found.setdefault(name, (file, list(sl.get_shape()), _FILE_DTYPES[sl.get_dtype()]))
+        for name, (dtype, shape, _, _) in header(file)[1].items():
+            found.setdefault(name, (file, shape, dtype))
     return found
 
 
 def load_causal_lm(name_or_path: str, *, device: torch.device, dtype: torch.dtype, init: str = "pretrained",
-                   seed: int = 0, shard=None) -> tuple[torch.nn.Module, dict]:
+                   seed: int = 0, shard=None, place=None, files=None) -> tuple[torch.nn.Module, dict]:
     """(the transformers model, its config as a dict). ``init``: ``pretrained`` (the directory's
     weights) or ``random`` (``from_config``, seeded). ``shard``: a callable applying FSDP2 to the model
-    (to the meta model, before loading, for ``pretrained``)."""
+    (to the meta model, before loading, for ``pretrained``). ``place``: given the meta model, puts each
+    parameter where it will live (a streamed layer's pinned home) and returns ``where(tensor)``, the
+    storage read straight into (reads.py). ``files``: other safetensors files with the same names."""
     from transformers import AutoModelForCausalLM
 
     if init not in ("pretrained", "random"):
@@ -127,13 +123,17 @@ def load_causal_lm(name_or_path: str, *, device: torch.device, dtype: torch.dtyp
         if shard is not None:
             shard(model)
         return model, cfg.to_dict()
-    files = weight_files(where)
+    files = weight_files(where) if files is None else [Path(f) for f in files]
     headers = _headers(files)
     model = _empty(cfg, dtype)
     if shard is not None:
         shard(model)
     targets = model.state_dict(keep_vars=True)
     missing = _check(model, targets, headers, where)
+    if place is not None:
+        into = place(model)  # (the meta parameters replaced: read into the new ones)
+        read_placed({n: headers[n][0] for n in targets if n in headers}, model.state_dict(keep_vars=True), into)
+        return model, cfg.to_dict()
     for file in files:
         with _open(file) as f:
             part = {name: _read(f, name, targets[name], dtype, device)
@@ -190,7 +190,7 @@ def _read(f, name: str, like, dtype: torch.dtype, device: torch.device):
     sharded (DTensor) one, floating point cast to ``dtype``, on ``device``; read ``CHUNK_BYTES`` at a
     time along dim 0, so only a chunk is ever held in the file's dtype."""
     sl = f.get_slice(name)
-    shape, kind = list(sl.get_shape()), _FILE_DTYPES[sl.get_dtype()]
+    shape, kind = list(sl.get_shape()), FILE_DTYPES[sl.get_dtype()]
     want = dtype if kind.is_floating_point else kind
     if not shape:
         return f.get_tensor(name).to(device=device, dtype=want)

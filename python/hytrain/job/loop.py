@@ -31,7 +31,7 @@ from .._native import native
 from ..pool import CapacityError
 from .checkpoints import Saver, check_room, find_resume, finished, restore, resumed_plan, resumed_weights
 from .data import inputs_and_targets, open_job_data, step_loss
-from .metrics import Metrics, Power, evaluate
+from .metrics import Metrics, Power, Startup, evaluate
 from .models import build_model
 from .optimizer import build_optimizer
 from .outputs import export_at_end, finish, run_config
@@ -162,11 +162,16 @@ def _run(plan: RunPlan, ranks, say, out: Path, sig) -> int:
         say(line, file=sys.stderr if warning else sys.stdout, flush=True)
     data, val_batches = open_job_data(plan.model, plan.data, resume.cursor if resume is not None else None,
                                       say=lambda line: say(line, flush=True))
+    startup = Startup()  # (how long each phase took to end, from the process's start: summary.json)
     model = build_model(plan.model, device, dtype, ranks, weights=resumed_weights(resume, ranks))
+    startup.mark("model")
     updates = build_optimizer(plan.optimizer, plan.schedule, model, device, dtype, ranks)
+    startup.mark("optimizer")
     check_room(out, plan.checkpoint.keep, model.module, updates.opt, ranks)
     start = (restore(resume, plan.optimizer, plan.schedule, model.module, updates, out, ranks, say)
              if resume is not None else 0)
+    if resume is not None:
+        startup.mark("resume")
     config = run_config(out, plan, model, ranks)
     where = f"{ranks.world} processes ({device.type}, FSDP2)" if ranks.distributed else str(device)
     if model.window is not None and model.window.streamed:
@@ -176,7 +181,7 @@ def _run(plan: RunPlan, ranks, say, out: Path, sig) -> int:
     saver = Saver(plan.checkpoint, plan.schedule.steps, out, config, ranks, resume, start)
     training = Training(plan.schedule, plan.optimizer, plan.output, model.module, updates, data, val_batches, saver,
                         tokens_per_step=plan.data.batch_size * plan.data.seq_len, device=device, ranks=ranks,
-                        out=out, say=say, sig=sig)
+                        out=out, say=say, sig=sig, startup=startup)
     trained = training.run(start, resumed=resume is not None)
     return _finish(plan.model, plan.output, plan.checkpoint.keep, model, updates.opt, trained, device, ranks, out,
                    say, sig)
@@ -186,7 +191,8 @@ def _run(plan: RunPlan, ranks, say, out: Path, sig) -> int:
 class Trained:
     """What the train phase did: the last step, the signal that stopped it (0: none), whether it
     reached --steps (and no signal stopped it), each step's record, the tokens of a step, its
-    wall-clock seconds and the energy of every GPU of the job."""
+    wall-clock seconds, the energy of every GPU of the job, and the startup's phases (seconds from
+    the process's start to the end of each, the first step's included)."""
     step: int
     stopped: int
     done: bool
@@ -194,6 +200,7 @@ class Trained:
     tokens_per_step: int
     elapsed: float
     energy: float
+    startup: dict
 
 
 class Training:
@@ -203,13 +210,14 @@ class Training:
     the plan's SchedulePlan, OptimizerPlan (for the message of a diverged run) and OutputPlan."""
 
     def __init__(self, schedule, optimizer, output, model, updates, data, val_batches, saver, *, tokens_per_step,
-                 device, ranks, out, say, sig):
+                 device, ranks, out, say, sig, startup):
         self.schedule, self.optimizer, self.output = schedule, optimizer, output
         self.keep, self.tokens_per_step = saver.keep, tokens_per_step
         self.model, self.opt, self.sched, self.scaler = model, updates.opt, updates.sched, updates.scaler
         self.updates, self.data, self.val_batches, self.saver = updates, data, val_batches, saver
         self.device, self.ranks, self.out, self.say, self.sig = device, ranks, out, say, sig
         self.history, self.metrics, self.bar, self.power = [], None, None, None
+        self.startup = startup
 
     def run(self, start: int, resumed: bool) -> Trained:
         ranks = self.ranks
@@ -224,6 +232,9 @@ class Training:
         try:
             while step < self.schedule.steps:
                 rec, every = self._step(step)
+                if not self.history:
+                    self.startup.mark("first_step")
+                    rec["startup_s"] = self.startup.phases["first_step"]
                 step += 1
                 stopping = any(r[4] for r in every)
                 asked = any(r[5] for r in every) and not stopping  # SIGUSR1 on some rank: save now, go on
@@ -242,7 +253,7 @@ class Training:
                 self.metrics.close()
         energy = ranks.total(self.power.total_j(), self.device)  # every GPU of the job
         return Trained(step, stopped, step == self.schedule.steps and not stopped, self.history, self.tokens_per_step,
-                       time.perf_counter() - t_start, energy)
+                       time.perf_counter() - t_start, energy, dict(self.startup.phases))
 
     def _step(self, step: int) -> tuple[dict, list]:
         """Step ``step`` + 1: (its record, every rank's figures)."""
@@ -343,7 +354,7 @@ def _finish(plan, output, keep: int, model, opt, trained: Trained, device, ranks
         exported = (export_at_end(model.module, out, plan, keep, ranks)
                     if output.export and (trained.done or (stopped and not keep)) else None)
         summary = finish(out, opt, trained.history, model.n_params, trained.tokens_per_step, trained.elapsed,
-                         trained.energy, device, ranks, exported, model.window)
+                         trained.energy, device, ranks, exported, model.window, trained.startup)
         say(json.dumps(summary), flush=True)
     if sig.late and not stopped:
         stopped = sig.late

@@ -14,6 +14,32 @@ import torch
 from .data import inputs_and_targets, step_loss
 
 
+class Startup:
+    """Seconds from this process's start (the command, for a one-process job; the kernel's clock, so
+    the interpreter's own start and imports count) to the end of each phase before training, and of
+    the first step: ``{"model": ..., "optimizer": ..., "first_step": ...}`` in summary.json."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter() - _since_process_start()
+        self.phases = {}
+
+    def mark(self, phase: str) -> None:
+        self.phases[phase] = round(time.perf_counter() - self.t0, 3)
+
+
+def _since_process_start() -> float:
+    """Seconds since this process started (/proc: its start and the uptime, in clock ticks); 0 where
+    /proc cannot tell."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class Power:
     """GPU power and energy through NVML (nvidia-ml-py), when available.
 

@@ -1,7 +1,7 @@
 """The job's model and tokenizer: a preset of the project's decoder (bytes as tokens), or a transformers
 causal LM from a directory or the local Hugging Face cache, its weights read from its checkpoint into
-the training dtype on the device (hf.py), or into host memory where its layers stream (window.py),
-with its own tokenizer."""
+the training dtype on the device (hf.py), or straight into pinned host memory where its layers stream
+(window.py, reads.py), with its own tokenizer."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import checkpoint as ckpt
 from ..models import LlamaConfig, LlamaModel
 from ..models.presets import PRESETS, CausalLM
 from ..pool import CapacityError
@@ -74,12 +75,15 @@ class JobModel:
 def build_model(plan, device, dtype, ranks, weights=None) -> JobModel:
     """The load-model phase (``plan``: a ModelPlan). A transformers model's weights come from its
     checkpoint (``--init pretrained``), read straight into ``dtype`` shard by shard: on ``device``,
-    or, where they stream (:func:`stream_plan`), into host memory, then placed by ``stream_model``
-    (never whole on the GPU); sharded (FSDP2 over ``ranks``) before they are read, each rank reading
-    its own part only. ``weights``: called with the model before it is placed (a resumed run's
-    weights: a streamed parameter takes no load_state_dict afterwards)."""
+    or, where they stream (:func:`stream_plan`), straight into their places (:func:`_streamed`: never
+    whole on the GPU, nor in pageable host memory); sharded (FSDP2 over ``ranks``) before they are
+    read, each rank reading its own part only. ``weights``: a checkpoint directory whose weights
+    replace the model's own (a resumed run's), read before the model is placed (a streamed parameter
+    takes no load_state_dict afterwards)."""
     stream = stream_plan(plan, device, dtype, ranks.distributed)
     where = device if stream is None else torch.device("cpu")
+    if stream is not None and plan.model not in PRESETS and (plan.init == "pretrained" or weights is not None):
+        return _streamed(plan, device, dtype, stream, weights)
     if plan.model in PRESETS:
         model, n, cfg = _preset(plan, where, dtype)
         sharded = False
@@ -93,16 +97,39 @@ def build_model(plan, device, dtype, ranks, weights=None) -> JobModel:
         n = sum(p.numel() for p in model.parameters())  # (a sharded parameter's numel is its whole one)
         sharded = pretrained
     if weights is not None:
-        weights(model)
-    window = None
-    if stream is not None:
-        try:
-            window = stream_model(model, device, stream=stream)
-        except CapacityError as e:
-            raise ConfigError(f"{plan.model} does not fit this GPU even streamed: {e}") from None
-        except ValueError as e:
-            raise ConfigError(f"--stream {stream}: {e}") from None
+        ckpt.load_weights(weights, model)
+    window = _stream(plan, model, device, stream) if stream is not None else None
     return JobModel(model, n, cfg, sharded, window)
+
+
+def _stream(plan, model, device, stream):
+    """``stream_model``, its refusals as one-line ConfigErrors."""
+    try:
+        return stream_model(model, device, stream=stream)
+    except CapacityError as e:
+        raise ConfigError(f"{plan.model} does not fit this GPU even streamed: {e}") from None
+    except ValueError as e:
+        raise ConfigError(f"--stream {stream}: {e}") from None
+
+
+def _streamed(plan, device, dtype, stream, weights) -> JobModel:
+    """A transformers model whose layers stream, built on the meta device and placed by
+    ``stream_model`` before any weight is read: then each streamed layer's weights are read from the
+    files straight into its pinned home, the rest straight onto the device (reads.py), from the
+    model's directory or, resuming, the checkpoint ``weights``."""
+    made = {}
+
+    def place(inner):
+        if plan.activation_checkpointing:
+            inner.gradient_checkpointing_enable()
+        made["model"] = model = CausalLM(inner)
+        made["window"] = window = _stream(plan, model, device, stream)
+        return lambda t: window.home(t) if window.streams(t) else t.data
+
+    files = None if weights is None else [weights / "model.safetensors"]
+    _, cfg = load_causal_lm(str(model_path(plan)), device=device, dtype=dtype, place=place, files=files)
+    model = made["model"]
+    return JobModel(model, sum(p.numel() for p in model.parameters()), cfg, False, made["window"])
 
 
 def _preset(plan, where, dtype):
