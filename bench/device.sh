@@ -16,6 +16,11 @@
 #           streamed (hytrain_stream_8bit --stream all), $BATCH x 1024 tokens a step (16: 16 K tokens)
 #   cap     capacity_bench.py --sizes $SIZES (24b,30b) --systems $SYSTEMS (hytrain_stream_8bit), the
 #           window planned by itself (--stream auto), $BATCH x 1024 tokens a step
+#   job     bench/finetune_bench.py: `hytrain train --model DIR` of a $JOB_SIZE (32b) checkpoint written on the
+#           host (kept for the next call: --reuse), $JOB_FORMAT (8bit) states, $JOB_BATCH x 1024 tokens a
+#           step, timed from the command to its first step (the job's startup_s: model, optimizer, first
+#           step); JOB_COLD=1 drops the page cache first (where the machine lets it), so the weights
+#           come from the disk
 #   host    the host's CPUs and NUMA nodes, `hytrain info`, and bench/cpu_adam.py: one process's update
 #           rate against 2 and 4 processes at once, and with the pool's pages spread or left local
 #   placement  train_bench L3B at 27.13 GB (hytrain_k0, fp32 states: the host-bound case), pages left
@@ -62,6 +67,13 @@ for stage in "$@"; do
       python3 bench/capacity_bench.py --sizes "${SIZES:-24b,30b}" --systems "${SYSTEMS:-hytrain_stream_8bit}" \
         --batch "${BATCH:-16}" --warmup 1 --iters 2 --timeout "${CAP_TIMEOUT:-420}" --keep-going 2>&1 \
         | tee "$out/stream_capacity.log" | grep -vE "^PROGRESS" | cut -c1-1500 | tail -12 ;;
+    job)
+      free -g | head -2; df -h /tmp | tail -1
+      if [ "${JOB_COLD:-0}" = 1 ]; then sync; echo 3 > /proc/sys/vm/drop_caches && echo "page cache dropped"; fi
+      python3 bench/finetune_bench.py --sizes "${JOB_SIZE:-32b}" --formats "${JOB_FORMAT:-8bit}" --steps "${JOB_STEPS:-4}" \
+        --batch-size "${JOB_BATCH:-16}" --shards 2 --docs-per-shard 2000 --reuse 2>&1 | tee -a "$out/job.log" \
+        | grep -v "Writing model shards" | tail -4
+      free -g | head -2 ;;
     host)
       { lscpu | grep -E "^Model name|^Socket|^NUMA|^CPU\(s\)|^Thread"; grep . /sys/devices/system/node/node*/cpulist
         python3 -m hytrain info; } 2>&1 | tee "$out/host.txt"
