@@ -234,7 +234,7 @@ class _RecordedMeter:
 
 
 class _Store:
-    cuda, device = True, torch.device("cpu")
+    cuda, device, made_s = True, torch.device("cpu"), None
 
     def __init__(self):
         self.moves = []

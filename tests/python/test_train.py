@@ -50,6 +50,8 @@ def test_embedded_default_learns(tmp_path):
     assert list(start) == ["model", "optimizer", "first_step"]
     assert 0 < start["model"] <= start["optimizer"] <= start["first_step"]
     assert metrics(out)[0]["startup_s"] == start["first_step"] and "startup_s" not in metrics(out)[1]
+    made = summary["state_made_s"]  # (within the first step: the optimizer's state, reserved and filled)
+    assert set(made) == {"reserve", "fill"} and 0 <= made["reserve"] and 0 < made["fill"] < start["first_step"]
 
 
 def test_resume_is_bit_identical_on_cpu(tmp_path, fast):

@@ -84,6 +84,16 @@ def test_streamed_is_resident_bit_for_bit_for_any_k(gpu_blocks):
     assert all(p.untyped_storage().nbytes() == 0 for p in window.params)
     assert max(opt.residency()["gpu"], default=-1) < 3  # k stays below the first streamed block
     assert window.stats["prefetched"] > 0 and window.stats["max_loaded"] <= window.depth
+    # The streamed layers' masters and moments never cross PCIe: ordinary memory; the CPU-updated
+    # resident blocks' page-locked (they may move to the GPU); the homes page-locked (copied in).
+    streamed_ids = {id(p) for p in window.params}
+    for p in s[0].parameters():
+        st = opt.state[p]
+        if st["exp_avg"].is_cuda:
+            continue  # (a GPU-updated block: k)
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert st[key].is_pinned() is (id(p) not in streamed_ids), (tuple(p.shape), key)
+    assert all(window.home(p).is_pinned() for p in window.params)
 
 
 @pytest.mark.parametrize("state_format", ["bf16", "8bit"])

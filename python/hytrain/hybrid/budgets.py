@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from ..pool import CapacityError, available_memory_bytes, format_bytes, memory_total_bytes
+from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes, memory_total_bytes
 from .common import local
 
 _MORE_ROOM = ("leave the GPU more room (a smaller batch, activation checkpointing, a larger gpu_memory_limit), "
@@ -79,6 +79,36 @@ def pool_bytes(per_block, floor, cuda, settings) -> int:
     if cuda and settings.speculate is not False:
         host *= 2
     return host * 3 // 2 + (256 << 20)
+
+
+def make_pools(plan, settings, cuda, floor, later, streamed, homes):
+    """(the pinned pool, the pool of the streamed blocks' states or None). The pinned one is the one
+    given (``settings.pool``) or our own. In our own on a GPU, the streamed blocks' states go apart,
+    into ordinary memory: their weights and gradients cross PCIe through their homes, their masters
+    and moments never (k stays below the first streamed block, and they do not speculate), and
+    ordinary memory is much faster to make than page-locked memory (which stays for what needs it).
+    The slabs the states of blocks from ``later`` on take are reserved at once, on several threads."""
+    pool, unlocked = settings.pool, None
+    apart = frozenset(streamed) if pool is None and cuda else frozenset()
+    if pool is None:
+        per_block = block_host_bytes(plan, settings, cuda, homes)
+        locked = [0 if b in apart else n for b, n in enumerate(per_block)]
+        pool = PinnedPool(pool_bytes(locked, floor, cuda, settings), slab_bytes=slab_bytes(locked))
+        if apart:
+            state = [per_block[b] for b in apart]
+            unlocked = PinnedPool(sum(state) * 5 // 4 + (256 << 20), slab_bytes=slab_bytes(state), pinned=False)
+    if cuda and not pool.page_locked:
+        raise ValueError("CUDA parameters need a page-locked pool (PinnedPool(pinned=True or 'auto') "
+                         "on a machine where pinning works)")
+
+    def sizes(blocks):
+        return [n for b in blocks for n in tensor_bytes(plan, settings, cuda, b, homes)]
+
+    if pool.page_locked:  # page-locking is the slow part: every slab at once, in parallel
+        pool.reserve_for(sizes(b for b in range(later, len(plan)) if b not in apart))
+    if unlocked is not None:  # (its pages touched on several threads, where NUMA places them)
+        unlocked.reserve_for(sizes(sorted(apart)), threads=min(64, len(os.sched_getaffinity(0))))
+    return pool, unlocked
 
 
 def slab_bytes(per_block) -> int:

@@ -419,6 +419,8 @@ class Planner:
                "shadow_allocations": list(self.shadow_allocations)}
         if self.first_k is not None:
             out["first_k"] = self.first_k  # (made at once, made in the first step as room came)
+        if self.store.made_s is not None:  # the state's making, in the first step: page-locking, filling
+            out["state_made_s"] = dict(self.store.made_s)
         p = self.prediction
         if p is not None:
             out["predicted_iter_s"] = p["iter_s"]

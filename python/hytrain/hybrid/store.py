@@ -15,11 +15,12 @@ with the memory budgets and refusals in budgets.py, and the entries loaded or pu
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .. import _checks
 from .._native import native
-from ..pool import PinnedPool
 from . import budgets, formats, loads
 from .common import is_sharded, like, local
 from .residency import Residency
@@ -37,6 +38,8 @@ class StateStore:
         self.device = None
         self.cuda = False
         self.pool = None
+        # The streamed blocks' states in ordinary memory (own pool, CUDA only): see _make_pools.
+        self.unlocked = None
         self.table = None
         self.bound = None  # id(p) -> (device, dtype, shape) the state was created for
         self.amsgrad_bound = None  # each group's amsgrad when the state was created
@@ -45,6 +48,7 @@ class StateStore:
         # to optimizer.state (the native table holds their addresses), and tell what it changed there.
         self._owned = {}
         self.floor = 0  # the host holds the states of blocks >= floor only: k never goes below it
+        self.made_s = None  # how long create() took (its two parts), once it has run
         self.deferred = []  # GPU-resident blocks whose states the first step makes (create)
         self._groups_set = None  # the hyperparameters the table has
         self._state_bytes = plan.sizes()[2]
@@ -110,29 +114,24 @@ class StateStore:
         plan = self.plan
         later = k if later is None else later
         pool = self.settings.pool
-        if pool is None:
-            per_block = self.block_host_bytes()
-            self.pool = PinnedPool(budgets.pool_bytes(per_block, self.floor, self.cuda, self.settings),
-                                   slab_bytes=budgets.slab_bytes(per_block))
-        else:
-            self.pool = pool
-        if self.cuda and not self.pool.page_locked:
-            raise ValueError("CUDA parameters need a page-locked pool (PinnedPool(pinned=True or 'auto') "
-                             "on a machine where pinning works)")
+        began = time.perf_counter()
+        self._make_pools(later)
         self.table = native().ParamTable()  # each parameter's host buffers; handle = its index
         self._new_parts()
-        if self.pool.page_locked:  # page-locking is the slow part: every slab at once, in parallel
-            self.pool.reserve_for([n for b in range(later, len(plan))
-                                   for n in budgets.tensor_bytes(plan, self.settings, self.cuda, b, self.home)])
+        locked = time.perf_counter()
         for p in plan.params:
             b = plan.block_of[id(p)]
             if k <= b < later and local(p).numel():
                 self._register_on_gpu(p)
             else:
                 self._init_state(p, on_gpu=b < later)
+        # (seconds: reserving the pools' memory, page-locking it, then filling the state: schedule_stats)
+        self.made_s = {"reserve": round(locked - began, 3), "fill": round(time.perf_counter() - locked, 3)}
         self.deferred = list(range(k, later))
         if pool is None:
             self.pool.trim()  # slabs the reservation made and the state did not need
+            if self.unlocked is not None:
+                self.unlocked.trim()
         up, _ = self.rt.migrate(later)  # nothing is in flight: the first blocks are resident now
         for b in up:
             self.rt.moved_up(b)
@@ -146,6 +145,12 @@ class StateStore:
         self.writes = WeightWrites(plan, self.rt, self.state, watch, homes=self.home)
         self.bound = {id(p): (w.device, w.dtype, w.shape) for p in plan.params for w in (local(p),)}
         self.amsgrad_bound = [bool(g["amsgrad"]) for g in param_groups]
+
+    def _make_pools(self, later) -> None:
+        """The pinned pool (given, or our own) and, in our own on a GPU, the ordinary-memory pool of
+        the streamed blocks' states (budgets.make_pools); the states' slabs reserved at once."""
+        self.pool, self.unlocked = budgets.make_pools(self.plan, self.settings, self.cuda, self.floor, later,
+                                                      self.streamed, self.home)
 
     def make_deferred(self, b) -> None:
         """Block b's deferred state (see :meth:`create`), made on the GPU now. Where the GPU cannot
@@ -207,7 +212,7 @@ class StateStore:
         for p in self.plan.params:
             self.state.pop(p, None)
         self._owned = {}
-        self.pool = self.table = self.bound = self.amsgrad_bound = None
+        self.pool = self.unlocked = self.table = self.bound = self.amsgrad_bound = None
         self.staging = {}
         self._new_parts()
         self.deferred = []
@@ -301,7 +306,8 @@ class StateStore:
         weight over it, and the H2D copy sends it back. Registers the staging."""
         w = local(p)
         if w.numel():
-            zeros, empty = self.pool.zeros, self.pool.empty
+            pool = self.unlocked if self.unlocked is not None and self.home(p) is not None else self.pool
+            zeros, empty = pool.zeros, pool.empty
         else:
             def zeros(shape, dtype=torch.float32):
                 return torch.zeros(shape, dtype=dtype)

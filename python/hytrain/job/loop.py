@@ -234,6 +234,7 @@ class Training:
                 rec, every = self._step(step)
                 if not self.history:
                     self.startup.mark("first_step")
+                    self.startup.state = self.opt.schedule_stats().get("state_made_s")
                     rec["startup_s"] = self.startup.phases["first_step"]
                 step += 1
                 stopping = any(r[4] for r in every)
@@ -253,7 +254,7 @@ class Training:
                 self.metrics.close()
         energy = ranks.total(self.power.total_j(), self.device)  # every GPU of the job
         return Trained(step, stopped, step == self.schedule.steps and not stopped, self.history, self.tokens_per_step,
-                       time.perf_counter() - t_start, energy, dict(self.startup.phases))
+                       time.perf_counter() - t_start, energy, self.startup.summary())
 
     def _step(self, step: int) -> tuple[dict, list]:
         """Step ``step`` + 1: (its record, every rank's figures)."""

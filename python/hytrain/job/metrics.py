@@ -17,14 +17,20 @@ from .data import inputs_and_targets, step_loss
 class Startup:
     """Seconds from this process's start (the command, for a one-process job; the kernel's clock, so
     the interpreter's own start and imports count) to the end of each phase before training, and of
-    the first step: ``{"model": ..., "optimizer": ..., "first_step": ...}`` in summary.json."""
+    the first step: ``{"model": ..., "optimizer": ..., "first_step": ...}``; and, within the first
+    step, how long making the optimizer's state took (``{"reserve": ..., "fill": ...}``: reserving its
+    host memory, page-locking what crosses PCIe, then filling it). Both in summary.json (``startup_s``,
+    ``state_made_s``)."""
 
     def __init__(self):
         self.t0 = time.perf_counter() - _since_process_start()
-        self.phases = {}
+        self.phases, self.state = {}, None
 
     def mark(self, phase: str) -> None:
         self.phases[phase] = round(time.perf_counter() - self.t0, 3)
+
+    def summary(self) -> dict:
+        return {"startup_s": dict(self.phases), **({"state_made_s": self.state} if self.state else {})}
 
 
 def _since_process_start() -> float:

@@ -85,8 +85,8 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
            window=None, startup=None) -> dict | None:
     """Traces (rank 0's as trace.json, the others' beside it), pictures and summary.json (rank 0).
     ``exported``: OUT/model, or :class:`ExportFailed` -- summary.json then has ``export_error`` (no
-    ``model_dir``), and the failure is raised (every rank) once it is written. ``startup``: seconds
-    from the process's start to the end of each phase (``startup_s``)."""
+    ``model_dir``), and the failure is raised (every rank) once it is written. ``startup``: how long
+    the start took (``startup_s``, ``state_made_s``: metrics.Startup)."""
     failed = exported.line if isinstance(exported, ExportFailed) else None
     if not ranks.main:
         opt.export_trace(out / f"trace.rank{ranks.rank}.json")
@@ -112,8 +112,7 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
                "final_loss": history[-1]["loss"] if history else None,
                "final_val_loss": vals[-1] if vals else None, "tokens": tokens,
                "tokens_per_s": tokens / elapsed if elapsed > 0 else None, "trace": str(trace), **pictures}
-    if startup:
-        summary["startup_s"] = startup
+    summary.update(startup or {})
     if failed:
         summary["export_error"] = failed
     elif exported is not None:
