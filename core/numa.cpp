@@ -4,14 +4,11 @@
 #include <dirent.h>
 #include <pthread.h>
 #include <sched.h>
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <system_error>
@@ -141,27 +138,6 @@ int place_pages(void* p, std::size_t bytes) {
   const PagePlacement placement = page_placement();
   if (placement == PagePlacement::local) return place_pages(p, bytes, placement, {});
   return place_pages(p, bytes, placement, numa_nodes_of_affinity());
-}
-
-void* map_slab(std::size_t bytes) {
-  // Mapped kPlacementChunk longer, the head up to the first boundary and the tail past bytes unmapped.
-  const std::size_t mapped = bytes + kPlacementChunk;
-  void* m = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (m == MAP_FAILED) {
-    HYTRAIN_THROW("mmap of " + std::to_string(bytes) + " bytes failed: " + std::strerror(errno));
-  }
-  const auto start = reinterpret_cast<std::uintptr_t>(m);
-  const std::uintptr_t aligned = (start + kPlacementChunk - 1) / kPlacementChunk * kPlacementChunk;
-  const std::size_t head = aligned - start;
-  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-  const std::size_t body = (bytes + page - 1) / page * page;
-  if (head) munmap(m, head);
-  if (mapped - head > body) munmap(reinterpret_cast<char*>(aligned) + body, mapped - head - body);
-  void* p = reinterpret_cast<void*>(aligned);
-#ifdef MADV_HUGEPAGE
-  madvise(p, body, MADV_HUGEPAGE);  // advisory: where the kernel has none to give, 4 KiB pages
-#endif
-  return p;
 }
 
 }  // namespace hytrain

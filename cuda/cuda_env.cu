@@ -19,7 +19,7 @@ std::string version_string(int v) {
   return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
 }
 
-// Page-locked memory made the fast way: mmap (2 MiB aligned, huge pages advised), every page touched
+// Page-locked memory made the fast way: mmap (transparent huge pages advised), every page touched
 // (place_pages), then cudaHostRegister. On an H100 host this pins 4.9 GB/s on one thread and
 // about 25 GB/s on 8-16 threads (bench/pin_rate.cu), where cudaHostAlloc gives 1.5-2.5 GB/s at any
 // thread count: the difference between a 7 B model's first step after 5 s or after a minute.
@@ -27,7 +27,12 @@ std::string version_string(int v) {
 class CudaRegisteredAllocator final : public HostAllocator {
  public:
   void* allocate(std::size_t bytes) override {
-    void* p = map_slab(bytes);  // (2 MiB aligned, transparent huge pages advised: hytrain/numa.h)
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    HYTRAIN_CHECK(p != MAP_FAILED, "mmap of " + std::to_string(bytes) + " bytes failed: " +
+                                       std::strerror(errno));
+#ifdef MADV_HUGEPAGE
+    madvise(p, bytes, MADV_HUGEPAGE);
+#endif
     // First touch here, so that registering finds every page present, and placed: spread over the
     // NUMA nodes this process runs on (hytrain/numa.h).
     try {

@@ -7,7 +7,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -112,20 +111,6 @@ TEST(every_page_present_after_placement) {
     CHECK(place_pages(p, page, how, two) == 1);  // too small to spread
     CHECK(place_pages(p, bytes, how, real) >= 1);
     munmap(map, bytes + page);
-  }
-}
-
-TEST(a_slab_starts_on_a_huge_page_boundary) {
-  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-  for (std::size_t bytes : {std::size_t(1), page, kPlacementChunk, 3 * kPlacementChunk + 5 * page + 7}) {
-    char* p = static_cast<char*>(map_slab(bytes));
-    CHECK(reinterpret_cast<std::uintptr_t>(p) % kPlacementChunk == 0);
-    const std::size_t body = (bytes + page - 1) / page * page;
-    CHECK(resident_pages(p, body) == 0);  // mapped, nothing faulted in yet
-    for (std::size_t i = 0; i < bytes; ++i) p[i] = static_cast<char>(i);
-    CHECK(p[bytes - 1] == static_cast<char>(bytes - 1));
-    CHECK(resident_pages(p, body) == body / page);
-    CHECK(munmap(p, bytes) == 0);
   }
 }
 

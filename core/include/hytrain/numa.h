@@ -49,11 +49,4 @@ int place_pages(void* p, std::size_t bytes, PagePlacement placement, const std::
 // The same with page_placement() and numa_nodes_of_affinity() (read once per process).
 int place_pages(void* p, std::size_t bytes);
 
-// Anonymous memory for a slab of `bytes`, starting on a kPlacementChunk (2 MiB) boundary, with
-// transparent huge pages advised: a first touch then faults in 2 MiB at once, not 4 KiB, where the
-// kernel's mapping alone starts anywhere and only the slab's aligned middle could get huge pages
-// (40 GB touched on 64 threads: 11 GB/s with 4 KiB faults). Throws with errno's text; release with
-// munmap(p, bytes).
-void* map_slab(std::size_t bytes);
-
 }  // namespace hytrain
