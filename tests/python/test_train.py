@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from hytrain import checkpoint as ckpt
 from hytrain.job import main
@@ -799,6 +800,19 @@ def test_a_resume_takes_changed_options_and_refuses_fixed_ones(tmp_path, capsys,
                           out, "--seq-len", "32", *[a for a in fast if a not in ("--seq-len", "64")]],
                          capture_output=True, text=True, timeout=180)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--seq-len 32 differs" in bad.stderr, bad.stderr
+
+
+def test_a_resume_without_precision_keeps_the_checkpoints(tmp_path, fast):
+    # --precision is fixed under a checkpoint: left out on a resume, the run goes on in the
+    # checkpoint's (bf16 here, where the CPU's default is fp32), bit for bit with the run it continues.
+    whole, part = str(tmp_path / "whole"), str(tmp_path / "part")
+    args = ["--eval-every", "0", "--save-every", "2", *fast]
+    assert main(["--steps", "4", "--out", whole, "--precision", "bf16", *args]) == 0
+    assert main(["--steps", "2", "--out", part, "--precision", "bf16", *args]) == 0
+    assert main(["--steps", "4", "--out", part, "--resume", "latest", *args]) == 0
+    assert [r["loss"] for r in metrics(part)] == [r["loss"] for r in metrics(whole)]
+    weights = load_file(os.path.join(str(ckpt.resolve(part, "latest")), "model.safetensors"))
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.bfloat16}
 
 
 def test_fp16_weights_train_with_dynamic_loss_scaling_and_resume_with_the_scale(tmp_path, monkeypatch, fast):

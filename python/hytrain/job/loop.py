@@ -152,12 +152,12 @@ def _run(plan: RunPlan, ranks, say, out: Path, sig) -> int:
     load model (models.py) -> build optimizer (optimizer.py) -> resume (checkpoints.py) -> train
     (:class:`Training`) -> finish (:func:`_finish`, with outputs.py)."""
     device = place(ranks, plan.process, plan.data.batch_size)
-    dtype = plan.model.dtype(device)  # (the command line's --precision: before a resume's options)
     resume = find_resume(plan.checkpoint, out, ranks, device)
     if resume is not None and finished(resume, plan.schedule.steps, out, say):
         ranks.close()
         return 0
     plan = resumed_plan(plan, resume, out, say)
+    dtype = plan.model.dtype(device)  # (a resume's: --precision is fixed under a checkpoint)
     for line, warning in plan.notes():  # (a GPU the build cannot use; the fine-tuning --lr)
         say(line, file=sys.stderr if warning else sys.stdout, flush=True)
     data, val_batches = open_job_data(plan.model, plan.data, resume.cursor if resume is not None else None,
