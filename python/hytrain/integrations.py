@@ -127,7 +127,8 @@ class HybridClipping:
             scaler = getattr(getattr(self.trainer, "precision_plugin", None), "scaler", None)
             scaled = scaler is not None and scaler.is_enabled()
             norm = opt.clip_grad_norm_(float(gradient_clip_val), loss_scale=scaler.get_scale() if scaled else None)
-            self.log("grad_norm", norm, on_step=True, prog_bar=False, logger=True)
+            # (to the Trainer's loggers where it has any: logger=True without one is a warning each step)
+            self.log("grad_norm", norm, on_step=True, prog_bar=False, logger=bool(self.trainer.loggers))
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val=gradient_clip_val,
                                             gradient_clip_algorithm=gradient_clip_algorithm)

@@ -6,6 +6,7 @@ run is compared with ``torch.optim.AdamW`` (on fp32 master copies where the mode
 same loop."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -375,7 +376,11 @@ def test_lightning_trainer_with_gradient_clip_val():
     ref, _ = lightning_run(lambda net: torch.optim.AdamW(net.parameters(), lr=LR, foreach=False), False, 0.5)
     hybrid = lambda net: hytrain.HybridAdamW(net.parameters(), lr=LR, model=net, workers=2)  # noqa: E731
     for mixin in (False, True):
-        net, trainer = lightning_run(hybrid, mixin, 0.5)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            net, trainer = lightning_run(hybrid, mixin, 0.5)
+        # (logger=False: the norm is not sent to a logger, and nothing warns that there is none)
+        assert not [w for w in seen if "logger" in str(w.message)], [str(w.message) for w in seen]
         for (n, a), b in zip(net.named_parameters(), ref.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"mixin={mixin} {n}")
         if mixin:
