@@ -83,7 +83,7 @@ def _guard(cls, func, types, args=(), kwargs=None):
             and isinstance(args[0], _GUARDED) and args[1] is not args[0]:  # (a module's no-op .to sets itself)
         raise RuntimeError(  # the window would load its home into the new storage: the write would be lost
             f"assigning .data of a streamed parameter of shape {tuple(args[0].shape)}: its weights live in host "
-            "memory (hytrain.stream_model); change them before stream_model")
+            "memory (hytrain.stream_model); change them before stream_model, or write window.home(p)")
     with torch._C.DisableTorchFunctionSubclass():
         t = _first_empty(args, kwargs)
         if t is not None:
@@ -95,7 +95,8 @@ def _guard(cls, func, types, args=(), kwargs=None):
                 raise RuntimeError(
                     f"{name}() on a streamed parameter of shape {tuple(t.shape)} outside its layer's forward "
                     "and backward: its weights live in host memory then (hytrain.stream_model). Read them "
-                    "with model.state_dict() or WeightWindow.weights(p); change them before stream_model")
+                    "with model.state_dict() or WeightWindow.weights(p); change them before stream_model (a model "
+                    "placed from the meta device: write window.home(p))")
         out = func(*args, **kwargs)
     if isinstance(out, torch.Tensor) and not isinstance(out, _GUARDED) and _func_name(func) in _ALIASES:
         out = out.as_subclass(StreamedTensor)  # an alias of the same storage stays guarded

@@ -125,7 +125,12 @@ class WeightWindow:
         return sorted(self._kept)
 
     def home(self, p) -> torch.Tensor:
-        return self._homes[id(p)]
+        """p's home: the pinned host tensor that holds its weights (ValueError where p does not stream)."""
+        home = self._homes.get(id(p))
+        if home is None:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} that this window does not stream has no home "
+                             "(window.streams(p) says which do)")
+        return home
 
     def layer_of(self, p) -> int:
         return self._layer_of[id(p)]
@@ -454,6 +459,11 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"stream_model places models on a CUDA device (or the CPU, for tests), not {device}")
     inner = getattr(model, "_orig_mod", model)
+    meta = next((name for name, b in inner.named_buffers() if b.is_meta), None)
+    if meta is not None:  # (uninitialised memory in its place would make the forward silently wrong)
+        raise ValueError(f"buffer {meta} is on the meta device: stream_model places parameters from the meta device, "
+                         "not buffers, which are computed: build the model with real ones (accelerate's "
+                         "init_empty_weights(include_buffers=False)) or fill them first")
     layers, ok, layer_bytes, fixed = layout(inner)
     n = len(layers)
     measure = False

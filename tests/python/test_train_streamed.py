@@ -103,7 +103,8 @@ def test_a_streamed_pretrained_model_is_read_straight_into_its_homes(tmp_path, h
 @pytest.mark.parametrize("extra, words", [
     (["--stream", "2", "--precision", "fp32"], "only bf16/fp16 weights stream"),
     (["--stream", "9", "--precision", "bf16"], "a number of layers in [0, 4]"),
-    (["--stream", "-1", "--precision", "bf16"], "--stream must be an integer >= 1"),
+    (["--stream", "-1", "--precision", "bf16"], "--stream must be 'auto', 'off' or a number of layers (0: off)"),
+    (["--stream", "2"], "only bf16/fp16 weights stream (--precision fp32, the default here; pass --precision bf16)"),
 ])
 def test_bad_stream_options_are_one_line_with_exit_2(tmp_path, capsys, extra, words):
     args = ["--steps", "2", "--out", str(tmp_path / "run"), "--batch-size", "4", "--seq-len", "64",
@@ -111,6 +112,14 @@ def test_bad_stream_options_are_one_line_with_exit_2(tmp_path, capsys, extra, wo
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+def test_a_stream_value_that_is_no_number_is_named_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--stream", "abc", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1] == ("hytrain train: error: argument --stream: expected 'auto', 'off' or a "
+                                             "number, got 'abc'"), err[-1]
 
 
 def _args(**kw):

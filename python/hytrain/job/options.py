@@ -104,9 +104,9 @@ def _training_options(a) -> None:
       help="CPU updates during backward under clipping (CUDA): 'auto' (the scheduler picks from which "
            "block), 'off', or N (blocks >= N); redone exactly when clipping fires")
     a("--stream", type=_auto_off_or_int, default="auto",
-      help="weights streamed from host memory through a window of layers on the GPU (one CUDA process, "
-           "bf16/fp16 weights): 'auto' (where the weights would leave less than half of the GPU free: the "
-           "model is then read into host memory, never whole onto the GPU), 'off', or N (the last N layers)")
+      help="weights streamed from host memory through a window of layers on the GPU (one process, bf16/fp16 "
+           "weights): 'auto' (on a GPU, where the weights would leave less than half of it free: the model is "
+           "then read straight into host memory, never whole onto the GPU), 'off', or N (the last N layers)")
     a("--gpu-memory-limit", default=None,
       help="GPU memory hytrain may plan with, e.g. 40GiB (default: the device's); resident states fit in it")
     a("--state-format", choices=("fp32", "bf16", "8bit"), default=None,
@@ -262,7 +262,12 @@ def _k_option(text):
 
 
 def _auto_off_or_int(text):
-    return text if text in ("auto", "off") else int(text)
+    if text in ("auto", "off"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'off' or a number, got {text!r}") from None
 
 
 def check_options(args) -> None:
@@ -285,8 +290,8 @@ def check_options(args) -> None:
         positive("speculate", 0)
     if args.stream is False or args.stream == 0:  # a TOML boolean; no layer
         args.stream = "off"
-    if args.stream not in ("auto", "off"):
-        positive("stream", 1)
+    if args.stream not in ("auto", "off") and not (isinstance(args.stream, int) and args.stream > 0):
+        raise ConfigError(f"--stream must be 'auto', 'off' or a number of layers (0: off), got {args.stream!r}")
     for name in ("gpu_memory_limit", "pin_limit"):
         if getattr(args, name) is not None:
             try:
