@@ -19,7 +19,7 @@ from ..window import stream_model
 from ..window_plan import streams_when_auto
 from .tokenizers import ByteTokenizer, HFTokenizer
 from .hf import load_causal_lm, load_tokenizer, meta_causal_lm, model_dir
-from .options import DTYPES, ConfigError
+from .options import ConfigError
 
 
 def model_path(plan):
@@ -47,8 +47,7 @@ def stream_plan(plan, device, dtype, distributed: bool):
             raise ConfigError(f"--stream {plan.stream}: streamed weights are for one process; under --nproc "
                               "FSDP2 shards the model instead (leave --stream out)")
         if not streamable:
-            name = {v: k for k, v in DTYPES.items()}[dtype]
-            given = f"--precision {name}" + ("" if plan.precision else ", the default here")
+            given = f"--precision {plan.precision_on(device)}" + ("" if plan.precision else ", the default here")
             raise ConfigError(f"--stream {plan.stream}: only bf16/fp16 weights stream ({given}; pass --precision bf16)")
         return plan.stream
     if distributed or device.type != "cuda" or not streamable:

@@ -39,8 +39,12 @@ class ModelPlan:
     seq_len: int
     seed: int                       # of a preset's (or --init random) weights
 
+    def precision_on(self, device: torch.device) -> str:
+        """``--precision``, else the default: bf16 on a GPU, fp32 on the CPU."""
+        return self.precision or ("bf16" if device.type == "cuda" else "fp32")
+
     def dtype(self, device: torch.device) -> torch.dtype:
-        return DTYPES[self.precision or ("bf16" if device.type == "cuda" else "fp32")]
+        return DTYPES[self.precision_on(device)]
 
 
 @dataclass(frozen=True)
