@@ -374,8 +374,8 @@ def run_one(args):
             import hytrain
 
             opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP,
-                                      model=model, gpu_blocks="auto",
-                                      state_format=HYTRAIN_FORMATS[system])
+                                      model=model, gpu_blocks="auto", state_format=HYTRAIN_FORMATS[system],
+                                      accumulation_steps=args.batch // (args.micro_batch or args.batch))
         elif system == "deepspeed_offload":
             import deepspeed
 

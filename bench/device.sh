@@ -21,6 +21,8 @@
 #           step, timed from the command to its first step (the job's startup_s: model, optimizer, first
 #           step); JOB_COLD=1 drops the page cache first (where the machine lets it), so the weights
 #           come from the disk
+#   probe   bench/reserve_probe.py: the state's host memory made alone and beside what a training
+#           process adds (page-locked homes, CUDA, a busy GPU, busy cores), $PROBE_GB (128) GB each time
 #   host    the host's CPUs and NUMA nodes, `hytrain info`, and bench/cpu_adam.py: one process's update
 #           rate against 2 and 4 processes at once, and with the pool's pages spread or left local
 #   placement  train_bench L3B at 27.13 GB (hytrain_k0, fp32 states: the host-bound case), pages left
@@ -74,6 +76,8 @@ for stage in "$@"; do
         --batch-size "${JOB_BATCH:-16}" --shards 2 --docs-per-shard 2000 --reuse 2>&1 | tee -a "$out/job.log" \
         | grep -v "Writing model shards" | tail -4
       free -g | head -2 ;;
+    probe)
+      python3 bench/reserve_probe.py --gb "${PROBE_GB:-128}" 2>&1 | tee "$out/reserve_probe.log" | cut -c1-600 ;;
     host)
       { lscpu | grep -E "^Model name|^Socket|^NUMA|^CPU\(s\)|^Thread"; grep . /sys/devices/system/node/node*/cpulist
         python3 -m hytrain info; } 2>&1 | tee "$out/host.txt"

@@ -141,7 +141,7 @@ def run_job(model: Path, data: Path, out: Path, args, size: str) -> dict:
                loss_first=rows[0]["loss"], loss_last=rows[-1]["loss"], params=summary["params"],
                peak_gpu_reserved_gb=summary.get("peak_gpu_reserved_gb"), peak_host_gb=summary["peak_host_gb"],
                model_dir=summary.get("model_dir"), startup_s=summary.get("startup_s"),
-               state_made_s=summary.get("state_made_s"),
+               state_made_s=summary.get("state_made_s"), state_made_memory=summary.get("state_made_memory"),
                **window_figures([r["step_s"] for r in later], args.batch_size * args.seq_len))
     return rec
 

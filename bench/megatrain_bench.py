@@ -175,7 +175,8 @@ def run_one(args):
     rec = {"system": "megatrain", "size": args.size, "trains": False, "params": None,
            "expected_params": capacity_bench.expected_params(args.size), "batch": args.batch, "seq": args.seq,
            "tokens": args.batch * args.seq, "checkpoint_interval": args.checkpoint_interval,
-           "num_grad_slabs": args.grad_slabs, "mask": args.mask}
+           "num_grad_slabs": args.grad_slabs, "mask": args.mask,
+           "caching_allocator": os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") != "1"}
     state = {"stage": "setup"}
     cuda = False
     try:

@@ -13,8 +13,8 @@ namespace {
 // One block of pool memory, exposed to Python through the buffer protocol; torch.frombuffer keeps a
 // reference to it, so the block returns to the pool only after the last tensor view is gone.
 struct Allocation {
-  Allocation(std::shared_ptr<PinnedPool> p, void* mem, std::size_t n)
-      : pool(std::move(p)), ptr(mem), nbytes(n) {}
+  Allocation(std::shared_ptr<PinnedPool> p, void* mem, std::size_t n, bool z)
+      : pool(std::move(p)), ptr(mem), nbytes(n), zeroed(z) {}
   Allocation(const Allocation&) = delete;
   Allocation& operator=(const Allocation&) = delete;
   ~Allocation() { pool->free(ptr); }
@@ -22,6 +22,7 @@ struct Allocation {
   std::shared_ptr<PinnedPool> pool;
   void* ptr;
   std::size_t nbytes;
+  bool zeroed;  // known to read as zeros (memory the pool has not handed out before)
 };
 
 py::dict stats_dict(const PoolStats& s) {
@@ -65,6 +66,7 @@ void bind_pool(py::module_& m) {
         return reinterpret_cast<std::uintptr_t>(a.ptr);
       })
       .def_property_readonly("nbytes", [](const Allocation& a) { return a.nbytes; })
+      .def_property_readonly("zeroed", [](const Allocation& a) { return a.zeroed; })
       .def_buffer([](Allocation& a) {
         return py::buffer_info(a.ptr, 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(a.nbytes)}, {1}, false);
@@ -76,8 +78,9 @@ void bind_pool(py::module_& m) {
       .def(
           "allocate",
           [](std::shared_ptr<PinnedPool> self, std::size_t nbytes) {
-            void* p = self->allocate(nbytes);
-            return std::make_shared<Allocation>(self, p, nbytes);
+            bool zeroed = false;
+            void* p = self->allocate(nbytes, &zeroed);
+            return std::make_shared<Allocation>(self, p, nbytes, zeroed);
           },
           py::arg("nbytes"))
       .def("stats", [](const PinnedPool& p) { return stats_dict(p.stats()); })

@@ -43,10 +43,24 @@ std::vector<int> parse_cpu_list(const std::string& text) {
   return cpus;
 }
 
+namespace {
+
+// The process's CPUs: its main thread's affinity (the thread whose id is the process's).
+bool process_cpus(cpu_set_t* mask) {
+  CPU_ZERO(mask);
+  return sched_getaffinity(getpid(), sizeof *mask, mask) == 0;
+}
+
+}  // namespace
+
+void use_process_cpus() {
+  cpu_set_t mask;
+  if (process_cpus(&mask)) (void)pthread_setaffinity_np(pthread_self(), sizeof mask, &mask);
+}
+
 std::vector<NumaNode> numa_nodes_of_affinity(const std::string& root) {
   cpu_set_t mask;
-  CPU_ZERO(&mask);
-  const bool have_mask = sched_getaffinity(0, sizeof mask, &mask) == 0;
+  const bool have_mask = process_cpus(&mask);
   std::vector<NumaNode> nodes;
   DIR* dir = opendir(root.c_str());
   if (!dir) return nodes;

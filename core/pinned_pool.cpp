@@ -53,6 +53,7 @@ class PageAlignedAllocator final : public HostAllocator {
   void deallocate(void* p, std::size_t bytes) noexcept override { munmap(p, bytes); }
   std::string kind() const override { return "page-aligned"; }
   bool page_locked() const override { return false; }
+  bool zeroed() const override { return true; }  // fresh anonymous pages
 
  private:
   bool place_;
@@ -81,9 +82,11 @@ PinnedPool::~PinnedPool() {
 }
 
 void* PinnedPool::take(Slab& slab, std::map<std::size_t, std::size_t>::iterator it,
-                       std::size_t size) {
+                       std::size_t size, bool* zeroed) {
   const std::size_t offset = it->first;
   const std::size_t block = it->second;
+  if (zeroed) *zeroed = allocator_->zeroed() && offset >= slab.fresh_from;
+  slab.fresh_from = std::max(slab.fresh_from, offset + size);
   slab.free_blocks.erase(it);
   if (block > size) slab.free_blocks.emplace(offset + size, block - size);
   slab.used += size;
@@ -94,7 +97,7 @@ void* PinnedPool::take(Slab& slab, std::map<std::size_t, std::size_t>::iterator 
   return p;
 }
 
-void* PinnedPool::allocate(std::size_t bytes) {
+void* PinnedPool::allocate(std::size_t bytes, bool* zeroed) {
   const std::size_t size = round_up(std::max<std::size_t>(bytes, 1), alignment_);
   std::lock_guard<std::mutex> lock(mu_);
 
@@ -109,7 +112,7 @@ void* PinnedPool::allocate(std::size_t bytes) {
       }
     }
   }
-  if (best_slab) return take(*best_slab, best, size);
+  if (best_slab) return take(*best_slab, best, size, zeroed);
 
   const std::size_t exact = round_up(size, page_size());
   std::size_t slab = std::max(exact, slab_bytes_);
@@ -129,7 +132,7 @@ void* PinnedPool::allocate(std::size_t bytes) {
   slabs_.push_back(std::unique_ptr<Slab>(new Slab{base, slab, {{0, slab}}, 0}));
   reserved_ += slab;
   Slab& s = *slabs_.back();
-  return take(s, s.free_blocks.begin(), size);
+  return take(s, s.free_blocks.begin(), size, zeroed);
 }
 
 void PinnedPool::free(void* p) {
@@ -210,7 +213,8 @@ std::size_t PinnedPool::reserve(const std::vector<std::size_t>& slab_sizes, int 
   };
   const int n = std::max(1, std::min<int>(threads, static_cast<int>(sizes.size())));
   std::vector<std::thread> pool;
-  for (int t = 1; t < n; ++t) pool.emplace_back(work);
+  // Each on the process's CPUs, whatever the calling thread is confined to (numa.h).
+  for (int t = 1; t < n; ++t) pool.emplace_back([&] { use_process_cpus(); work(); });
   work();
   for (auto& th : pool) th.join();
   std::lock_guard<std::mutex> lock(mu_);

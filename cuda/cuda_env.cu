@@ -56,6 +56,7 @@ class CudaRegisteredAllocator final : public HostAllocator {
   }
   std::string kind() const override { return "cuda-registered"; }
   bool page_locked() const override { return true; }
+  bool zeroed() const override { return true; }  // fresh anonymous pages, registered as they are
 };
 
 }  // namespace

@@ -9,6 +9,7 @@ view of it is gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -83,6 +84,40 @@ def available_memory_bytes() -> int | None:
         except (OSError, ValueError):
             continue
     return min(found) if found else None
+
+
+# What the kernel did while memory was taken: huge pages given (or not), reclaim and compaction the
+# faulting threads had to do themselves, from /proc/vmstat (the whole system's counts).
+_VM_COUNTERS = ("thp_fault_alloc", "thp_fault_fallback", "pgscan_direct", "pgsteal_direct",
+                "compact_stall", "allocstall_normal", "allocstall_movable", "pgmajfault")
+
+
+def memory_counters() -> dict:
+    """The host's memory counters now: ``free_gb``, ``cached_gb`` (the page cache), ``cgroup_gb``
+    (this process's cgroup's usage, v2) where those can be read, and the kernel's counts in
+    ``_VM_COUNTERS``. Read before and after a large allocation, they say why it took the time it
+    did (:func:`counter_changes`)."""
+    out = {}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                if key in ("MemFree", "Cached"):
+                    out["free_gb" if key == "MemFree" else "cached_gb"] = round(int(value.split()[0]) * 1024 / 1e9, 1)
+    with contextlib.suppress(OSError, ValueError):
+        out["cgroup_gb"] = round(int(Path("/sys/fs/cgroup/memory.current").read_text()) / 1e9, 1)
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/vmstat") as f:
+            for line in f:
+                key, value = line.split()
+                if key in _VM_COUNTERS:
+                    out[key] = int(value)
+    return out
+
+
+def counter_changes(before: dict, after: dict) -> dict:
+    """The kernel's counts between two :func:`memory_counters` readings (only those that moved)."""
+    return {k: after[k] - before[k] for k in _VM_COUNTERS if k in before and k in after and after[k] != before[k]}
 
 
 def page_placement() -> dict:
@@ -177,6 +212,17 @@ class PinnedPool:
 
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialised CPU tensor backed by pool memory (no copy)."""
+        return self._take(shape, dtype)[0]
+
+    def zeros(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A zero CPU tensor backed by pool memory. Memory the pool hands out for the first time is
+        zero already (fresh pages) and is not written again: making a large state then touches its
+        moments once, not twice."""
+        t, zeroed = self._take(shape, dtype)
+        return t if zeroed else t.zero_()
+
+    def _take(self, shape, dtype):
+        """(an uninitialised tensor over pool memory, whether that memory is known to be zero)."""
         if isinstance(shape, int):
             shape = (shape,)
         shape = tuple(_checks.integer("shape", s, lo=0) for s in shape)
@@ -186,13 +232,10 @@ class PinnedPool:
         for s in shape:
             numel *= s
         if numel == 0:
-            return torch.empty(shape, dtype=dtype)
+            return torch.zeros(shape, dtype=dtype), True
         itemsize = torch.empty((), dtype=dtype).element_size()
         block = self._pool.allocate(numel * itemsize)
-        return torch.frombuffer(block, dtype=dtype, count=numel).view(shape)
-
-    def zeros(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.empty(shape, dtype).zero_()
+        return torch.frombuffer(block, dtype=dtype, count=numel).view(shape), block.zeroed
 
     def copy_of(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A pool-backed copy of ``t`` (any device), optionally converted to ``dtype``."""
@@ -236,7 +279,7 @@ class PinnedPool:
             small -= take
             room -= take
         if threads is None:
-            threads = min(16, len(os.sched_getaffinity(0)))
+            threads = min(16, len(os.sched_getaffinity(os.getpid())))
         return self._pool.reserve(slabs, _checks.integer("threads", threads, lo=1))
 
     def trim(self) -> int:

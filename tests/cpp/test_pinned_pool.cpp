@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -115,6 +116,41 @@ TEST(reserve_makes_slabs_on_threads_that_allocations_then_use) {
   }
   CHECK(thrown);
   CHECK(pool.stats().reserved == 0);  // the empty slab was released trying to make room; nothing new
+}
+
+TEST(memory_handed_out_for_the_first_time_is_known_zero) {
+  auto pool = make_pool(64 * MiB, 8 * MiB);
+  bool zeroed = false;
+  auto* a = static_cast<unsigned char*>(pool.allocate(3 * MiB, &zeroed));
+  CHECK(zeroed);
+  CHECK(std::all_of(a, a + 3 * MiB, [](unsigned char c) { return c == 0; }));
+  std::memset(a, 0x5A, 3 * MiB);
+  auto* b = static_cast<unsigned char*>(pool.allocate(MiB, &zeroed));  // after a: still fresh
+  CHECK(zeroed && b == a + 3 * MiB);
+  pool.free(a);
+  void* c = pool.allocate(2 * MiB, &zeroed);  // a's memory again: written, so not known zero
+  CHECK(!zeroed && c == a);
+  void* d = pool.allocate(MiB, &zeroed);  // the rest of a's block, below b: handed out before
+  CHECK(!zeroed && d == a + 2 * MiB);
+  void* e = pool.allocate(4 * MiB, &zeroed);  // beyond everything handed out in the slab
+  CHECK(zeroed);
+  for (void* p : {static_cast<void*>(b), c, d, e}) pool.free(p);
+  CHECK(pool.trim() == 8 * MiB);
+  void* f = pool.allocate(MiB, &zeroed);  // a new slab: fresh again
+  CHECK(zeroed);
+  pool.free(f);
+  // An allocator that does not promise zeros never gets the promise passed on.
+  struct Dirty final : HostAllocator {
+    std::unique_ptr<HostAllocator> inner = make_page_aligned_allocator();
+    void* allocate(std::size_t n) override { return inner->allocate(n); }
+    void deallocate(void* p, std::size_t n) noexcept override { inner->deallocate(p, n); }
+    std::string kind() const override { return "dirty"; }
+    bool page_locked() const override { return false; }
+  };
+  PinnedPool dirty(std::make_unique<Dirty>(), 16 * MiB, 8 * MiB);
+  void* g = dirty.allocate(MiB, &zeroed);
+  CHECK(!zeroed);
+  dirty.free(g);
 }
 
 TEST(bad_frees_throw) {

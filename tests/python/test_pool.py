@@ -1,6 +1,8 @@
 """PinnedPool from Python: zero-copy tensor views, lifetime, capacity errors, stats."""
 
 import gc
+import os
+import threading
 
 import pytest
 import torch
@@ -135,6 +137,56 @@ def test_reserve_for_makes_the_slabs_the_allocations_take():
     assert pool.reserve_for([200 * 2**20]) == 0  # past the room: left to the allocation to refuse
     with pytest.raises(ValueError):
         pool.reserve_for(sizes, threads=0)
+
+
+def test_zeros_are_zero_where_the_memory_was_used_before():
+    # Fresh pool memory is handed out as it is (the pages are zero); memory written and freed is
+    # zeroed again. Both on reserved slabs, as the state's moments are made.
+    pool = hytrain.PinnedPool("64MiB", slab_bytes="8MiB", pinned=False)
+    pool.reserve_for([6 * MiB])
+    for _ in range(3):
+        t = pool.zeros((3 * MiB // 4,), torch.float32)
+        assert torch.count_nonzero(t) == 0
+        t.normal_()
+        u = pool.zeros((1000,), torch.bfloat16)  # past t: never handed out
+        assert torch.count_nonzero(u) == 0
+        u.fill_(1.0)
+        del t, u
+        gc.collect()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not os.path.isdir("/sys/devices/system/node"),
+                    reason="needs two CPUs and sysfs")
+def test_a_confined_thread_makes_memory_with_the_process_cpus():
+    # The state is made in the first backward, on a thread of the autograd engine's: what that thread
+    # is confined to must not confine the pages' placement or the threads that touch them.
+    from hytrain._native import native
+
+    everything = sorted(c for n in native().numa_nodes() for c in n["cpus"])
+    seen = {}
+
+    def confined():
+        os.sched_setaffinity(0, {everything[0]})  # this thread only
+        seen["thread"] = len(os.sched_getaffinity(0))
+        seen["nodes"] = sorted(c for n in native().numa_nodes() for c in n["cpus"])
+        pool = hytrain.PinnedPool("64MiB", slab_bytes="8MiB", pinned=False)
+        seen["reserved"] = pool.reserve_for([8 * MiB] * 4, threads=4)
+
+    t = threading.Thread(target=confined)
+    t.start()
+    t.join()
+    assert seen["thread"] == 1 and seen["nodes"] == everything and seen["reserved"] == 32 * MiB
+    assert len(os.sched_getaffinity(0)) == len(everything)  # the main thread untouched
+
+
+def test_memory_counters_name_what_the_kernel_did():
+    from hytrain.pool import counter_changes, memory_counters
+
+    before = memory_counters()
+    assert all(isinstance(v, (int, float)) for v in before.values())
+    assert counter_changes(before, before) == {}
+    moved = dict(before, thp_fault_alloc=before.get("thp_fault_alloc", 0) + 5)
+    assert counter_changes(dict(before, thp_fault_alloc=before.get("thp_fault_alloc", 0)), moved) == {"thp_fault_alloc": 5}
 
 
 def test_reserve_for_stays_within_the_pool_room():

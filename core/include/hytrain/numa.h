@@ -25,8 +25,14 @@ struct NumaNode {
 };
 
 // Nodes with at least one CPU in this process's affinity, from sysfs (`root`: overridable for tests).
+// The process's affinity is its main thread's: a thread confined to fewer CPUs (a library's worker,
+// the autograd engine's thread a first step runs in) does not confine the placement it asks for.
 // Empty where the kernel does not say (no sysfs): callers then treat the machine as one node.
 std::vector<NumaNode> numa_nodes_of_affinity(const std::string& root = "/sys/devices/system/node");
+
+// Lets the calling thread run on every CPU of the process's affinity (its main thread's), where it
+// may; advisory. Threads that make memory for the process call it first (PinnedPool::reserve).
+void use_process_cpus();
 
 // Parses a sysfs CPU list ("0-3,8,10-11"); throws on a malformed one.
 std::vector<int> parse_cpu_list(const std::string& text);
@@ -46,7 +52,7 @@ constexpr std::size_t kPlacementChunk = std::size_t(2) << 20;
 // touched by a thread pinned to that node; otherwise the calling thread touches them all. Returns the
 // number of nodes the memory was spread over (1 for local placement).
 int place_pages(void* p, std::size_t bytes, PagePlacement placement, const std::vector<NumaNode>& nodes);
-// The same with page_placement() and numa_nodes_of_affinity() (read once per process).
+// The same with page_placement() and numa_nodes_of_affinity().
 int place_pages(void* p, std::size_t bytes);
 
 }  // namespace hytrain

@@ -27,6 +27,9 @@ class HostAllocator {
   virtual void deallocate(void* p, std::size_t bytes) noexcept = 0;
   virtual std::string kind() const = 0;           // "cuda-registered", "page-aligned", ...
   virtual bool page_locked() const = 0;
+  // Whether a new slab's memory reads as zeros (fresh anonymous pages do): the pool then skips
+  // zeroing what it hands out for the first time.
+  virtual bool zeroed() const { return false; }
 };
 
 // Ordinary memory aligned to pages (and advised for transparent huge pages where available), its pages
@@ -56,7 +59,9 @@ class PinnedPool {
 
   // Returns `bytes` (rounded up to the alignment) of memory aligned to the alignment. A zero-byte
   // request returns a distinct, valid, alignment-sized block. Throws PoolExhausted past capacity.
-  void* allocate(std::size_t bytes);
+  // With `zeroed`, sets it to whether the block is known to read as zeros: memory of a zeroing
+  // allocator's slab that the pool has never handed out before.
+  void* allocate(std::size_t bytes, bool* zeroed = nullptr);
   // Returns memory to the pool; throws on a pointer the pool did not hand out.
   void free(void* p);
   // Releases slabs with nothing allocated in them; returns the bytes released.
@@ -80,6 +85,7 @@ class PinnedPool {
     std::size_t bytes;
     std::map<std::size_t, std::size_t> free_blocks;  // offset -> size, coalesced
     std::size_t used = 0;
+    std::size_t fresh_from = 0;  // [fresh_from, bytes) has never been handed out
   };
   struct Block {
     Slab* slab;
@@ -87,7 +93,8 @@ class PinnedPool {
     std::size_t size;
   };
 
-  void* take(Slab& slab, std::map<std::size_t, std::size_t>::iterator it, std::size_t size);
+  void* take(Slab& slab, std::map<std::size_t, std::size_t>::iterator it, std::size_t size,
+             bool* zeroed);
   std::size_t trim_locked();
   std::size_t largest_free_locked() const;
   [[noreturn]] void throw_exhausted(std::size_t requested) const;

@@ -107,7 +107,7 @@ def make_pools(plan, settings, cuda, floor, later, streamed, homes):
     if pool.page_locked:  # page-locking is the slow part: every slab at once, in parallel
         pool.reserve_for(sizes(b for b in range(later, len(plan)) if b not in apart))
     if unlocked is not None:  # (its pages touched on several threads, where NUMA places them)
-        unlocked.reserve_for(sizes(sorted(apart)), threads=min(64, len(os.sched_getaffinity(0))))
+        unlocked.reserve_for(sizes(sorted(apart)), threads=min(64, len(os.sched_getaffinity(os.getpid()))))
     return pool, unlocked
 
 

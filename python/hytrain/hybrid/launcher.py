@@ -8,6 +8,7 @@ side reads or writes until it is waited for."""
 from __future__ import annotations
 
 import collections
+import warnings
 
 import torch
 
@@ -34,6 +35,7 @@ class Launcher:
         self.counts = {"adopted": 0, "redone": 0}  # speculated block updates (the engine's)
         self._pass_owner = {}  # block -> the timeline iteration its pass belongs to
         self._meter_owner = {}  # block -> the measured iteration its pass belongs to
+        self._told_accumulation = False  # forward_before_step's advice, given once
 
     def start(self, timeline) -> None:
         """The native engine (and pipeline, on CUDA) for the state just created."""
@@ -242,6 +244,31 @@ class Launcher:
             self.store.writes.note(ps, sharded=sharded)
             self._uncount(b)
             rt.drop(b)
+
+    def forward_before_step(self, *, sharded) -> None:
+        """A forward (not a recomputation in backward) while blocks handed off in the last backward
+        wait for step(): the loop accumulates gradients over micro-batches without having said so
+        (``accumulation_steps``). With kept gradients, the hand-offs are taken back (drop_held: the
+        weights and state as before the backward; the next backward adds to ``.grad`` and hands the
+        blocks off again, and the last one's stand at step()). Released gradients (``release_grads``,
+        the default with ``max_grad_norm``) are gone from ``.grad``: refused, nothing applied."""
+        phases = native().BlockPhase
+        pending = sorted((*self.rt.in_phase(phases.held), *self.rt.in_phase(phases.speculated)))
+        if not pending:
+            return
+        if self.settings.release_grads:
+            raise RuntimeError(
+                f"a forward ran after a backward and before optimizer.step(), while the gradients of "
+                f"{len(pending)} block(s) had left .grad (release_grads=True, the default with "
+                "max_grad_norm): to accumulate gradients over several micro-batches, pass "
+                "accumulation_steps=<micro-batches per step> to HybridAdamW")
+        if not self._told_accumulation:
+            self._told_accumulation = True
+            warnings.warn("HybridAdamW: a forward ran after a backward and before step(): gradients are "
+                          "accumulated over micro-batches without accumulation_steps, so each backward's "
+                          "hand-offs are taken back at the next forward. Pass accumulation_steps=<micro-"
+                          "batches per step> to update during the last backward only", stacklevel=4)
+        self.drop_held(sharded=sharded)
 
     def restage(self, b, mult, pairs=None):
         """Block b's gradients changed after its hand-off: its held pass is cancelled, or its

@@ -421,6 +421,7 @@ class Planner:
             out["first_k"] = self.first_k  # (made at once, made in the first step as room came)
         if self.store.made_s is not None:  # the state's making, in the first step: page-locking, filling
             out["state_made_s"] = dict(self.store.made_s)
+            out["state_made_memory"] = dict(self.store.made_memory)
         p = self.prediction
         if p is not None:
             out["predicted_iter_s"] = p["iter_s"]

@@ -15,12 +15,14 @@ with the memory budgets and refusals in budgets.py, and the entries loaded or pu
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
 from .. import _checks
 from .._native import native
+from ..pool import counter_changes, memory_counters
 from . import budgets, formats, loads
 from .common import is_sharded, like, local
 from .residency import Residency
@@ -49,6 +51,7 @@ class StateStore:
         self._owned = {}
         self.floor = 0  # the host holds the states of blocks >= floor only: k never goes below it
         self.made_s = None  # how long create() took (its two parts), once it has run
+        self.made_memory = None  # the host's memory then (pool.memory_counters)
         self.deferred = []  # GPU-resident blocks whose states the first step makes (create)
         self._groups_set = None  # the hyperparameters the table has
         self._state_bytes = plan.sizes()[2]
@@ -114,11 +117,11 @@ class StateStore:
         plan = self.plan
         later = k if later is None else later
         pool = self.settings.pool
-        began = time.perf_counter()
+        began, at_start = time.perf_counter(), memory_counters()
         self._make_pools(later)
         self.table = native().ParamTable()  # each parameter's host buffers; handle = its index
         self._new_parts()
-        locked = time.perf_counter()
+        locked, reserved = time.perf_counter(), memory_counters()
         for p in plan.params:
             b = plan.block_of[id(p)]
             if k <= b < later and local(p).numel():
@@ -127,6 +130,13 @@ class StateStore:
                 self._init_state(p, on_gpu=b < later)
         # (seconds: reserving the pools' memory, page-locking it, then filling the state: schedule_stats)
         self.made_s = {"reserve": round(locked - began, 3), "fill": round(time.perf_counter() - locked, 3)}
+        # (and what the kernel did meanwhile: huge pages, reclaim, compaction; the memory free before)
+        self.made_memory = {"before": {k: v for k, v in at_start.items() if k.endswith("_gb")},
+                            "slabs": [p.stats()["slabs"] for p in (self.pool, self.unlocked) if p is not None],
+                            "cpus": {"thread": len(os.sched_getaffinity(0)),
+                                     "process": len(os.sched_getaffinity(os.getpid()))},
+                            "reserve": counter_changes(at_start, reserved),
+                            "fill": counter_changes(reserved, memory_counters())}
         self.deferred = list(range(k, later))
         if pool is None:
             self.pool.trim()  # slabs the reservation made and the state did not need

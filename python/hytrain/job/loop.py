@@ -234,7 +234,8 @@ class Training:
                 rec, every = self._step(step)
                 if not self.history:
                     self.startup.mark("first_step")
-                    self.startup.state = self.opt.schedule_stats().get("state_made_s")
+                    stats = self.opt.schedule_stats()
+                    self.startup.state, self.startup.memory = stats.get("state_made_s"), stats.get("state_made_memory")
                     rec["startup_s"] = self.startup.phases["first_step"]
                 step += 1
                 stopping = any(r[4] for r in every)

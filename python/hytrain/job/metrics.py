@@ -19,18 +19,20 @@ class Startup:
     the interpreter's own start and imports count) to the end of each phase before training, and of
     the first step: ``{"model": ..., "optimizer": ..., "first_step": ...}``; and, within the first
     step, how long making the optimizer's state took (``{"reserve": ..., "fill": ...}``: reserving its
-    host memory, page-locking what crosses PCIe, then filling it). Both in summary.json (``startup_s``,
-    ``state_made_s``)."""
+    host memory, page-locking what crosses PCIe, then filling it) and the host's memory meanwhile
+    (the memory free before, what the kernel did in each part). All in summary.json (``startup_s``,
+    ``state_made_s``, ``state_made_memory``)."""
 
     def __init__(self):
         self.t0 = time.perf_counter() - _since_process_start()
-        self.phases, self.state = {}, None
+        self.phases, self.state, self.memory = {}, None, None
 
     def mark(self, phase: str) -> None:
         self.phases[phase] = round(time.perf_counter() - self.t0, 3)
 
     def summary(self) -> dict:
-        return {"startup_s": dict(self.phases), **({"state_made_s": self.state} if self.state else {})}
+        return {"startup_s": dict(self.phases), **({"state_made_s": self.state} if self.state else {}),
+                **({"state_made_memory": self.memory} if self.memory else {})}
 
 
 def _since_process_start() -> float:
