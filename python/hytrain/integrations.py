@@ -76,8 +76,9 @@ def _trainer_class():
 
         Without ``optimizers=``, ``create_optimizer`` builds HybridAdamW from the arguments as the
         Trainer builds AdamW (``learning_rate``, ``adam_beta1/2``, ``adam_epsilon``, ``weight_decay``
-        except on biases and norms), with ``model=`` the model (block detection, just-in-time waits) and
-        ``hybrid_kwargs`` passed on (``gpu_blocks``, ``workers``, ...). With ``optimizers=(HybridAdamW(...),
+        except on biases and norms), with ``model=`` the model (block detection, just-in-time waits),
+        ``accumulation_steps`` its ``gradient_accumulation_steps``, and ``hybrid_kwargs`` passed on
+        (``gpu_blocks``, ``workers``, ...). With ``optimizers=(HybridAdamW(...),
         scheduler)`` that optimizer is used. Either way ``max_grad_norm`` clipping and the logged
         ``grad_norm`` go through :meth:`HybridAdamW.clip_grad_norm_`. Checkpoints and
         ``resume_from_checkpoint`` work as with any optimizer (``optimizer.pt`` is its state_dict).
@@ -106,7 +107,8 @@ def _trainer_class():
                 self.optimizer = HybridAdamW(
                     [g for g in groups if g["params"]], lr=self.args.learning_rate,
                     betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon,
-                    model=model, **self.hybrid_kwargs)
+                    model=model, **{"accumulation_steps": self.args.gradient_accumulation_steps,
+                                    **self.hybrid_kwargs})
             return self.optimizer
 
     HybridTrainer.__qualname__ = "HybridTrainer"  # its name in the module (the API reference's, pickle's)

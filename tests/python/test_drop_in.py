@@ -229,7 +229,7 @@ class TokenDataset(torch.utils.data.Dataset):
 
 
 def trainer_run(out, optimizer=None, cls=None, resume=None, max_steps=6, cpu=True, bf16=False, cast=None,
-                fp16=False, **trainer_kwargs):
+                fp16=False, accumulation=1, **trainer_kwargs):
     """transformers' Trainer on a tiny Llama built on the CPU; ``optimizer(model)`` is built before
     the Trainer moves the model (and before ``cast``, a dtype applied after it)."""
     transformers = pytest.importorskip("transformers")
@@ -237,7 +237,8 @@ def trainer_run(out, optimizer=None, cls=None, resume=None, max_steps=6, cpu=Tru
     args = transformers.TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4, learning_rate=LR,
         max_grad_norm=0.05, logging_steps=1, save_strategy="steps", save_steps=3, report_to="none",
-        use_cpu=cpu, bf16=bf16, fp16=fp16, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+        use_cpu=cpu, bf16=bf16, fp16=fp16, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        gradient_accumulation_steps=accumulation)
     opt = optimizer(model) if optimizer is not None else None
     if cast is not None:
         model.to(cast)
@@ -266,6 +267,20 @@ def test_trainer_with_max_grad_norm_save_and_resume(tmp_path):
         # Resume from the step-3 checkpoint: the same last three steps.
         _, _, resumed, _ = trainer_run(tmp_path / name, resume=str(tmp_path / name / "checkpoint-3"), **kw)
         torch.testing.assert_close(torch.tensor(resumed[-3:]), torch.tensor(losses[3:]), rtol=1e-6, atol=0, msg=name)
+
+
+def test_hybrid_trainer_takes_the_trainers_gradient_accumulation(tmp_path):
+    # The optimizer the HybridTrainer builds is told the micro-batches a step (on CUDA it hands blocks
+    # off during the last backward only); the run is torch's Trainer's.
+    from hytrain.integrations import HybridTrainer
+
+    ref_model, _, ref_losses, _ = trainer_run(tmp_path / "torch", max_steps=3, accumulation=2)
+    model, trainer, losses, _ = trainer_run(tmp_path / "hybrid", cls=HybridTrainer, max_steps=3, accumulation=2,
+                                            hybrid_kwargs=dict(workers=2))
+    assert trainer.optimizer.optimizer.accumulation_steps == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 # ---- accelerate -----------------------------------------------------------------------------------------

@@ -251,7 +251,7 @@ class Engine:
             meter.later_forward()  # a later micro-batch (not a recomputation in backward)
         meter = meter if (meter is not None and torch.is_grad_enabled() and not self.rt.any_arrived()) else None
         if self.rt.any_submitted() and not _in_backward():
-            self.launcher.forward_before_step(sharded=self.shard_group is not None)
+            self.launcher.forward_before_step()
         before = None
         if meter is not None:
             meter.start(True)

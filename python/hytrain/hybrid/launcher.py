@@ -8,7 +8,6 @@ side reads or writes until it is waited for."""
 from __future__ import annotations
 
 import collections
-import warnings
 
 import torch
 
@@ -35,7 +34,6 @@ class Launcher:
         self.counts = {"adopted": 0, "redone": 0}  # speculated block updates (the engine's)
         self._pass_owner = {}  # block -> the timeline iteration its pass belongs to
         self._meter_owner = {}  # block -> the measured iteration its pass belongs to
-        self._told_accumulation = False  # forward_before_step's advice, given once
 
     def start(self, timeline) -> None:
         """The native engine (and pipeline, on CUDA) for the state just created."""
@@ -245,30 +243,23 @@ class Launcher:
             self._uncount(b)
             rt.drop(b)
 
-    def forward_before_step(self, *, sharded) -> None:
-        """A forward (not a recomputation in backward) while blocks handed off in the last backward
-        wait for step(): the loop accumulates gradients over micro-batches without having said so
-        (``accumulation_steps``). With kept gradients, the hand-offs are taken back (drop_held: the
-        weights and state as before the backward; the next backward adds to ``.grad`` and hands the
-        blocks off again, and the last one's stand at step()). Released gradients (``release_grads``,
-        the default with ``max_grad_norm``) are gone from ``.grad``: refused, nothing applied."""
+    def forward_before_step(self) -> None:
+        """A forward (not a recomputation in backward) while blocks of the last backward wait for
+        step() on the host: the loop accumulates gradients over micro-batches without having said so
+        (``accumulation_steps``). Their passes hold gradients copied out of that backward (a streamed
+        block's home holds them in place of its weights), and speculative ones have written weights
+        the step has not taken yet: refused in one line, before the forward reads anything. Nothing
+        is applied; step() goes on with the hand-offs as they are. (GPU-resident blocks keep their
+        weights until step(), and step() sees their gradients changed: nothing to refuse.)"""
         phases = native().BlockPhase
-        pending = sorted((*self.rt.in_phase(phases.held), *self.rt.in_phase(phases.speculated)))
-        if not pending:
-            return
-        if self.settings.release_grads:
+        pending = [b for b in self.rt.in_phase(phases.held) if not self.rt.on_gpu(b)]
+        pending += self.rt.in_phase(phases.speculated)
+        if pending:
             raise RuntimeError(
-                f"a forward ran after a backward and before optimizer.step(), while the gradients of "
-                f"{len(pending)} block(s) had left .grad (release_grads=True, the default with "
-                "max_grad_norm): to accumulate gradients over several micro-batches, pass "
-                "accumulation_steps=<micro-batches per step> to HybridAdamW")
-        if not self._told_accumulation:
-            self._told_accumulation = True
-            warnings.warn("HybridAdamW: a forward ran after a backward and before step(): gradients are "
-                          "accumulated over micro-batches without accumulation_steps, so each backward's "
-                          "hand-offs are taken back at the next forward. Pass accumulation_steps=<micro-"
-                          "batches per step> to update during the last backward only", stacklevel=4)
-        self.drop_held(sharded=sharded)
+                f"a forward ran after a backward and before optimizer.step(), while {len(pending)} block(s) "
+                "of that backward were already handed to the host's update: to accumulate gradients over "
+                "several micro-batches, pass accumulation_steps=<micro-batches per step> to HybridAdamW "
+                "(nothing is handed off before the last one), or call step() after every backward")
 
     def restage(self, b, mult, pairs=None):
         """Block b's gradients changed after its hand-off: its held pass is cancelled, or its
