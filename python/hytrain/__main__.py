@@ -141,7 +141,9 @@ def cmd_export(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="hytrain", description="hytrain: CPU+GPU training engine")
+    from .job.options import Parser  # (bad flags in one line, as the job's)
+
+    ap = Parser(prog="hytrain", description="hytrain: CPU+GPU training engine")
     sub = ap.add_subparsers(dest="command", required=True)
     p_info = sub.add_parser("info", help="build info, devices, CPU AdamW rate and copy bandwidth",
                             description="Prints what the native build contains (CUDA or not, its architectures, "

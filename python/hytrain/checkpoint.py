@@ -323,11 +323,13 @@ def _pruned(done: list, final: Path, keep: int) -> list:
 
 
 def sweep(root: Path) -> None:
-    """Removes what killed saves and prunes left behind (``.step_*.tmp``, ``.step_*.trash``); called
-    by a run's start and by every publish, when no save is in progress (one writer per run)."""
+    """Removes what killed saves and prunes left behind (``.step_*.tmp``, ``.step_*.trash``, a
+    ``latest`` pointer not yet renamed into place); called by a run's start and by every publish,
+    when no save is in progress (one writer per run)."""
     root = Path(root)
     for left in [*root.glob(".step_*.trash"), *root.glob(".step_*.tmp")] if root.is_dir() else []:
         shutil.rmtree(left, ignore_errors=True)
+    (root / ".latest.tmp").unlink(missing_ok=True)
 
 
 def _pointer(root: Path) -> Path | None:

@@ -215,15 +215,16 @@ def _sharded_worker(rank, world, store, models, out):
 
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
-        reads, read = [], hf._read
+        reads, read = [], hf.read_into
 
-        def recording(f, name, like, dtype, device):  # what this rank took from the files
-            t = read(f, name, like, dtype, device)
-            local = t.to_local() if isinstance(t, DTensor) else t
-            reads.append((name, list(f.get_slice(name).get_shape()), list(local.shape)))
-            return t
+        def recording(file, dests, **kw):  # what this rank took from the files
+            _, entries = hf.header(file)
+            for name, dest in dests.items():
+                local = dest[0] if isinstance(dest, tuple) else dest
+                reads.append((name, entries[name][1], list(local.shape)))
+            return read(file, dests, **kw)
 
-        hf._read = recording
+        hf.read_into = recording
 
         def shard(model):
             mesh = init_device_mesh("cpu", (world,))

@@ -387,6 +387,23 @@ def test_the_planner_keeps_k_at_or_above_the_host_floor():
     assert chosen[5, 3 << 30] == 5  # the budget (3 GiB less 2 GiB and the margin) holds none of them
 
 
+def test_with_accumulation_the_steady_peak_keeps_every_gradient():
+    # The first backward's samples (block, memory in use), in the order blocks completed. Released
+    # gradients leave one block at a time later; accumulating, they all stay through the micro-batches
+    # before the last (the 7 B run that planned as if released ran out of GPU memory at its second step).
+    L, n = 4, 10**6
+    plan = BlockPlan(groups_of([nn.Parameter(torch.zeros(n)) for _ in range(L)]), bucket_elements=1)
+    samples = [(3, 10 * n), (2, 14 * n), (1, 18 * n), (0, 22 * n)]
+    peaks = {}
+    for accumulation in (1, 4):
+        planner = Planner(plan, make_settings(max_grad_norm=1.0, accumulation_steps=accumulation),
+                          native().BlockRuntime([1] * L, accumulation), _Store())
+        planner._first_samples = samples
+        peaks[accumulation] = planner._steady_peak(0, released=planner.releases_in_backward())
+    assert peaks[1] == 22 * n - 3 * 4 * n  # three blocks' fp32 gradients gone by the last sample
+    assert peaks[4] == 22 * n
+
+
 def test_the_first_split_defers_what_fits_once_the_gradients_are_released():
     """The first step: k blocks' states fit now, beside every gradient; more fit once the step has
     released the other blocks' gradients, within what later iterations leave (``steady``). A

@@ -118,8 +118,8 @@ def test_a_stream_value_that_is_no_number_is_named_by_the_parser(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--stream", "abc", "--device", "cpu"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err[-1] == ("hytrain train: error: argument --stream: expected 'auto', 'off' or a "
-                                             "number, got 'abc'"), err[-1]
+    assert e.value.code == 2 and err == ["hytrain train: error: argument --stream: expected 'auto', 'off' or a "
+                                         "number, got 'abc' (see hytrain train --help)"], err
 
 
 def _args(**kw):

@@ -131,7 +131,7 @@ class Planner:
                 raise store.gpu_refusal(floor, free)
             self.first_k = (floor, floor)
             return self.first_k
-        released = s.release_grads and s.overlap and not kept
+        released = self.releases_in_backward(kept)
         peak = self._steady_peak(peak, released=released)
         margin = (1 << 30) + limit // 20  # the scheduler's margin (_budget)
         # Beside the memory the next iterations use apart from the states, with the margin; and now,
@@ -202,6 +202,13 @@ class Planner:
         device = local(self.plan.blocks[b][0]).device
         if device.type == "cuda":
             self._first_samples.append((b, torch.cuda.memory_allocated(device)))
+
+    def releases_in_backward(self, kept=False) -> bool:
+        """Whether later backwards release each block's gradients as it is handed off, so that they
+        are not all on the GPU at once. Not while accumulating: every block's stay through the
+        micro-batches before the last (later iterations peak as the first did, gradients and all)."""
+        s = self.settings
+        return s.release_grads and s.overlap and not kept and s.accumulation_steps == 1
 
     def _steady_peak(self, peak, *, released) -> int:
         """The most GPU memory later iterations use apart from the states, from the first

@@ -26,9 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint import fsync
 from .options import ConfigError, first_line
-from .reads import FILE_DTYPES, header, read_placed
+from .reads import header, read_into, read_placed
 
-CHUNK_BYTES = 16 << 20  # the most of one tensor held in the file's dtype while it is cast
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model")
 
@@ -86,15 +85,6 @@ def weight_files(where: Path) -> list[Path]:
     raise ConfigError(f"{where} has a config but no weights (no model.safetensors or model.safetensors.index.json)")
 
 
-def _open(file: Path):
-    from safetensors import safe_open
-
-    try:
-        return safe_open(str(file), framework="pt", device="cpu")
-    except Exception as e:  # noqa: BLE001 -- SafetensorError (truncated, garbage), OSError (unreadable)
-        raise ConfigError(f"{file} cannot be read (truncated or damaged?): {first_line(e)}") from None
-
-
 def _headers(files: list[Path]) -> dict:
     """``{name: (file, shape, file dtype)}`` from the files' headers (no tensor data is read)."""
     found = {}
@@ -135,10 +125,11 @@ def load_causal_lm(name_or_path: str, *, device: torch.device, dtype: torch.dtyp
         read_placed({n: headers[n][0] for n in targets if n in headers}, model.state_dict(keep_vars=True), into)
         return model, cfg.to_dict()
     for file in files:
-        with _open(file) as f:
-            part = {name: _read(f, name, targets[name], dtype, device)
-                    for name in f.keys() if name in targets and headers[name][0] == file}
-        model.load_state_dict(part, strict=False, assign=True)  # (FSDP2 re-pads its shards after it)
+        part = {name: _destination(targets[name], headers[name], dtype, device)
+                for name in targets if name in headers and headers[name][0] == file}
+        read_into(file, {name: place for name, (_, place) in part.items()})
+        model.load_state_dict({name: t for name, (t, _) in part.items()}, strict=False,
+                              assign=True)  # (FSDP2 re-pads its shards after it)
     model.tie_weights(missing_keys=set(missing))
     left = [n for n, p in model.named_parameters() if (p.to_local() if isinstance(p, DTensor) else p).is_meta]
     if left:
@@ -185,31 +176,25 @@ def _check(model, targets: dict, headers: dict, where: Path) -> list[str]:
     return missing
 
 
-def _read(f, name: str, like, dtype: torch.dtype, device: torch.device):
-    """Tensor ``name`` of open file ``f`` for the model's tensor ``like``: only this rank's part of a
-    sharded (DTensor) one, floating point cast to ``dtype``, on ``device``; read ``CHUNK_BYTES`` at a
-    time along dim 0, so only a chunk is ever held in the file's dtype."""
-    sl = f.get_slice(name)
-    shape, kind = list(sl.get_shape()), FILE_DTYPES[sl.get_dtype()]
+def _destination(like, entry, dtype: torch.dtype, device: torch.device):
+    """(the tensor the model takes, where reads.read_into reads it) for the model's tensor ``like``
+    and the file's ``entry`` (file, shape, dtype): floating point in ``dtype``, on ``device``; of a
+    sharded (DTensor) one only this rank's rows (FSDP2 shards along dim 0), read from its first row."""
+    _, shape, kind = entry
     want = dtype if kind.is_floating_point else kind
-    if not shape:
-        return f.get_tensor(name).to(device=device, dtype=want)
-    index = [slice(0, n) for n in shape]
-    if isinstance(like, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if not isinstance(like, DTensor):
+        out = torch.empty(shape, dtype=want, device=device)
+        return out, out
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        size, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
-        index = [slice(o, o + n) for o, n in zip(offset, size)]
-    out = torch.empty([s.stop - s.start for s in index], dtype=want, device=device)
-    step = max(1, CHUNK_BYTES // max(1, math.prod(out.shape[1:]) * kind.itemsize))
-    rows = index[0]
-    for a in range(rows.start, rows.stop, step):
-        b = min(rows.stop, a + step)
-        out[a - rows.start:b - rows.start].copy_(sl[(slice(a, b), *index[1:])])
-    if isinstance(like, DTensor):
-        return DTensor.from_local(out, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                                  stride=like.stride())
-    return out
+    size, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    if list(size[1:]) != list(shape[1:]) or any(offset[1:]):
+        raise ConfigError(f"a tensor of shape {shape} sharded as {like.placements}: only shards of whole rows "
+                          "are read here")
+    out = torch.empty(list(size), dtype=want, device=device)
+    whole = DTensor.from_local(out, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                               stride=like.stride())
+    return whole, (out, int(offset[0]) if shape else None)
 
 
 def load_tokenizer(name_or_path: str, tokenizer: str | None = None):

@@ -36,7 +36,7 @@ from .models import build_model
 from .optimizer import build_optimizer
 from .outputs import export_at_end, finish, run_config
 from .lock import RunLock
-from .options import ConfigError, add_arguments, resolve_options
+from .options import ConfigError, Parser, add_arguments, resolve_options
 from .plan import RunPlan
 from .signals import Signals, Stopped, name
 from .ranks import (LAUNCHED, PeerFailure, as_peer_failure, launch, place, report_failure, set_up, tell_launcher,
@@ -385,8 +385,7 @@ def _diverged(step, what, optimizer, schedule, out) -> ConfigError:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="hytrain train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="hytrain train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     argv = sys.argv[1:] if argv is None else list(argv)
     try:

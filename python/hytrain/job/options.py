@@ -38,6 +38,14 @@ def plain(text: str) -> str:
     return re.sub(r":[a-z]+(?::[a-z]+)*:`~?([^`]*)`", r"\1", text or "").replace("`", "")
 
 
+class Parser(argparse.ArgumentParser):
+    """The command line's parser: a bad flag or value is one line (``prog: error: ...``, exit 2), as
+    every other refusal of the job is, not argparse's usage block and then the line."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """``--help`` with each option's default after its help (where the help does not say it already)."""
 

@@ -12,8 +12,10 @@ section), the data."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import mmap
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -61,26 +63,34 @@ def header(file: Path) -> tuple[int, dict]:
 
 
 def read_into(file: Path, dests: dict, *, threads: int | None = None) -> int:
-    """Reads each tensor ``name`` of ``dests`` (name -> a contiguous tensor of the file's shape, on
-    any device, of any floating dtype where the file's is floating, else the file's own) from
-    ``file``; returns the bytes read. Shapes are checked before anything is read."""
+    """Reads each tensor ``name`` of ``dests`` from ``file``; returns the bytes read. A destination is
+    a contiguous tensor of the file's shape, on any device, of any floating dtype where the file's is
+    floating, else the file's own; or ``(tensor, first_row)``: rows ``first_row`` on of the file's
+    tensor, as many as the tensor has (an FSDP2 rank's shard). Shapes are checked before anything is
+    read."""
     start, entries = header(file)
     pieces = []
     for name, dest in dests.items():
+        dest, row = dest if isinstance(dest, tuple) else (dest, None)
         if name not in entries:
             raise ConfigError(f"{file} has no tensor {name}")
         dtype, shape, begin, end = entries[name]
-        if list(dest.shape) != shape:
+        if row is None and list(dest.shape) != shape:
             raise ConfigError(f"{file}: tensor {name} has shape {shape}, the model needs {list(dest.shape)}")
+        if row is not None and (not shape or list(dest.shape[1:]) != shape[1:] or not 0 <= row
+                                or row + dest.shape[0] > shape[0]):
+            raise ConfigError(f"{file}: tensor {name} has shape {shape}, the model needs rows {row} to "
+                              f"{row + (dest.shape[0] if dest.dim() else 0)} of {[None, *dest.shape[1:]]}")
         if not dest.is_contiguous():
             raise ValueError(f"the destination of {name} is not contiguous")
         if dest.dtype != dtype and not (dtype.is_floating_point and dest.dtype.is_floating_point):
             raise ConfigError(f"{file}: tensor {name} is {dtype}, the model's is {dest.dtype}")
+        skip = 0 if row is None else row * math.prod(shape[1:])  # (elements before the first row)
         step = max(1, PIECE_BYTES // dtype.itemsize)
         numel = dest.numel()
         for a in range(0, numel, step):
             b = min(numel, a + step)
-            pieces.append((dest, dtype, start + begin + a * dtype.itemsize, a, b))
+            pieces.append((dest, dtype, start + begin + (skip + a) * dtype.itemsize, a, b))
     if threads is None:
         threads = min(16, len(os.sched_getaffinity(0)))
     fd = os.open(file, os.O_RDONLY)
@@ -94,17 +104,30 @@ def read_into(file: Path, dests: dict, *, threads: int | None = None) -> int:
 
 def _read_piece(fd, file, dest, dtype, offset, a, b) -> int:
     flat = dest.view(-1)[a:b]
-    direct = dest.device.type == "cpu" and dest.dtype == dtype
-    buf = flat if direct else torch.empty(b - a, dtype=dtype)
-    view = memoryview(buf.view(torch.uint8).numpy())
+    if dest.device.type == "cpu" and dest.dtype == dtype:
+        return _pread(fd, file, memoryview(flat.view(torch.uint8).numpy()), offset)
+    # Cast or copied on: through a buffer mapped for this piece and unmapped after it, so that the
+    # buffers of many threads leave nothing behind in the allocator's arenas.
+    room = mmap.mmap(-1, (b - a) * dtype.itemsize)
+    try:
+        got = _pread(fd, file, memoryview(room), offset)
+        flat.copy_(torch.frombuffer(room, dtype=dtype, count=b - a))
+    finally:
+        with contextlib.suppress(BufferError):  # (still viewed after an error: unmapped when collected)
+            room.close()
+    return got
+
+
+def _pread(fd, file, view, offset) -> int:
     got = 0
-    while got < len(view):  # (a read returns at most about 2 GiB, and less at the end of a file)
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            raise ConfigError(f"{file} ends inside a tensor (truncated?)")
-        got += n
-    if not direct:
-        flat.copy_(buf)
+    try:
+        while got < len(view):  # (a read returns at most about 2 GiB, and less at the end of a file)
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise ConfigError(f"{file} ends inside a tensor (truncated?)")
+            got += n
+    finally:
+        view.release()
     return got
 
 
