@@ -43,7 +43,27 @@ def l3b_vs_deepspeed() -> str:
     return "\n".join(lines)
 
 
-TABLES = {"l3b_vs_deepspeed": l3b_vs_deepspeed}
+def megatrain_160() -> str:
+    """The streamed weights against MegaTrain at its own tokens per step: wall-clock tokens/s, the
+    ratio to MegaTrain's, the median and p90 iteration, model TFLOPS (6 N T over the mean
+    iteration), peak GPU reserved and host memory, whether the loss stayed finite."""
+    res = load("megatrain_160")
+    ref = next(r for r in res["runs"] if r["system"] == "megatrain")
+    names = {"megatrain": "MegaTrain 919520f: one forward and backward of 160, DeepSpeed's CPU Adam, no fp32 master",
+             "hytrain_stream": "hytrain, every layer streamed, fp32 states and masters, 10 micro-batches of 16"}
+    lines = ["| 7 B, 160 x 1024 tokens a step (MegaTrain's configuration), " + res["device"] + " | wall-clock "
+             "tokens/s | vs MegaTrain | s/iteration: median (p90) | model TFLOPS | peak GPU reserved | peak host "
+             "| loss finite |", "|---|---|---|---|---|---|---|---|"]
+    for r in res["runs"]:
+        ratio = "1" if r is ref else f"{r['wall_tokens_per_s'] / ref['wall_tokens_per_s']:.2f}x"
+        tflops = 6 * r["params"] * r["wall_tokens_per_s"] / 1e12
+        lines.append(f"| {names[r['system']]} | {r['wall_tokens_per_s']:.0f} | {ratio} | {r['iter_s_median']:.2f} "
+                     f"({r['iter_s_p90']:.2f}) | {tflops:.0f} | {r['peak_gpu_reserved_gb']:.1f} GB | "
+                     f"{r['peak_host_gb']:.1f} GB | {'yes' if r['finite_loss'] else 'no'} |")
+    return "\n".join(lines)
+
+
+TABLES = {"l3b_vs_deepspeed": l3b_vs_deepspeed, "megatrain_160": megatrain_160}
 
 
 def check(text: str) -> list[str]:
