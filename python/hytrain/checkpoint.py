@@ -73,8 +73,7 @@ def _hash_workers() -> int:
 
 
 def digests(root: Path, names) -> dict:
-    """``{name: {"bytes", "sha256"}}`` of the files under ``root``, hashed in parallel (hashlib releases
-    the GIL for large reads)."""
+    """``{name: {"bytes", "sha256"}}`` of the files under ``root``, hashed in parallel (hashlib: no GIL)."""
     names = sorted(names)
     with ThreadPoolExecutor(_hash_workers()) as pool:
         sums = list(pool.map(lambda n: _sha256(Path(root) / n), names))
@@ -323,11 +322,10 @@ def _pruned(done: list, final: Path, keep: int) -> list:
 
 
 def sweep(root: Path) -> None:
-    """Removes what killed saves and prunes left behind (``.step_*.tmp``, ``.step_*.trash``, a
-    ``latest`` pointer not yet renamed into place); called by a run's start and by every publish,
-    when no save is in progress (one writer per run)."""
+    """Removes what killed saves and prunes left behind (``.step_*.tmp``, ``.step_*.trash``, ``.latest.tmp``);
+    called by a run's start and by every publish, when no save is in progress (one writer per run)."""
     root = Path(root)
-    for left in [*root.glob(".step_*.trash"), *root.glob(".step_*.tmp")] if root.is_dir() else []:
+    for left in [*root.glob(".step_*.trash"), *root.glob(".step_*.tmp")]:
         shutil.rmtree(left, ignore_errors=True)
     (root / ".latest.tmp").unlink(missing_ok=True)
 
