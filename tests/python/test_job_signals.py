@@ -71,6 +71,28 @@ def test_one_stop_delivered_twice_at_once_still_finishes_the_step_and_saves(tmp_
     assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == 3
 
 
+def test_the_stop_notice_names_the_step_that_will_be_the_last(tmp_path, monkeypatch, capsys, fast):
+    # A signal after the step's stop flag was read (under --nproc: while the rank waits for the others
+    # in the step's exchange) is acted on at the end of the next step, and the notice says so.
+    from hytrain.job.ranks import Ranks
+
+    real, calls = Ranks.gather, {"n": 0}
+
+    def late(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # step 3's flag is read: the signal comes during its exchange
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Ranks, "gather", late)
+    out = tmp_path / "run"
+    assert main(["--steps", "10", "--out", str(out), *fast]) == 128 + signal.SIGTERM
+    said = capsys.readouterr().out
+    assert "SIGTERM: step 4 (the next: this step's check for a stop has passed) finishes" in said, said
+    assert "stopped by signal 15 (SIGTERM) after step 4" in said, said
+    assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == 4
+
+
 def test_a_signal_during_the_end_of_run_outputs_waits_for_the_summary(tmp_path, monkeypatch, capsys, fast):
     real = plots.write_all
 

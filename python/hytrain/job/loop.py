@@ -285,7 +285,7 @@ class Training:
         # step time and whether it was signalled to stop: the ranks stop at the same step).
         mine = [float(loss.detach()), float(sched_stats.get("k", 0)),
                 float(sched_stats.get("gpu_wait_frac", math.nan)), time.perf_counter() - t0,
-                float(sig.signal or 0), float(sig.save)]
+                sig.stop_flag(), float(sig.save)]
         sig.save = False
         every = ranks.gather(mine, self.device, f"all-gather of step {step + 1}")
         loss_v = sum(r[0] for r in every) / ranks.world

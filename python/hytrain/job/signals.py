@@ -52,6 +52,7 @@ class Signals:
         self.late = None  # a stopping signal held during the end-of-run outputs
         self._first_at = None  # when the first stopping signal came
         self._step, self._began, self._last_s = 0, None, None
+        self._told = False  # this step's stop flag has gone to the ranks' exchange (stop_flag)
 
     @contextlib.contextmanager
     def _handlers(self, handler, signums):
@@ -89,7 +90,13 @@ class Signals:
         now = time.perf_counter()
         if self._began is not None:
             self._last_s = now - self._began
-        self._step, self._began = step, now
+        self._step, self._began, self._told = step, now, False
+
+    def stop_flag(self) -> float:
+        """What this rank tells the others at the end of the step (the signal to stop at, or 0): a
+        signal that comes after this is acted on at the end of the next step."""
+        self._told = True
+        return float(self.signal or 0)
 
     def _in_loop(self, signum, _frame):
         if signum == signal.SIGUSR1:
@@ -102,9 +109,10 @@ class Signals:
         self.signal, self._first_at = signum, time.monotonic()
         running = time.perf_counter() - self._began if self._began is not None else 0.0
         last = f"; the last one took {self._last_s:.0f} s" if self._last_s is not None else ""
-        self.say(f"\nhytrain train: {name(signum)}: step {self._step} (running for {running:.0f} s{last}) finishes, "
-                 f"is saved, and the run stops; send it again to stop at once (the last checkpoint stays)",
-                 flush=True)
+        which = (f"step {self._step + 1} (the next: this step's check for a stop has passed)"
+                 if self._told else f"step {self._step} (running for {running:.0f} s{last})")
+        self.say(f"\nhytrain train: {name(signum)}: {which} finishes, is saved, and the run stops; send it again "
+                 f"to stop at once (the last checkpoint stays)", flush=True)
 
     def _again(self) -> bool:
         return self._first_at is not None and time.monotonic() - self._first_at >= REPEAT_S
