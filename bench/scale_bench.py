@@ -1,7 +1,8 @@
 """Training across the GPUs of one node: hytrain (FSDP2 + HybridAdamW, each rank updating its shards
 on its share of the CPU cores) against DeepSpeed ZeRO-2 with offload_optimizer (DeepSpeedCPUAdam
-after backward; when DeepSpeed is importable) and FSDP2 with its own CPUOffloadPolicy (torch's AdamW
-on the CPU after backward, nothing overlapped); same model, same per-GPU batch (so the same global
+after backward; when DeepSpeed is importable) and FSDP2 with its own CPUOffloadPolicy (fp32 shards
+and gradients in pinned host memory; torch's AdamW on the CPU after backward, nothing overlapped, or
+HybridAdamW updating those shards in place at step(): ``fsdp2_cpu_offload_hybrid``); same model, same per-GPU batch (so the same global
 batch at each N), activation checkpointing in every mode, one torchrun per mode and N.
 
     python bench/scale_bench.py --nprocs 1,2,4 --model l7b --batch 2 --seq 1024
@@ -33,7 +34,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timed_window import window_figures  # noqa: E402
 
-MODES = ("deepspeed_offload", "hytrain", "hytrain_8bit", "fsdp2_cpu_offload")  # DeepSpeed first: its peak caps hytrain
+MODES = ("deepspeed_offload", "hytrain", "hytrain_8bit", "fsdp2_cpu_offload", "fsdp2_cpu_offload_hybrid")
+# (DeepSpeed first: its peak caps hytrain.) The two FSDP2 offload modes: torch's AdamW, or HybridAdamW
+# updating FSDP2's host shards in place (fp32 states; its own streams are not used there).
+OFFLOAD_MODES = ("fsdp2_cpu_offload", "fsdp2_cpu_offload_hybrid")
 STATE_FORMATS = {"hytrain": "fp32", "hytrain_8bit": "8bit"}
 # Host bytes the CPU update moves per parameter (bf16 gradient in, bf16 weight out): fp32 master, m
 # and v read and written; 8-bit m and v as codes with their block scales (about 1 byte each way).
@@ -63,7 +67,7 @@ def worker(args):
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cuda = args.device == "cuda"
-    offload = args.mode == "fsdp2_cpu_offload"
+    offload = args.mode in OFFLOAD_MODES
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if offload and cuda:  # the offloaded gradients are CPU tensors: clipping's norm is reduced over gloo
@@ -100,6 +104,10 @@ def worker(args):
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
         opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
                                   gpu_memory_limit=cap, state_format=STATE_FORMATS[args.mode])
+    elif args.mode == "fsdp2_cpu_offload_hybrid":  # the shards are host fp32 tensors: their own masters
+        import hytrain
+
+        opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     x = batch(args, cfg, rank)
@@ -107,7 +115,7 @@ def worker(args):
     def iteration():
         loss = model(x, x)
         loss.backward()
-        if args.mode not in STATE_FORMATS:
+        if args.mode not in (*STATE_FORMATS, "fsdp2_cpu_offload_hybrid"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad()
@@ -393,7 +401,7 @@ def main():
     for (mode, n), rec in results.items():
         if mode not in STATE_FORMATS or "iter_s" not in rec:
             continue
-        for other_mode in ("deepspeed_offload", "fsdp2_cpu_offload"):
+        for other_mode in ("deepspeed_offload", *OFFLOAD_MODES):
             other = results.get((other_mode, n), {}).get("iter_s")
             if other:
                 summary[f"n{n}_{mode}_speedup_vs_{other_mode}"] = round(other / rec["iter_s"], 3)

@@ -29,13 +29,26 @@ def data(steps):
     return [torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, 32), generator=g) for _ in range(steps)]
 
 
+def _full(t):
+    """A DTensor's whole tensor (gathered on every rank); a host shard over a CUDA mesh (FSDP2's CPU
+    offload) is gathered through this rank's GPU, NCCL having no host backend."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    mesh = t.device_mesh
+    if t.to_local().device.type == "cpu" and mesh.device_type == "cuda":
+        from torch.distributed.tensor import DTensor
+
+        t = DTensor.from_local(t.to_local().to("cuda"), mesh, t.placements, shape=t.shape, stride=t.stride())
+    return t.full_tensor()
+
+
 def _dump(path, model, opt):
     if dist.is_initialized() and dist.get_world_size() > 1:
         path = f"{path}.{dist.get_rank()}"  # each rank's own shards
     sd = opt.state_dict()
-    state = {i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
+    state = {i: {k: _full(v).detach().cpu().clone()
                  for k, v in st.items()} for i, st in sd["state"].items()}
-    weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+    weights = {n: _full(p).detach().float().cpu().clone()
                for n, p in model.named_parameters()}
     torch.save({"state": state, "weights": weights}, path)
 
@@ -61,6 +74,9 @@ def main():
     ap.add_argument("--die-at", type=int, default=None,
                     help="rank 1 exits at this step in the first attempt (torchrun restarts the group)")
     ap.add_argument("--no-speculate", action="store_true")
+    ap.add_argument("--cpu-offload", action="store_true",
+                    help="FSDP2's CPUOffloadPolicy: the shards (and their gradients) on the host, HybridAdamW "
+                         "updating them in place; bf16 compute on a GPU (MixedPrecisionPolicy)")
     ap.add_argument("--scaler", type=float, default=None,
                     help="loss scaling from this initial scale: GradScaler (one process; HybridAdamW takes the "
                          "scale) or ShardedGradScaler with unscale_ before step (sharded)")
@@ -85,9 +101,16 @@ def main():
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (world,))  # FSDP2's default is a CUDA mesh wherever CUDA is
+        policy = {}
+        if args.cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+            policy["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+            if device.type == "cuda":
+                policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **policy)
+        fully_shard(model, mesh=mesh, **policy)
     opt = hytrain.HybridAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model,
                               max_grad_norm=args.clip, workers=1,
                               speculate=False if args.no_speculate else "auto", state_format=args.state_format,
@@ -154,7 +177,7 @@ def main():
     opt.synchronize()
     weights = {}
     for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full = _full(p)
         weights[name] = full.detach().float().cpu().flatten().tolist()
     if rank == 0:
         with open(args.out, "w") as f:

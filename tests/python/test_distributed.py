@@ -80,6 +80,15 @@ def test_routed_clipping_across_ranks(tmp_path):
     assert_same_training(ref, got)
 
 
+def test_fsdp2_cpu_offload_policy_shards_updated_in_place(tmp_path):
+    # FSDP2's CPUOffloadPolicy keeps the shards and their gradients on the host: HybridAdamW updates
+    # them in place (fp32 shards are their own masters). On CPU ranks the policy moves nothing, so
+    # this checks the path through the optimizer; tests/python/test_distributed_cuda.py, the real one.
+    ref = run(tmp_path, "plain", "--clip", "0.5")
+    got = run(tmp_path, "offloaded", "--clip", "0.5", "--cpu-offload", nproc=2)
+    assert_same_training(ref, got)
+
+
 def test_without_clipping(tmp_path):
     ref = run(tmp_path, "plain")
     got = run(tmp_path, "sharded", nproc=2)

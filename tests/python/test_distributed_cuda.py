@@ -42,6 +42,20 @@ def test_fsdp2_on_gpus_matches_the_unsharded_optimizer(tmp_path, clip, nproc):
         torch.testing.assert_close(torch.tensor(ref["norms"]), torch.tensor(got["norms"]), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("nproc", ranks(1, 2))
+def test_fsdp2_cpu_offload_policy_with_hybrid_adamw(tmp_path, nproc):
+    # FSDP2's own offload: fp32 shards and their fp32 gradients in pinned host memory, bf16 compute
+    # (MixedPrecisionPolicy), HybridAdamW updating the shards in place at step() on a CUDA mesh whose
+    # process group is NCCL alone (the norm is reduced through the GPU). Against the unsharded
+    # optimizer on one GPU with bf16 weights and fp32 masters: the same training within bf16's rounding.
+    ref = run(tmp_path, "plain", *GPU, "--clip", "0.5")
+    got = run(tmp_path, "offloaded", "--device", "cuda", "--dtype", "float32", "--steps", "8", "--clip", "0.5",
+              "--cpu-offload", nproc=nproc)
+    assert got["world"] == nproc
+    _close(ref, got)
+    torch.testing.assert_close(torch.tensor(ref["norms"]), torch.tensor(got["norms"]), rtol=2e-2, atol=2e-2)
+
+
 def _states(path, world):
     return [torch.load(path if world == 1 else f"{path}.{r}") for r in range(world)]
 

@@ -26,13 +26,15 @@ def bench(*args):
 
 
 def test_the_harness_on_cpu_ranks():
-    lines = bench("--model", "tiny", "--nprocs", "1,2", "--modes", "hytrain,hytrain_8bit,fsdp2_cpu_offload",
+    lines = bench("--model", "tiny", "--nprocs", "1,2", "--modes",
+                  "hytrain,hytrain_8bit,fsdp2_cpu_offload,fsdp2_cpu_offload_hybrid",
                   "--floor-params", "2000000", "--floor-passes", "2")
     rates = {r["host_update_rate"]["ranks"]: r["host_update_rate"] for r in lines if "host_update_rate" in r}
     assert set(rates) == {1, 2} and all(r["gparams_per_s"] > 0 for r in rates.values()), lines
     assert rates[1]["fp32_update_gbps"] == pytest.approx(28 * rates[1]["gparams_per_s"], rel=0.01)
     runs = {(r["mode"], r["nproc"]): r for r in lines if "mode" in r}
-    assert set(runs) == {(m, n) for m in ("hytrain", "hytrain_8bit", "fsdp2_cpu_offload") for n in (1, 2)}, lines
+    modes = ("hytrain", "hytrain_8bit", "fsdp2_cpu_offload", "fsdp2_cpu_offload_hybrid")
+    assert set(runs) == {(m, n) for m in modes for n in (1, 2)}, lines
     for (mode, n), r in runs.items():
         assert "error" not in r, r
         assert r["params"] == 791680 and r["iter_s"] > 0 and r["first_step_s"] > 0 and len(r["iter_times_s"]) == 2
@@ -54,6 +56,8 @@ def test_the_harness_on_cpu_ranks():
     assert summary["summary"] and summary["model"] == "tiny"
     h1, h2, f2 = runs[("hytrain", 1)], runs[("hytrain", 2)], runs[("fsdp2_cpu_offload", 2)]
     assert summary["n2_hytrain_speedup_vs_fsdp2_cpu_offload"] == round(f2["iter_s"] / h2["iter_s"], 3)
+    fh2 = runs[("fsdp2_cpu_offload_hybrid", 2)]
+    assert summary["n2_hytrain_speedup_vs_fsdp2_cpu_offload_hybrid"] == round(fh2["iter_s"] / h2["iter_s"], 3)
     assert summary["n2_hytrain_scaling_efficiency"] == round(h2["tokens_per_s_per_gpu"] / h1["tokens_per_s_per_gpu"], 3)
     assert summary["n2_hytrain_8bit_iter_over_host_floor"] == runs[("hytrain_8bit", 2)]["iter_over_host_floor"]
 

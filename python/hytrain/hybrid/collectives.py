@@ -56,11 +56,32 @@ _HOST_MESHES = {}
 
 
 def all_reduce(t: torch.Tensor, group, op="sum") -> torch.Tensor:
-    """t reduced over the group, in place (sum or max)."""
+    """t reduced over the group, in place (sum or max). A host tensor over a group without a CPU
+    backend (NCCL alone: FSDP2's ``CPUOffloadPolicy`` keeps the shards, and so the gradients and
+    their norms, on the host while the mesh is a CUDA mesh) is reduced through this rank's GPU."""
     import torch.distributed as dist
 
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
+    reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+    if t.device.type == "cpu" and not _reduces_on_cpu(group):
+        on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_gpu, op=reduce_op, group=group)
+        return t.copy_(on_gpu)
+    dist.all_reduce(t, op=reduce_op, group=group)
     return t
+
+
+def _reduces_on_cpu(group) -> bool:
+    """Whether the group has a backend for host tensors: gloo (or MPI, UCC), alone or beside NCCL
+    ("cpu:gloo,cuda:nccl", or the default backend torch picks by device); NCCL alone has none."""
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        return group._get_backend(torch.device("cpu")) is not None
+    except RuntimeError:  # "No backend type associated with device type cpu"
+        return False
+    except AttributeError:  # (a torch without the per-device lookup)
+        return any(name in str(dist.get_backend(group)).lower() for name in ("gloo", "mpi", "ucc"))
 
 
 def host_group(group):
