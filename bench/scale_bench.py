@@ -291,7 +291,9 @@ def failure(proc) -> str:
     """What stopped a worker: the last exception line a rank printed, else the end of its output."""
     text = proc.stderr or proc.stdout
     errors = [ln for ln in text.splitlines() if re.match(r"(\[rank\d+\]: )?[\w.]+(Error|Exception|Interrupt): ", ln)]
-    return errors[-1] if errors else text[-600:]
+    # A rank's own exception before torchrun's ChildFailedError, which only says that one failed.
+    ranks = [ln for ln in errors if ln.startswith("[rank")]
+    return (ranks or errors)[-1] if errors else text[-600:]
 
 
 def deepspeed_available() -> bool:

@@ -388,20 +388,35 @@ def test_the_planner_keeps_k_at_or_above_the_host_floor():
 
 
 def test_with_accumulation_the_steady_peak_keeps_every_gradient():
-    # The first backward's samples (block, memory in use), in the order blocks completed. Released
+    # The first backward's samples (block, memory in use), in the order blocks completed, and the
+    # first iteration's whole peak above them (the loss's logits, between samples). Released
     # gradients leave one block at a time later; accumulating, they all stay through the micro-batches
-    # before the last (the 7 B run that planned as if released ran out of GPU memory at its second step).
+    # before the last, and the loss's peak comes on top of them at every micro-batch: the first
+    # iteration's whole peak is the later ones', and the scheduler's budget starts from it (the 7 B
+    # run with 10 micro-batches ran out of GPU memory at a later step when the budget came from the
+    # samples alone).
     L, n = 4, 10**6
     plan = BlockPlan(groups_of([nn.Parameter(torch.zeros(n)) for _ in range(L)]), bucket_elements=1)
     samples = [(3, 10 * n), (2, 14 * n), (1, 18 * n), (0, 22 * n)]
-    peaks = {}
+    peaks, budgets = {}, {}
     for accumulation in (1, 4):
+        store = _Store()
         planner = Planner(plan, make_settings(max_grad_norm=1.0, accumulation_steps=accumulation),
-                          native().BlockRuntime([1] * L, accumulation), _Store())
+                          native().BlockRuntime([1] * L, accumulation), store)
         planner._first_samples = samples
-        peaks[accumulation] = planner._steady_peak(0, released=planner.releases_in_backward())
+        peaks[accumulation] = planner._steady_peak(25 * n, released=planner.releases_in_backward())
+        P = native().Phase
+        costs = [{P.forward: 1e-3, P.backward: 2e-3, P.cpu: 8e-3, P.gpu: 0.5e-3, P.d2h: 0.4e-3, P.h2d: 0.4e-3}] * L
+        sched = native().KSplitScheduler(*plan.sizes(), every=1, deferred=True)
+        planner.attach(_RecordedMeter(costs, peak=20 * n), sched, 8 << 30)  # measured later: the samples' peak
+        planner.after_step(early_copies=False, speculation_allowed=False)
+        budgets[accumulation] = sched.memory_budget
     assert peaks[1] == 22 * n - 3 * 4 * n  # three blocks' fp32 gradients gone by the last sample
-    assert peaks[4] == 22 * n
+    assert peaks[4] == 25 * n
+    limit = 8 << 30
+    margin = (1 << 30) + limit // 20
+    assert budgets[1] == float(limit - 20 * n - margin)
+    assert budgets[4] == float(limit - 25 * n - margin)
 
 
 def test_the_first_split_defers_what_fits_once_the_gradients_are_released():

@@ -71,7 +71,8 @@ def test_a_failing_worker_is_reported_with_its_exception():
     spec.loader.exec_module(scale_bench)
     torchrun = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File ...\n"
                 "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
-                "E1124 failed (exitcode: 1) local_rank: 0\nChildFailedError:\n  rank: 0 (local_rank: 0)\n")
+                "E1124 failed (exitcode: 1) local_rank: 0\n"
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n  rank: 0 (local_rank: 0)\n")
     got = scale_bench.failure(types.SimpleNamespace(stderr=torchrun, stdout=""))
     assert got == "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     assert scale_bench.failure(types.SimpleNamespace(stderr="", stdout="killed")) == "killed"

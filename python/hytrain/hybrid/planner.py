@@ -212,18 +212,24 @@ class Planner:
 
     def _steady_peak(self, peak, *, released) -> int:
         """The most GPU memory later iterations use apart from the states, from the first
-        backward's samples: there every gradient stays until step(); later, with the gradients
-        ``released`` as they are handed off (on CUDA after the first step, without loss scaling), a
-        block's are gone by the time the next block completes. The first iteration's ``peak``
-        where nothing was sampled."""
+        iteration's ``peak`` (everything it allocated; no state existed yet). Where later backwards
+        release each block's gradients as it is handed off (on CUDA after the first step, without
+        loss scaling or accumulation), from the first backward's samples: there every gradient
+        stayed until step(), later a block's are gone by the time the next block completes. Where
+        they keep every gradient (accumulating micro-batches, or gradients kept for the loop), the
+        first iteration's peak is theirs too, including what falls between the samples (the loss's
+        logits at the start of each backward, beside the gradients of the micro-batches before):
+        the scheduler's budget never counts on less."""
+        if not released:
+            self._nonstate_peak = max(self._nonstate_peak, peak)
+            return peak
         if not self._first_samples:
             return peak
         grad_bytes = [sum(local(p).numel() * p.element_size() for p in blk) for blk in self.plan.blocks]
         out, gone = 0, 0
         for b, in_use in self._first_samples:  # in the order the blocks completed
             out = max(out, in_use - gone)
-            if released:
-                gone += grad_bytes[b]
+            gone += grad_bytes[b]
         return out
 
     def gpu_limit(self) -> int:
