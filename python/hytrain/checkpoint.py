@@ -153,9 +153,8 @@ def failed_save(tmp: Path, final: Path, needed: int, e: Exception, remove: bool 
 
 def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, keep: int = 2,
          since: int | None = None) -> Path:
-    """Writes ``<out>/checkpoints/step_<step>`` atomically, then keeps the newest ``keep``. ``since``:
-    the step of the run's previous checkpoint (saved or resumed from), when it resumed: see
-    :func:`publish`."""
+    """Writes ``<out>/checkpoints/step_<step>`` atomically, then keeps the newest ``keep``. ``since``: the
+    step of the run's previous checkpoint (saved or resumed from), when it resumed: see :func:`publish`."""
     from safetensors.torch import save_file
 
     root = Path(out) / "checkpoints"
@@ -417,10 +416,11 @@ def resolve(out: str | os.PathLike, spec: str) -> Path:
                     notice(f"hytrain: {named.name}, which {root / 'latest'} names, {what}; resuming from "
                            f"{cand.name}, the newest complete checkpoint")
                 return cand
-        if not found:
-            raise CheckpointError(f"--resume latest: no checkpoint under {root}")
-        raise CheckpointError(f"--resume latest: no complete checkpoint under {root} "
-                              f"({len(found)} incomplete: check them with hytrain verify)")
+        cut = sorted(p.name for p in root.glob(".step_*.tmp"))  # a save killed before its rename
+        raise CheckpointError(f"--resume latest: no checkpoint under {root}" + (
+            f" ({cut[-1]} is a save that was interrupted: start the run again without --resume)" if cut else "")
+            if not found else f"--resume latest: no complete checkpoint under {root} "
+            f"({len(found)} incomplete: check them with hytrain verify)")
     path = Path(spec)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
