@@ -131,12 +131,12 @@ def cmd_export(args) -> int:
     from .job.options import ConfigError
 
     try:
-        out = export_run(args.run, args.to, checkpoint=args.checkpoint)
+        out, source = export_run(args.run, args.to, checkpoint=args.checkpoint, with_source=True)
         n = parameter_count(out)
     except (ConfigError, CheckpointError, OSError) as e:  # (a full disk or I/O error: ConfigError, one line)
         print(f"hytrain export: error: {e}", file=sys.stderr)
         return 2
-    print(f"{out}: a Hugging Face model directory of {n / 1e6:.2f} M parameters")
+    print(f"{out}: a Hugging Face model directory of {n / 1e6:.2f} M parameters, from {source}")
     return 0
 
 

@@ -418,7 +418,7 @@ def resolve(out: str | os.PathLike, spec: str) -> Path:
                 return cand
         cut = sorted(p.name for p in root.glob(".step_*.tmp"))  # a save killed before its rename
         raise CheckpointError(f"--resume latest: no checkpoint under {root}" + (
-            f" ({cut[-1]} is a save that was interrupted: start the run again without --resume)" if cut else "")
+            f" ({cut[-1]} is a save that was interrupted: no step of this run was saved)" if cut else "")
             if not found else f"--resume latest: no complete checkpoint under {root} "
             f"({len(found)} incomplete: check them with hytrain verify)")
     path = Path(spec)

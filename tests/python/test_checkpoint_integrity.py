@@ -124,7 +124,7 @@ def test_latest_is_the_newest_complete_checkpoint(tmp_path):
     assert ckpt.resolve(out, "latest") == first
 
 
-def test_resuming_a_run_whose_first_save_was_cut_says_to_start_again(tmp_path):
+def test_resuming_a_run_whose_only_save_was_cut_says_so(tmp_path):
     # Killed during its first save: only the temporary directory is there (swept by the next run
     # that starts in that directory, which --resume latest cannot be).
     out = tmp_path / "run"
@@ -133,7 +133,7 @@ def test_resuming_a_run_whose_first_save_was_cut_says_to_start_again(tmp_path):
     with pytest.raises(ckpt.CheckpointError) as e:
         ckpt.resolve(out, "latest")
     assert str(e.value) == (f"--resume latest: no checkpoint under {out / 'checkpoints'} (.step_00000001.tmp is a "
-                            "save that was interrupted: start the run again without --resume)")
+                            "save that was interrupted: no step of this run was saved)")
 
 
 def test_latest_falls_back_past_a_damaged_newest_checkpoint(tmp_path, capsys):

@@ -383,7 +383,7 @@ def test_hytrain_export_writes_the_checkpoints_weights(run, models, tmp_path):
     back = _reference(tmp_path / "out")
     n = sum(p.numel() for p in back.parameters())
     assert r.stdout.strip().splitlines() == [f"{tmp_path / 'out'}: a Hugging Face model directory of {n / 1e6:.2f} M "
-                                             "parameters"]
+                                             f"parameters, from {run / 'checkpoints' / 'step_00000002'}"]
     assert back.state_dict().keys() == saved.keys()
     assert all(torch.equal(v, saved[k]) for k, v in back.state_dict().items())
     assert (tmp_path / "out" / "tokenizer.json").is_file()  # the model directory's

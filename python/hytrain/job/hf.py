@@ -392,9 +392,10 @@ def parameter_count(out_dir) -> int:
 # A run's checkpoint
 
 
-def export_run(run_dir, to, *, checkpoint: str = "latest", attempts: int = 5) -> Path:
+def export_run(run_dir, to, *, checkpoint: str = "latest", attempts: int = 5, with_source: bool = False):
     """Exports the model weights of a run's checkpoint (``latest`` or a name/path; either format), read
-    under its lease (a live run does not prune it); ``latest`` pruned first is resolved again (``attempts``)."""
+    under its lease (a live run does not prune it); ``latest`` pruned first is resolved again (``attempts``).
+    Returns the directory written (``with_source``: and the checkpoint it was read from)."""
     from .. import checkpoint as ckpt
 
     run = Path(run_dir)
@@ -423,7 +424,8 @@ def export_run(run_dir, to, *, checkpoint: str = "latest", attempts: int = 5) ->
                           f"{lines[0] if lines else first_line(e)}") from None
     if hasattr(own, "tie_weights"):
         own.tie_weights()
-    return export_model(own, to, tokenizer_dir=_run_tokenizer(opts))
+    out = export_model(own, to, tokenizer_dir=_run_tokenizer(opts))
+    return (out, path) if with_source else out
 
 
 def _read_checkpoint(run: Path, checkpoint: str) -> tuple:
