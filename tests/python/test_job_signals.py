@@ -88,7 +88,7 @@ def test_the_stop_notice_names_the_step_that_will_be_the_last(tmp_path, monkeypa
     out = tmp_path / "run"
     assert main(["--steps", "10", "--out", str(out), *fast]) == 128 + signal.SIGTERM
     said = capsys.readouterr().out
-    assert "SIGTERM: step 4 (the next: this step's check for a stop has passed) finishes" in said, said
+    assert "SIGTERM: step 4 (the signal came after step 3 had checked for one) finishes" in said, said
     assert "stopped by signal 15 (SIGTERM) after step 4" in said, said
     assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == 4
 

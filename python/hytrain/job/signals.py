@@ -109,7 +109,7 @@ class Signals:
         self.signal, self._first_at = signum, time.monotonic()
         running = time.perf_counter() - self._began if self._began is not None else 0.0
         last = f"; the last one took {self._last_s:.0f} s" if self._last_s is not None else ""
-        which = (f"step {self._step + 1} (the next: this step's check for a stop has passed)"
+        which = (f"step {self._step + 1} (the signal came after step {self._step} had checked for one)"
                  if self._told else f"step {self._step} (running for {running:.0f} s{last})")
         self.say(f"\nhytrain train: {name(signum)}: {which} finishes, is saved, and the run stops; send it again "
                  f"to stop at once (the last checkpoint stays)", flush=True)
