@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from .distributed import process_cpus
 from .hybrid.settings import moment_bytes
 
 try:
@@ -68,14 +69,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _hash_workers() -> int:
-    return max(1, min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-
-
 def digests(root: Path, names) -> dict:
     """``{name: {"bytes", "sha256"}}`` of the files under ``root``, hashed in parallel (hashlib: no GIL)."""
     names = sorted(names)
-    with ThreadPoolExecutor(_hash_workers()) as pool:
+    with ThreadPoolExecutor(min(16, process_cpus())) as pool:
         sums = list(pool.map(lambda n: _sha256(Path(root) / n), names))
     return {n: {"bytes": (Path(root) / n).stat().st_size, "sha256": h} for n, h in zip(names, sums)}
 
@@ -466,7 +463,7 @@ def check_files(path: Path, files: dict, names=None) -> None:
         size = p.stat().st_size
         if size != files[f]["bytes"]:
             raise CheckpointError(f"{p} is truncated or altered: {size} bytes, expected {files[f]['bytes']}")
-    with ThreadPoolExecutor(_hash_workers()) as pool:
+    with ThreadPoolExecutor(min(16, process_cpus())) as pool:
         sums = list(pool.map(lambda n: _sha256(Path(path) / n), names))
     for f, h in zip(names, sums):
         if h != files[f]["sha256"]:

@@ -149,6 +149,15 @@ def bind_to_numa_node(local_rank: int | None = None, local_world: int | None = N
     return cpus
 
 
+def process_cpus() -> int:
+    """The CPUs this process may run on: its main thread's affinity (a helper thread, a gradient hook's
+    or a thread pool's, may have been confined to fewer; threads started for the process's own work
+    use these). ``os.cpu_count()`` where the platform has no affinity."""
+    if not hasattr(os, "sched_getaffinity"):
+        return max(1, os.cpu_count() or 1)
+    return max(1, len(os.sched_getaffinity(os.getpid())))
+
+
 def local_world_size() -> int:
     """Processes on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun)."""
     try:

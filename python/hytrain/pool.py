@@ -18,6 +18,7 @@ import torch
 
 from . import _checks
 from ._native import native
+from .distributed import process_cpus
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
@@ -279,7 +280,7 @@ class PinnedPool:
             small -= take
             room -= take
         if threads is None:
-            threads = min(16, len(os.sched_getaffinity(os.getpid())))
+            threads = min(16, process_cpus())
         return self._pool.reserve(slabs, _checks.integer("threads", threads, lo=1))
 
     def trim(self) -> int:

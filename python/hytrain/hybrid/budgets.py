@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from ..distributed import process_cpus
 from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes, memory_total_bytes
 from .common import local
 
@@ -107,7 +108,7 @@ def make_pools(plan, settings, cuda, floor, later, streamed, homes):
     if pool.page_locked:  # page-locking is the slow part: every slab at once, in parallel
         pool.reserve_for(sizes(b for b in range(later, len(plan)) if b not in apart))
     if unlocked is not None:  # (its pages touched on several threads, where NUMA places them)
-        unlocked.reserve_for(sizes(sorted(apart)), threads=min(64, len(os.sched_getaffinity(os.getpid()))))
+        unlocked.reserve_for(sizes(sorted(apart)), threads=min(64, process_cpus()))
     return pool, unlocked
 
 

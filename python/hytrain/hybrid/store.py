@@ -22,6 +22,7 @@ import torch
 
 from .. import _checks
 from .._native import native
+from ..distributed import process_cpus
 from ..pool import counter_changes, memory_counters
 from . import budgets, formats, loads
 from .common import is_sharded, like, local
@@ -134,7 +135,7 @@ class StateStore:
         self.made_memory = {"before": {k: v for k, v in at_start.items() if k.endswith("_gb")},
                             "slabs": [p.stats()["slabs"] for p in (self.pool, self.unlocked) if p is not None],
                             "cpus": {"thread": len(os.sched_getaffinity(0)),
-                                     "process": len(os.sched_getaffinity(os.getpid()))},
+                                     "process": process_cpus()},
                             "reserve": counter_changes(at_start, reserved),
                             "fill": counter_changes(reserved, memory_counters())}
         self.deferred = list(range(k, later))

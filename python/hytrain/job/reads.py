@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..distributed import process_cpus
 from .options import ConfigError
 
 FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -92,7 +93,7 @@ def read_into(file: Path, dests: dict, *, threads: int | None = None) -> int:
             b = min(numel, a + step)
             pieces.append((dest, dtype, start + begin + (skip + a) * dtype.itemsize, a, b))
     if threads is None:
-        threads = min(16, len(os.sched_getaffinity(0)))
+        threads = min(16, process_cpus())
     fd = os.open(file, os.O_RDONLY)
     try:
         with ThreadPoolExecutor(max(1, threads)) as pool:
