@@ -100,6 +100,27 @@ def test_a_streamed_pretrained_model_is_read_straight_into_its_homes(tmp_path, h
     assert json.load(open(os.path.join(b, "summary.json")))["streamed_layers"] == 2
 
 
+@pytest.mark.parametrize("kind", ["fp32-shards", "bf16-tied"])
+def test_a_resident_resume_reads_the_checkpoints_weights_only(tmp_path, hf_models, corpus, monkeypatch, kind):
+    # Resumed in one process, resident: the model is built empty and its weights read from the
+    # checkpoint alone, not first from the model's directory and then again from the checkpoint. The
+    # resumed run continues the uninterrupted one bit for bit.
+    from hytrain.job import hf
+
+    read = []
+    real = hf.read_into
+    monkeypatch.setattr(hf, "read_into", lambda file, dests, **kw: read.append(file) or real(file, dests, **kw))
+    args = ["--model", str(hf_models[kind]), "--tokenizer", "bytes", "--data", corpus, "--stream", "off", *FAST]
+    a, c = str(tmp_path / "a"), str(tmp_path / "c")
+    assert main(["--steps", "6", "--out", a, *args]) == 0
+    assert main(["--steps", "3", "--out", c, "--save-every", "3", *args]) == 0
+    assert read and all(f.parent == hf_models[kind] for f in read)
+    read.clear()
+    assert main(["--steps", "6", "--out", c, "--resume", "latest", *args]) == 0
+    assert read == [tmp_path / "c" / "checkpoints" / "step_00000003" / "model.safetensors"]
+    assert losses(a) == losses(c) and len(losses(a)) == 6
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--stream", "2", "--precision", "fp32"], "only bf16/fp16 weights stream"),
     (["--stream", "9", "--precision", "bf16"], "a number of layers in [0, 4]"),

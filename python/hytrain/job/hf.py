@@ -119,7 +119,7 @@ def load_causal_lm(name_or_path: str, *, device: torch.device, dtype: torch.dtyp
     if shard is not None:
         shard(model)
     targets = model.state_dict(keep_vars=True)
-    missing = _check(model, targets, headers, where)
+    missing = _check(model, targets, headers, files[0].parent)  # (the model's directory, or a checkpoint)
     if place is not None:
         into = place(model)  # (the meta parameters replaced: read into the new ones)
         read_placed({n: headers[n][0] for n in targets if n in headers}, model.state_dict(keep_vars=True), into)

@@ -89,13 +89,17 @@ def build_model(plan, device, dtype, ranks, weights=None) -> JobModel:
         sharded = False
     else:
         pretrained = plan.init == "pretrained"
-        inner, cfg = load_causal_lm(str(model_path(plan)), device=where, dtype=dtype, init=plan.init, seed=plan.seed,
-                                    shard=(lambda m: ranks.shard(m, device)) if pretrained else None)
+        # Resuming, the weights are read from the checkpoint alone (the model's own are not read first).
+        files = None if weights is None else [weights / "model.safetensors"]
+        inner, cfg = load_causal_lm(str(model_path(plan)), device=where, dtype=dtype,
+                                    init="pretrained" if files else plan.init, seed=plan.seed,
+                                    shard=(lambda m: ranks.shard(m, device)) if pretrained else None, files=files)
         if plan.activation_checkpointing:
             inner.gradient_checkpointing_enable()
         model = CausalLM(inner)
         n = sum(p.numel() for p in model.parameters())  # (a sharded parameter's numel is its whole one)
         sharded = pretrained
+        weights = None
     if weights is not None:
         ckpt.load_weights(weights, model)
     window = _stream(plan, model, device, stream) if stream is not None else None
