@@ -65,6 +65,7 @@ def measure(params: int, threads: int) -> dict:
 
 def cmd_info(args) -> int:
     import hytrain
+    from hytrain.state_formats import FORMATS
 
     info = hytrain.build_info()
     info["torch"] = torch.__version__
@@ -74,6 +75,8 @@ def cmd_info(args) -> int:
     info["cpu_count"] = os.cpu_count()
     info["simd"] = hytrain.simd_paths()
     info["page_placement"] = hytrain.pool.page_placement()
+    # The optimizer-state formats (state_format=, --state-format): state bytes a parameter, master included.
+    info["state_formats"] = {f.name: round(4 + f.bytes_per_parameter(), 2) for f in FORMATS.values()}
     if not args.no_measure:
         info["measured"] = measure(args.params, args.threads or torch.get_num_threads())
     if args.json:

@@ -11,11 +11,11 @@ from numbers import Integral, Real
 
 import torch
 
-from . import quant8
+from . import state_formats
 
-# Codes shared with hytrain::DType in core/include/hytrain/dtype.h.
+# Codes shared with hytrain::DType in core/include/hytrain/dtype.h (the states': hytrain.state_formats).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-STATE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 3}  # uint8: 8-bit states (DType::q8)
+STATE_CODES = {f.dtype: f.code for f in state_formats.FORMATS.values()}
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -86,21 +86,22 @@ def integer(name: str, x, *, lo: int | None = None, hi: int | None = None) -> in
     return x
 
 
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+STATE_DTYPES = tuple(f.dtype for f in state_formats.FORMATS.values())
 
 
 def state_numel(dtype, n: int) -> int:
-    """The elements of a moment of an n-element parameter: n, or for 8-bit states (uint8) the bytes
-    of its buffer (codes and block scales, hytrain.quant8)."""
-    return quant8.state_bytes(n) if dtype == torch.uint8 else n
+    """The elements of a moment of an n-element parameter in the format of buffers of ``dtype``: n, or
+    for blockwise ones (8-bit) the bytes of its buffer (codes and block scales, hytrain.quant8)."""
+    return state_formats.of_dtype(dtype).moment_numel(n)
 
 
 def state_tensor(name: str, t, *, dtype, n: int, device: str = "cpu") -> torch.Tensor:
-    """A moment buffer: ``tensor``'s checks with the state's size; 8-bit buffers 4-byte aligned (their
-    scales are fp32)."""
+    """A moment buffer: ``tensor``'s checks with the state's size; blockwise (8-bit) buffers 4-byte
+    aligned (their scales are fp32)."""
     tensor(name, t, dtypes=(dtype,), numel=state_numel(dtype, n), device=device)
-    if dtype == torch.uint8 and t.data_ptr() % 4:
-        raise ValueError(f"{name} (an 8-bit state buffer) must start at a 4-byte aligned address")
+    fmt = state_formats.of_dtype(dtype)
+    if fmt.blockwise and t.data_ptr() % 4:
+        raise ValueError(f"{name} (an {fmt.label} state buffer) must start at a 4-byte aligned address")
     return t
 
 
@@ -114,7 +115,7 @@ def state_dtype(exp_avg, exp_avg_sq, *, amsgrad: bool) -> torch.dtype:
     if other in STATE_DTYPES and other != dtype:
         raise TypeError(f"exp_avg and exp_avg_sq must have one dtype; got {str(dtype).replace('torch.', '')} "
                         f"and {str(other).replace('torch.', '')}")
-    if amsgrad and dtype != torch.float32:
+    if amsgrad and not state_formats.of_dtype(dtype).amsgrad:
         raise ValueError("amsgrad needs float32 exp_avg and exp_avg_sq (compact bfloat16 and 8-bit states have no "
                          "max_exp_avg_sq)")
     return dtype

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from .distributed import process_cpus
-from .hybrid.settings import moment_bytes
+from .state_formats import DEFAULT, get as state_format
 
 try:
     import fcntl
@@ -109,10 +109,10 @@ def state_bytes(model, opt) -> int:
     """About what a checkpoint of this model and optimizer takes on disk (weights and optimizer
     state; metadata only, nothing is copied)."""
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values() if torch.is_tensor(t))
-    fmt = getattr(opt, "state_format", "fp32")
+    fmt = state_format(getattr(opt, "state_format", DEFAULT))
     for p in (p for g in opt.param_groups for p in g["params"]):
         master = 4 if p.dtype != torch.float32 or p.device.type == "cuda" else 0
-        total += p.numel() * master + 2 * moment_bytes(fmt, p.numel())  # m and v
+        total += p.numel() * master + 2 * fmt.moment_bytes(p.numel())  # m and v
     return total + (1 << 20)
 
 
@@ -173,7 +173,7 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
         for f in FILES:
             fsync(tmp / f)
         meta = {"format": FORMAT, "step": step, "data_position": step, "config": config,
-                "state_format": getattr(opt, "state_format", "fp32"), "files": digests(tmp, FILES)}
+                "state_format": getattr(opt, "state_format", DEFAULT), "files": digests(tmp, FILES)}
         write_meta(tmp, meta)
     except Exception as e:  # OSError, and the writers' own errors on a full disk (torch.save's
         # "unexpected pos", safetensors' SafetensorError): the same failed save

@@ -26,6 +26,7 @@ import torch
 from .checkpoint import SHARDED_FORMAT as FORMAT
 from .checkpoint import (CheckpointError, failed_save, fsync, read_meta, check_files, check_room, digests, publish,
                          state_bytes, write_meta)
+from . import state_formats
 
 
 def _dist():
@@ -96,7 +97,7 @@ def save(out, step: int, model, opt, extra: dict | None = None, keep: int = 2, s
                 fsync(f)
             names = [f.name for f in tmp.iterdir() if f.is_file()]
             meta = {"format": FORMAT, "step": step, "world_size": _world(), "extra": extra or {},
-                    "state_format": getattr(opt, "state_format", "fp32"), "files": digests(tmp, names)}
+                    "state_format": getattr(opt, "state_format", state_formats.DEFAULT), "files": digests(tmp, names)}
             write_meta(tmp, meta)
         except OSError as e:
             raise failed_save(tmp, final, needed, e) from None
@@ -128,7 +129,7 @@ def load(path, model, opt) -> dict:
     path = Path(path)
     _verify_shared(path)
     meta = read_meta(path)
-    state = _state(model, opt, meta.get("state_format", "fp32") if hasattr(opt, "state_format") else None)
+    state = _state(model, opt, meta.get("state_format", state_formats.DEFAULT) if hasattr(opt, "state_format") else None)
     if int(meta.get("world_size", 1)) != _world():  # 8-bit scales saved per rank fit that world size only
         for entry in state["optim"]["state"].values():
             for key in [k for k in entry if k.endswith("_rank_scales")]:
@@ -204,7 +205,7 @@ def _resharded(src: Path, dst: Path, names: dict, shapes: dict) -> None:
             raise CheckpointError(f"parameter {i} of the checkpoint is not one this optimizer steps")
         out = {}
         for key, val in entry.items():
-            if isinstance(val, torch.Tensor) and val.dtype == torch.uint8:  # an 8-bit moment, decoded
+            if isinstance(val, torch.Tensor) and val.dtype == torch.uint8:  # an 8-bit moment (quant8), decoded
                 n = 1
                 for s in shapes[i]:
                     n *= s
@@ -212,14 +213,15 @@ def _resharded(src: Path, dst: Path, names: dict, shapes: dict) -> None:
             out[key] = val
         state[i] = out
     groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
-    fmt = meta.get("state_format", "fp32")
+    fmt = meta.get("state_format", state_formats.DEFAULT)
     with _one_process_quiet():
         dcp.save({"model": weights, "optim": {"state": state, "param_groups": groups}}, checkpoint_id=str(dst),
                  no_dist=True)
     names_ = [f.name for f in dst.iterdir() if f.is_file()]
     write_meta(dst, {"format": FORMAT, "step": int(meta["step"]), "world_size": 1,
                      "extra": {"scheduler": trainer["scheduler"], **(meta.get("config") or {})},
-                     "state_format": "fp32" if fmt == "8bit" else fmt, "files": digests(dst, names_)})
+                     "state_format": state_formats.DEFAULT if state_formats.get(fmt).blockwise else fmt,
+                     "files": digests(dst, names_)})
 
 
 try:  # DCP's summary of every rank's failure derives from BaseException, not Exception

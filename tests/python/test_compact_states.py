@@ -16,7 +16,7 @@ import torch
 
 import hytrain
 from hytrain import quant8
-from hytrain.hybrid.settings import STATE_FORMATS
+from hytrain.state_formats import FORMATS
 from hytrain.models import LlamaModel
 from test_hybrid_adam import CFG, Reference, batches, train
 
@@ -274,4 +274,4 @@ def test_cuda_compact_states_are_exact_whatever_the_placement(max_grad_norm, sta
         assert torch.equal(p, q)
         for key in ("exp_avg", "exp_avg_sq", "master"):
             assert torch.equal(held(o0.state[p][key], p.numel()).cpu(), held(o1.state[q][key], q.numel()).cpu()), key
-        assert o1.state[q]["exp_avg"].dtype == STATE_FORMATS[state_format]
+        assert o1.state[q]["exp_avg"].dtype == FORMATS[state_format].dtype

@@ -228,8 +228,8 @@ def _room_text(settings, room) -> str:
 
 
 def _what(settings) -> str:
-    fmt = settings.state_format
-    return "fp32 master, m and v" + ("" if fmt == "fp32" else f" in {fmt}")
+    fmt = settings.format
+    return "fp32 master, m and v" + ("" if fmt.dtype == torch.float32 else f" in {fmt.name}")
 
 
 def _count(plan) -> str:

@@ -10,27 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .. import _checks, quant8
+from .. import _checks, state_formats
 from ..cpu_adam import simd_paths
 from ..distributed import default_workers
 from ..pool import PinnedPool, physical_memory_bytes
-
-
-# The optimizer-state formats: the dtype of Adam's m and v (the master weights stay fp32); "8bit":
-# blockwise-quantised m and v, each one flat uint8 buffer of codes and block scales (hytrain.quant8).
-STATE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
-
-
-def moment_shape(state_format, shape) -> tuple:
-    """The shape of m's (and v's) buffer for a parameter of ``shape``: its own, or flat 8-bit bytes."""
-    if state_format == "8bit":
-        return (quant8.state_bytes(math.prod(shape)),)
-    return tuple(shape)
-
-
-def moment_bytes(state_format, n) -> int:
-    """The bytes of m (or v) of an n-element parameter."""
-    return quant8.state_bytes(n) if state_format == "8bit" else n * STATE_FORMATS[state_format].itemsize
 
 
 @dataclass
@@ -53,18 +36,22 @@ class Settings:
     model: nn.Module | None
     blocks: list | None
     bucket_elements: int
-    state_format: str  # "fp32", "bf16" (m and v in bfloat16) or "8bit" (STATE_FORMATS)
+    state_format: str  # a name of hytrain.state_formats (fp32, bf16, 8bit)
     watch_writes: bool = True  # fingerprints of the weights see writes their counters miss (writes.py)
 
     @property
+    def format(self) -> state_formats.StateFormat:
+        return state_formats.get(self.state_format)
+
+    @property
     def state_dtype(self) -> torch.dtype:
-        return STATE_FORMATS[self.state_format]
+        return self.format.dtype
 
     def moment_shape(self, shape) -> tuple:
-        return moment_shape(self.state_format, shape)
+        return self.format.moment_shape(shape)
 
     def moment_bytes(self, n) -> int:
-        return moment_bytes(self.state_format, n)
+        return self.format.moment_bytes(n)
 
 
 def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, schedule_every, gpu_memory_limit,
@@ -100,8 +87,7 @@ def settings(*, max_grad_norm, release_grads, accumulation_steps, gpu_blocks, sc
         raise TypeError(f"fence must be True or False, got {fence!r}")
     if not isinstance(watch_writes, bool):
         raise TypeError(f"watch_writes must be True or False, got {watch_writes!r}")
-    if not isinstance(state_format, str) or state_format not in STATE_FORMATS:
-        raise ValueError(f"state_format must be one of {', '.join(map(repr, STATE_FORMATS))}; got {state_format!r}")
+    state_formats.get(state_format)  # (a ValueError naming the formats)
     simd_paths()  # a bad HYTRAIN_SIMD is refused here, not at the first step()
     # Default: every usable core but one, which the training thread needs to keep the GPU fed.
     workers = workers if workers is not None else default_workers()
@@ -173,8 +159,9 @@ def check_group_values(param_groups, amsgrad_bound=None, state_format="fp32") ->
     """Every group's values (checked at each step: a loop may set them); amsgrad may not switch once
     the state was created with it (``amsgrad_bound``: each group's value then), and needs fp32 states."""
     for i, g in enumerate(param_groups):
-        if g.get("amsgrad") and state_format != "fp32":
-            raise ValueError(f"param_groups[{i}]: amsgrad needs state_format='fp32' (compact {state_format} "
+        if g.get("amsgrad") and not state_formats.get(state_format).amsgrad:
+            keep = [f.name for f in state_formats.FORMATS.values() if f.amsgrad]
+            raise ValueError(f"param_groups[{i}]: amsgrad needs state_format={keep[0]!r} (compact {state_format} "
                              "states keep no max_exp_avg_sq)")
         try:
             validate_hparams(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
@@ -193,15 +180,18 @@ def check_state_value(i, key, val, shape) -> None:
     v may instead be 8-bit buffers (uint8, of the parameter's size), converted on the way in."""
     if key == "step" and isinstance(val, torch.Tensor) and val.numel() == 1:
         shape = val.shape  # torch keeps step as a 0-d tensor; older checkpoints as one element
-    if key in ("exp_avg", "exp_avg_sq") and isinstance(val, torch.Tensor) and val.dtype == torch.uint8:
-        if val.shape != moment_shape("8bit", shape):
-            raise ValueError(f"parameter {i}: 8-bit state {key!r} has shape {tuple(val.shape)}, expected "
-                             f"{moment_shape('8bit', shape)} (codes and block scales of {math.prod(shape)} elements)")
+    flat = state_formats.of_dtype(val.dtype) if isinstance(val, torch.Tensor) else None
+    if key in ("exp_avg", "exp_avg_sq") and flat is not None and flat.blockwise:
+        if val.shape != flat.moment_shape(shape):
+            raise ValueError(f"parameter {i}: {flat.label} state {key!r} has shape {tuple(val.shape)}, expected "
+                             f"{flat.moment_shape(shape)} (codes and block scales of {math.prod(shape)} elements)")
         return
     if not isinstance(val, torch.Tensor) or val.shape != shape:
         hint = ""
-        if key in ("exp_avg", "exp_avg_sq") and getattr(val, "shape", None) == moment_shape("8bit", shape):
-            hint = f" (the size of an 8-bit state, which loads as uint8, not {val.dtype})"
+        like = [f for f in state_formats.FORMATS.values()
+                if f.blockwise and getattr(val, "shape", None) == f.moment_shape(shape)]
+        if key in ("exp_avg", "exp_avg_sq") and like:
+            hint = f" (the size of an {like[0].label} state, which loads as {str(like[0].dtype)[6:]}, not {val.dtype})"
         raise ValueError(f"parameter {i}: state {key!r} has shape {getattr(val, 'shape', None)}, "
                          f"expected {tuple(shape)}{hint}")
     if not torch.is_floating_point(val):

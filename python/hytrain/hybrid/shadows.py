@@ -67,10 +67,10 @@ class Shadows:
         return 0 if self.has(b) else sum(self._tensor_bytes(b))
 
     def _records(self, p) -> bool:
-        """Whether parameter p speculates with an undo record (fp32 states without amsgrad; see the
-        native adamw.h) rather than a copy of its state."""
+        """Whether parameter p speculates with an undo record (a format that has them, fp32, without
+        amsgrad; see the native adamw.h) rather than a copy of its state."""
         n = local(p).numel()
-        return (self.settings.state_dtype == torch.float32 and not self.plan.amsgrad(p) and 0 < n < 2 ** 32)
+        return self.settings.format.undo_records and not self.plan.amsgrad(p) and 0 < n < 2 ** 32
 
     def _tensor_bytes(self, b) -> list[int]:
         """The pool bytes of block b's shadows: undo records (3 bytes a parameter, the escape list and

@@ -8,10 +8,10 @@ import math
 
 import torch
 
-from .. import _checks, quant8
+from .. import _checks, quant8, state_formats
 from .collectives import host_mesh
 from .common import MOMENTS, STATE_KEYS, convert_moment, is_sharded, local
-from .settings import STATE_FORMATS, check_state_value
+from .settings import check_state_value
 
 # The 8-bit scales beside m and v in sharded checkpoints (_sharded_moment).
 SCALE_KEYS = tuple(m + suffix for m in MOMENTS for suffix in ("_scales", "_rank_scales"))
@@ -27,7 +27,7 @@ def checked_groups(state_dict, param_groups, what, source):
     return groups
 
 
-def parse(state_dict, param_groups, amsgrad_bound, state_format="fp32") -> tuple[list, dict]:
+def parse(state_dict, param_groups, amsgrad_bound, state_format=state_formats.DEFAULT) -> tuple[list, dict]:
     """torch's state dict, checked: (the saved groups, parameter -> {key: tensor}).
     ``amsgrad_bound``: each group's amsgrad when the state was created (None before);
     ``state_format``: the optimizer's (amsgrad needs fp32 states)."""
@@ -39,7 +39,7 @@ def parse(state_dict, param_groups, amsgrad_bound, state_format="fp32") -> tuple
         if len(g_saved["params"]) != len(g["params"]):
             raise ValueError(f"saved param group {gi} has {len(g_saved['params'])} parameters, the "
                              f"optimizer's has {len(g['params'])}")
-        if g_saved.get("amsgrad", False) and state_format != "fp32":
+        if g_saved.get("amsgrad", False) and not state_formats.get(state_format).amsgrad:
             raise ValueError(f"saved param group {gi} has amsgrad=True, which needs fp32 states, but this "
                              f"optimizer's state_format is {state_format!r}: load it into a HybridAdamW built "
                              "with state_format='fp32'")
@@ -118,7 +118,7 @@ def in_format(entries, state_format) -> dict:
     """Loaded entries (parameter -> {key: tensor}) with m and v in ``state_format``, as the buffers will
     hold them once the state exists (``StateStore``'s conversion: 8-bit quantised or dequantised,
     floating cast), as torch's ``load_state_dict`` casts a loaded state at once."""
-    dtype = STATE_FORMATS[state_format]
+    dtype = state_formats.get(state_format).dtype
     out = {}
     for p, entry in entries.items():
         out[p] = {key: convert_moment(val, key, dtype, local(p))
@@ -126,7 +126,7 @@ def in_format(entries, state_format) -> dict:
     return out
 
 
-def sharded(params, state, param_groups, state_format="fp32", as_format=None) -> dict:
+def sharded(params, state, param_groups, state_format=state_formats.DEFAULT, as_format=None) -> dict:
     """``{"state": {index: {key: tensor}}, "param_groups": [...]}`` over the buffers (host, or GPU
     for resident blocks). ``as_format``: the state format of the checkpoint the dict will be loaded
     from (default: ``state_format``, the optimizer's own); where 8-bit states are involved on either
@@ -140,12 +140,17 @@ def sharded(params, state, param_groups, state_format="fp32", as_format=None) ->
         for key in ("master", *STATE_KEYS):
             if key not in st:
                 continue
-            if key in MOMENTS and "8bit" in (state_format, as_format):
+            if key in MOMENTS and (_blockwise(state_format) or _blockwise(as_format)):
                 entry.update(_sharded_moment(p, key, st[key], state_format, as_format))
             else:
                 entry[key] = _as_global(p, st[key])
         out[i] = entry
     return {"state": out, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups]}
+
+
+def _blockwise(name) -> bool:
+    """Whether a format's m and v are blockwise codes and scales (quant8's layout: 8-bit)."""
+    return state_formats.get(name).blockwise
 
 
 def _row_blocks(p):
@@ -173,26 +178,27 @@ def _sharded_moment(p, key, buf, own, want) -> dict:
     the values. Loading converts whatever is not the buffer itself (:func:`load_sharded`)."""
     w = local(p)
     n, per_row = w.numel(), _row_blocks(p)
-    if want == "8bit" and per_row is not None:
+    own, want = _blockwise(own), _blockwise(want)
+    if want and per_row is not None:
         shape = (w.shape[0], per_row)
-        if own == "8bit":
+        if own:
             codes = buf[:n].view(w.shape)
             scales = buf[quant8.codes_bytes(n):quant8.state_bytes(n)].view(torch.float32).view(shape)
         else:
             codes = torch.zeros(w.shape, dtype=torch.uint8, device=buf.device)
             scales = torch.zeros(shape, dtype=torch.float32, device=buf.device)
         return {key: _as_global(p, codes), key + "_scales": _as_global(p, scales, (p.shape[0], per_row))}
-    if own != "8bit":
+    if not own:
         values = buf
     elif n:
         values = quant8.dequantize(buf, n, key).view(w.shape)
     else:
         values = torch.zeros(w.shape)
     out = {key: _as_global(p, values)}
-    if want == "8bit":
+    if want:
         world, widest = _shards(p)
         scales = torch.zeros((1, quant8.blocks(widest)), dtype=torch.float32)
-        if own == "8bit" and n:
+        if own and n:
             scales[0, :quant8.blocks(n)] = buf[quant8.codes_bytes(n):quant8.state_bytes(n)].view(torch.float32)
         out[key + "_rank_scales"] = _by_rank(p, scales, world)
     return out

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import checkpoint as ckpt
-from .. import dist_checkpoint
+from .. import dist_checkpoint, state_formats
 from .optimizer import lr_lambda
 from .options import ConfigError
 from .plan import RunPlan, reads_other_data, resumed
@@ -29,7 +29,7 @@ class Resume:
     saved: RunPlan | None = None
     changes: list = field(default_factory=list)
     cursor: dict | None = None
-    state_format: str = "fp32"
+    state_format: str = state_formats.DEFAULT
     asked_format: str | None = None
 
 
@@ -70,7 +70,7 @@ def resumed_plan(plan: RunPlan, resume: Resume | None, out: Path, say) -> RunPla
     data cursor dropped where the data options differ. The optimizer states' format: ``--state-format``,
     else the checkpoint's, else fp32."""
     if resume is None:
-        return plan.replaced(state_format=plan.optimizer.state_format or "fp32")
+        return plan.replaced(state_format=plan.optimizer.state_format or state_formats.DEFAULT)
     if not resume.sharded:  # (under --nproc, resharded when it is loaded: dist_checkpoint.load_single)
         try:
             ckpt.verify(resume.dir)
@@ -85,8 +85,8 @@ def resumed_plan(plan: RunPlan, resume: Resume | None, out: Path, say) -> RunPla
         say(f"hytrain train: the data options differ from the checkpoint's: {plan.data.data} is read from its "
             "beginning", flush=True)
         resume.cursor = None
-    resume.state_format, resume.asked_format = meta.get("state_format", "fp32"), plan.optimizer.state_format
-    return plan.replaced(state_format=resume.asked_format or resume.state_format or "fp32")
+    resume.state_format, resume.asked_format = meta.get("state_format", state_formats.DEFAULT), plan.optimizer.state_format
+    return plan.replaced(state_format=resume.asked_format or resume.state_format or state_formats.DEFAULT)
 
 
 def resumed_weights(resume: Resume | None, ranks) -> Path | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .. import state_formats
 from ..models.presets import PRESETS
 from ..pool import parse_bytes
 
@@ -117,9 +118,11 @@ def _training_options(a) -> None:
            "then read straight into host memory, never whole onto the GPU), 'off', or N (the last N layers)")
     a("--gpu-memory-limit", default=None,
       help="GPU memory hytrain may plan with, e.g. 40GiB (default: the device's); resident states fit in it")
-    a("--state-format", choices=("fp32", "bf16", "8bit"), default=None,
-      help="Adam's m and v: fp32 (the default; on --resume, the checkpoint's format); bf16 (8 bytes of state "
-           "per parameter instead of 12; stochastically rounded); or 8bit (blockwise-quantised, about 6 bytes)")
+    a("--state-format", choices=state_formats.NAMES, default=None,
+      help="Adam's m and v (the fp32 master beside them): " + "; ".join(
+          f"{f.name}: {f.summary}, {4 + f.bytes_per_parameter():.1f} bytes of state a parameter"
+          for f in state_formats.FORMATS.values()) + f". Default: {state_formats.DEFAULT}; on --resume, the "
+      "checkpoint's format")
     a("--precision", choices=list(DTYPES), default=None, help="weights dtype (default: bf16 on GPU, fp32 on CPU)")
     a("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False,
       help="recompute each layer in backward")
