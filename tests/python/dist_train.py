@@ -30,24 +30,43 @@ def data(steps):
 
 
 def _full(t):
-    """A DTensor's whole tensor (gathered on every rank); a host shard over a CUDA mesh (FSDP2's CPU
-    offload) is gathered through this rank's GPU, NCCL having no host backend."""
+    """A DTensor's whole tensor (gathered on every rank). A host shard over a group with NCCL alone (FSDP2's
+    CPU offload; the optimizer's host buffers) is gathered through this rank's GPU."""
     if not hasattr(t, "full_tensor"):
         return t
-    mesh = t.device_mesh
-    if t.to_local().device.type == "cpu" and mesh.device_type == "cuda":
+    mesh, local = t.device_mesh, t.to_local()
+    if local.device.type == "cpu" and dist.get_backend(mesh.get_group()) == "nccl":
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import DTensor
 
-        t = DTensor.from_local(t.to_local().to("cuda"), mesh, t.placements, shape=t.shape, stride=t.stride())
+        on_gpu = mesh if mesh.device_type == "cuda" else DeviceMesh.from_group(mesh.get_group(), "cuda")
+        t = DTensor.from_local(local.to("cuda"), on_gpu, t.placements, shape=t.shape, stride=t.stride())
     return t.full_tensor()
+
+
+def _torch_dcp(path, model, opt, step=None):
+    """Saves (``step``) or loads the model and optimizer as torch documents for FSDP2: get_state_dict,
+    dcp.save / dcp.load, set_state_dict. Returns the step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    if step is not None:
+        dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}, checkpoint_id=path)
+        return step
+    saved = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
+    dcp.load(saved, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    return int(saved["step"])
 
 
 def _dump(path, model, opt):
     if dist.is_initialized() and dist.get_world_size() > 1:
         path = f"{path}.{dist.get_rank()}"  # each rank's own shards
-    sd = opt.state_dict()
-    state = {i: {k: _full(v).detach().cpu().clone()
-                 for k, v in st.items()} for i, st in sd["state"].items()}
+    opt.synchronize()  # the optimizer's own buffers (each rank's shards, in its format), as they are
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = {i: {k: v.detach().cpu().clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+             for i, p in enumerate(params) if opt.state.get(p)}
     weights = {n: _full(p).detach().float().cpu().clone()
                for n, p in model.named_parameters()}
     torch.save({"state": state, "weights": weights}, path)
@@ -80,6 +99,9 @@ def main():
     ap.add_argument("--scaler", type=float, default=None,
                     help="loss scaling from this initial scale: GradScaler (one process; HybridAdamW takes the "
                          "scale) or ShardedGradScaler with unscale_ before step (sharded)")
+    ap.add_argument("--torch-dcp", action="store_true",
+                    help="--save-at and --resume through torch's get_state_dict/set_state_dict and dcp, not "
+                         "hytrain.dist_checkpoint")
     ap.add_argument("--dump-state", default=None,
                     help="torch.save the optimizer's state_dict() here after a resume or a save")
     args = ap.parse_args()
@@ -118,7 +140,9 @@ def main():
     start = 0
     if args.resume_if_any and (Path(args.ckpt) / "checkpoints" / "latest").is_file():
         args.resume = True
-    if args.resume:
+    if args.resume and args.torch_dcp:
+        start = _torch_dcp(args.ckpt, model, opt)
+    elif args.resume:
         from hytrain import dist_checkpoint
 
         start = dist_checkpoint.load(dist_checkpoint.resolve(args.ckpt), model, opt)["step"]
@@ -163,6 +187,9 @@ def main():
         if distributed:
             dist.all_reduce(total)
         losses.append(float(total) / world)
+        if args.save_at == i and args.torch_dcp:
+            _torch_dcp(args.ckpt, model, opt, step=i)
+            break
         if args.save_at == i:
             from hytrain import dist_checkpoint
 

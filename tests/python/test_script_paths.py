@@ -277,6 +277,38 @@ def test_a_parameter_swapped_in_param_groups_starts_afresh_as_in_torch(with_mode
     assert len(opt.state_dict()["state"]) == 6
 
 
+def test_clipping_after_the_groups_were_swapped_reads_the_new_parameters():
+    # What accelerate's FSDP2 preparation does: the optimizer is built over the model's parameters,
+    # then its groups are given the sharded ones. A clip before the first step measures and clips the
+    # gradients of the parameters in the groups now, as torch's clip_grad_norm_ over them would.
+    torch.manual_seed(0)
+    first, second = _mlp(), _mlp(seed=1)
+    opt = hytrain.HybridAdamW(first.parameters(), lr=1e-2, workers=1)
+    opt.param_groups[0]["params"] = list(second.parameters())
+    x, y = _batches(1)[0]
+    _loss(second, x, y).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in second.parameters()])
+    assert float(opt.clip_grad_norm_(1e-3)) == pytest.approx(float(want), rel=1e-6) and float(want) > 1e-3
+    before = [p.detach().clone() for p in second.parameters()]
+    opt.step()
+    opt.synchronize()
+    assert all(not torch.equal(a, p) for a, p in zip(before, second.parameters()))
+
+
+def test_a_model_whose_parameters_were_replaced_after_the_optimizer_is_refused():
+    # fully_shard (or any swap of every parameter) after HybridAdamW(model=...) was built: the model's
+    # new parameters would never be updated, silently; refused at the step instead.
+    model = _mlp()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-2, model=model, workers=1)
+    for name, p in list(model.named_parameters()):
+        module, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(module), leaf, torch.nn.Parameter(p.detach().clone()))
+    x, y = _batches(1)[0]
+    _loss(model, x, y).backward()
+    with pytest.raises(ValueError, match="none of this optimizer's parameters is a parameter of its model"):
+        opt.step()
+
+
 # -- layouts and dtypes --------------------------------------------------------------------------------
 
 def _convnet(dtype=torch.float32, channels_last=True):

@@ -49,6 +49,12 @@ def forward_hooks(ref, plan, model, *, sharded) -> tuple[list, bool]:
 
 def _install(hooks, ref, plan, model, sharded) -> tuple[list, bool]:
     inner = getattr(model, "_orig_mod", model)
+    mine = {id(p) for p in inner.parameters()}
+    if plan.params and not any(id(p) in mine for p in plan.params):
+        raise ValueError(
+            "none of this optimizer's parameters is a parameter of its model (model=) any more: the model's were "
+            "replaced after the optimizer was built (fully_shard does that), and the new ones would never be "
+            "updated. Build HybridAdamW after fully_shard, over model.parameters()")
     hooks.append(inner.register_state_dict_pre_hook(_Hook(ref, "synchronize")))
     layers = None if plan.compiled else repeated_layers(inner)
     n = len(plan)

@@ -103,6 +103,13 @@ class HybridAdamW(torch.optim.Optimizer):
         check_group_values(self.param_groups, state_format=state_format)
         self._engine = Engine(self.param_groups, self.state, self._settings)
 
+    def _follow_params(self):
+        """A parameter swapped in the groups (accelerate's FSDP2 preparation), or one without state with a
+        gradient now: a new engine over the groups as they are."""
+        engine = self._engine
+        if engine.plan.stale(self.param_groups) or any(p.grad is not None for p in engine.plan.frozen):
+            self._rebuild()
+
     def _rebuild(self):
         """The set of parameters changed (add_param_group, an unfrozen parameter): a new engine, with
         every state carried over (copies) and loaded when the state is made at the next step."""
@@ -206,6 +213,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise ValueError(f"HybridAdamW.clip_grad_norm_ supports norm_type=2 only, got {norm_type!r}")
         scale = 1.0 if loss_scale is None else _checks.real("loss_scale", loss_scale, lo=0.0, lo_open=True)
+        self._follow_params()  # (parameters swapped in the groups since: their gradients are the ones clipped)
         return torch.tensor(self._engine.intake.clip(max_norm, error_if_nonfinite, scale))
 
     @torch.no_grad()
@@ -224,8 +232,7 @@ class HybridAdamW(torch.optim.Optimizer):
         engine.intake.remove_clip_prehooks()
         check_group_values(self.param_groups, engine.store.amsgrad_bound if engine.bound else None,
                            self._settings.state_format)
-        if engine.plan.stale(self.param_groups) or any(p.grad is not None for p in engine.plan.frozen):
-            self._rebuild()  # a parameter swapped in the groups, or one without state has a gradient now
+        self._follow_params()
         self._engine.step(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         return loss
 
@@ -262,6 +269,8 @@ class HybridAdamW(torch.optim.Optimizer):
         if not engine.bound and engine.pending:  # as torch: in the format the state takes when loaded
             extra.update(state_dicts.in_format(engine.pending, self.state_format))
         out = state_dicts.with_entries(state_dicts.torch_state_dict(self), extra, self.param_groups)
+        if engine.shard_group is not None and engine.bound:  # FSDP2 shards: DTensors, as torch's AdamW's
+            out = state_dicts.as_shards(out, engine.plan.params, self.state, self.param_groups, self.state_format)
         return state_dicts.run_hooks(self._optimizer_state_dict_post_hooks, self, out)
 
     def sharded_state_dict(self, state_format=None) -> dict:
@@ -302,6 +311,10 @@ class HybridAdamW(torch.optim.Optimizer):
         state_dict = state_dicts.run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
         engine = self._engine
         engine.reconcile(self.state)  # the dict the load fills is optimizer.state as it is now
+        if state_dicts.has_dtensors(state_dict):  # FSDP2 shards (state_dict()'s, or torch's AdamW's)
+            self.sharded_state_dict()  # (the state made, if the first step has not)
+            self.load_sharded_state_dict(state_dicts.by_plan_index(state_dict, engine.plan.params, self.param_groups))
+            return state_dicts.run_hooks(self._optimizer_load_state_dict_post_hooks, self)
         if isinstance(state_dict, dict) and "state" in state_dict and "param_groups" in state_dict:
             self.synchronize()
         groups, entries = state_dicts.parse(state_dict, self.param_groups,

@@ -148,6 +148,50 @@ def sharded(params, state, param_groups, state_format=state_formats.DEFAULT, as_
     return {"state": out, "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in param_groups]}
 
 
+def as_shards(out, params, state, param_groups, state_format) -> dict:
+    """torch's state dict ``out`` with the entries of FSDP2-sharded ``params`` as :func:`sharded` gives
+    them: DTensors whose local shards are the buffers (8-bit m and v in that layout), as torch's AdamW
+    keeps DTensor states for DTensor parameters. torch.distributed.checkpoint's ``get_state_dict`` and
+    ``dcp.save`` then write every rank's shard, where plain local tensors would be taken for replicas
+    and one rank's kept for all."""
+    index = {id(p): i for i, p in enumerate(q for g in param_groups for q in g["params"])}
+    for j, entry in sharded(params, state, param_groups, state_format)["state"].items():
+        out["state"][index[id(params[j])]] = entry
+    return out
+
+
+def has_dtensors(state_dict) -> bool:
+    """Whether a state dict's entries hold DTensors (a sharded one: :func:`as_shards`, or torch's
+    AdamW's under FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    entries = state_dict.get("state") if isinstance(state_dict, dict) else None
+    return isinstance(entries, dict) and any(
+        isinstance(v, DTensor) for e in entries.values() if isinstance(e, dict) for v in e.values())
+
+
+def by_plan_index(state_dict, params, param_groups) -> dict:
+    """A state dict keyed as torch's are (by what its param groups' ``params`` list: positions, or the
+    names torch.distributed.checkpoint's ``set_state_dict`` gives them) keyed by positions in
+    ``params`` (the engine's: :func:`load_sharded`); entries of parameters outside ``params`` are left
+    out. The saved groups and ours are matched as torch's ``load_state_dict`` matches them."""
+    groups = checked_groups(state_dict, param_groups, "a state dict has 'state' and 'param_groups'", "the state dict")
+    mine = {id(p): j for j, p in enumerate(params)}
+    key_of = {}
+    for gi, (g_saved, g) in enumerate(zip(groups, param_groups)):
+        if len(g_saved["params"]) != len(g["params"]):
+            raise ValueError(f"saved param group {gi} has {len(g_saved['params'])} parameters, the "
+                             f"optimizer's has {len(g['params'])}")
+        key_of.update(zip(g_saved["params"], g["params"]))
+    state = {}
+    for key, entry in state_dict["state"].items():
+        if key not in key_of:
+            raise ValueError(f"the state dict has state for a parameter its param groups do not list: {key!r}")
+        if id(key_of[key]) in mine:
+            state[mine[id(key_of[key])]] = entry
+    return {**state_dict, "state": state}
+
+
 def _blockwise(name) -> bool:
     """Whether a format's m and v are blockwise codes and scales (quant8's layout: 8-bit)."""
     return state_formats.get(name).blockwise
