@@ -261,7 +261,10 @@ class HybridAdamW(torch.optim.Optimizer):
         before training goes on (a speculating block's buffers change places with its shadows).
         Between backward and step() it is the state before the step, as torch's would be.
         Parameters without state (never stepped) have no entry, as in torch. Before the first step:
-        the settings, and the state loaded by load_state_dict if any, in this optimizer's format."""
+        the settings, and the state loaded by load_state_dict if any, in this optimizer's format.
+        FSDP2-sharded parameters' entries are DTensors, as torch's AdamW's are: those of
+        :meth:`sharded_state_dict` (each rank's buffers its shards), which torch's ``get_state_dict``
+        and ``dcp.save`` write shard by shard."""
         state_dicts.run_hooks(self._optimizer_state_dict_pre_hooks, self)
         engine = self._engine
         engine.reconcile(self.state, wait=True)
@@ -307,7 +310,10 @@ class HybridAdamW(torch.optim.Optimizer):
         and ``master`` when saved by HybridAdamW), and a parameter without an entry starts afresh,
         as torch's AdamW would. Before the first step the state is kept and loaded when it is
         created. Everything is checked before anything changes. torch's load_state_dict pre- and
-        post-hooks run around it (a pre-hook may return the dict to load)."""
+        post-hooks run around it (a pre-hook may return the dict to load). Entries that are DTensors
+        (FSDP2 shards: this optimizer's ``state_dict()``, or torch's AdamW's, as torch's
+        ``set_state_dict`` passes them) are read shard by shard into the buffers, the state made
+        first if the first step has not; parameters without an entry keep their state."""
         state_dict = state_dicts.run_hooks(self._optimizer_load_state_dict_pre_hooks, self, state_dict)
         engine = self._engine
         engine.reconcile(self.state)  # the dict the load fills is optimizer.state as it is now
