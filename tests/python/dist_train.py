@@ -102,6 +102,8 @@ def main():
     ap.add_argument("--torch-dcp", action="store_true",
                     help="--save-at and --resume through torch's get_state_dict/set_state_dict and dcp, not "
                          "hytrain.dist_checkpoint")
+    ap.add_argument("--torch-first", type=int, default=0,
+                    help="the first N steps with torch's AdamW, whose state_dict() HybridAdamW then loads")
     ap.add_argument("--dump-state", default=None,
                     help="torch.save the optimizer's state_dict() here after a resume or a save")
     args = ap.parse_args()
@@ -157,9 +159,15 @@ def main():
             scaler = ShardedGradScaler(device.type, init_scale=args.scaler)
         else:
             scaler = torch.amp.GradScaler(device.type, init_scale=args.scaler)
+    hybrid, first = opt, None
+    if args.torch_first:  # (the same hyperparameters; no clipping)
+        first = opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     for i, x in enumerate(data(args.steps)[start:], start=start + 1):
         if args.die_at == i and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os._exit(3)
+        if first is not None and i == args.torch_first + 1:
+            hybrid.load_state_dict(first.state_dict())  # (DTensor states, when sharded)
+            opt = hybrid
         rows = x.shape[0] // world
         mine = x[rank * rows:(rank + 1) * rows].to(device)
         loss = model(mine, mine)
@@ -181,7 +189,7 @@ def main():
             norms.append(float(opt.clip_grad_norm_(args.routed_clip)))
         opt.step()
         opt.zero_grad()
-        if opt.last_grad_norm is not None and args.routed_clip is None:
+        if getattr(opt, "last_grad_norm", None) is not None and args.routed_clip is None:
             norms.append(opt.last_grad_norm)
         total = loss.detach().float().clone()
         if distributed:

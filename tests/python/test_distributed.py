@@ -89,6 +89,15 @@ def test_fsdp2_cpu_offload_policy_shards_updated_in_place(tmp_path):
     assert_same_training(ref, got)
 
 
+@pytest.mark.parametrize("nproc", [None, 2], ids=["one-process", "sharded"])
+def test_torch_adamws_state_dict_loads_mid_run(tmp_path, nproc):
+    # Three steps with torch's AdamW, then HybridAdamW goes on from its state_dict() (under FSDP2 its
+    # states are DTensors, read shard by shard): the run follows HybridAdamW's own within rounding.
+    whole = run(tmp_path, "whole", nproc=nproc)
+    switched = run(tmp_path, "switched", "--torch-first", "3", nproc=nproc)
+    assert_same_training(whole, switched, tol=1e-5)
+
+
 def test_without_clipping(tmp_path):
     ref = run(tmp_path, "plain")
     got = run(tmp_path, "sharded", nproc=2)
