@@ -34,11 +34,8 @@ def parse(state_dict, param_groups, amsgrad_bound, state_format=state_formats.DE
     groups = checked_groups(state_dict, param_groups,
                             "state_dict must have 'state' and 'param_groups' (from optimizer.state_dict())",
                             "state_dict")
-    index = {}
-    for gi, (g_saved, g) in enumerate(zip(groups, param_groups)):
-        if len(g_saved["params"]) != len(g["params"]):
-            raise ValueError(f"saved param group {gi} has {len(g_saved['params'])} parameters, the "
-                             f"optimizer's has {len(g['params'])}")
+    index = paired(groups, param_groups)
+    for gi, g_saved in enumerate(groups):
         if g_saved.get("amsgrad", False) and not state_formats.get(state_format).amsgrad:
             raise ValueError(f"saved param group {gi} has amsgrad=True, which needs fp32 states, but this "
                              f"optimizer's state_format is {state_format!r}: load it into a HybridAdamW built "
@@ -48,8 +45,6 @@ def parse(state_dict, param_groups, amsgrad_bound, state_format=state_formats.DE
             raise ValueError(f"saved param group {gi} has amsgrad={bool(g_saved.get('amsgrad', False))}, but "
                              f"this optimizer's state was created with amsgrad={bound}: load "
                              "it into a new HybridAdamW before its first step")
-        for i, p in zip(g_saved["params"], g["params"]):
-            index[i] = p
     entries = {}
     for i, st in state_dict["state"].items():
         if i not in index:
@@ -64,6 +59,18 @@ def parse(state_dict, param_groups, amsgrad_bound, state_format=state_formats.DE
             entry[key] = val
         entries[p] = entry
     return groups, entries
+
+
+def paired(groups, param_groups) -> dict:
+    """The saved groups' parameter keys (positions, or names) -> our parameters, group by group, as
+    torch's ``load_state_dict`` pairs them; groups of other lengths are refused."""
+    index = {}
+    for gi, (g_saved, g) in enumerate(zip(groups, param_groups)):
+        if len(g_saved["params"]) != len(g["params"]):
+            raise ValueError(f"saved param group {gi} has {len(g_saved['params'])} parameters, the "
+                             f"optimizer's has {len(g['params'])}")
+        index.update(zip(g_saved["params"], g["params"]))
+    return index
 
 
 def apply_groups(groups, param_groups, defaults) -> None:
@@ -176,13 +183,7 @@ def by_plan_index(state_dict, params, param_groups) -> dict:
     ``params`` (the engine's: :func:`load_sharded`); entries of parameters outside ``params`` are left
     out. The saved groups and ours are matched as torch's ``load_state_dict`` matches them."""
     groups = checked_groups(state_dict, param_groups, "a state dict has 'state' and 'param_groups'", "the state dict")
-    mine = {id(p): j for j, p in enumerate(params)}
-    key_of = {}
-    for gi, (g_saved, g) in enumerate(zip(groups, param_groups)):
-        if len(g_saved["params"]) != len(g["params"]):
-            raise ValueError(f"saved param group {gi} has {len(g_saved['params'])} parameters, the "
-                             f"optimizer's has {len(g['params'])}")
-        key_of.update(zip(g_saved["params"], g["params"]))
+    mine, key_of = {id(p): j for j, p in enumerate(params)}, paired(groups, param_groups)
     state = {}
     for key, entry in state_dict["state"].items():
         if key not in key_of:
