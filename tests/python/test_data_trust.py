@@ -270,3 +270,31 @@ def test_undecodable_bytes_are_reported_on_their_line(tmp_path, fmt):
         s.take(10_000)
     s.close()
     assert "\n" not in str(e.value)
+
+
+def test_the_default_corpus_walks_the_standard_library_only_and_skips_what_vanishes(tmp_path, monkeypatch):
+    """The embedded default corpus is the standard library's own sources: installed packages are not
+    walked (a concurrent pip install may remove a directory under them mid-walk), and a directory
+    that vanishes during the walk is skipped, not a traceback."""
+    import os
+    import sysconfig
+
+    from hytrain.job import data
+
+    root = tmp_path / "lib"
+    for rel in ("a.py", "json/b.py", "test/c.py", "site-packages/pkg/d.py", "gone/e.py", "notes.txt"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x = 1\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(root)})
+    walked, real_scandir = [], os.scandir
+
+    def scandir(path):
+        walked.append(os.path.basename(os.fspath(path)))
+        if os.path.basename(os.fspath(path)) == "gone":  # removed by somebody else between listing and walking
+            raise FileNotFoundError(path)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    files = data.stdlib_files()
+    assert [p.relative_to(root).as_posix() for p in files] == ["a.py", "json/b.py"]
+    assert "site-packages" not in walked and "pkg" not in walked and "gone" in walked

@@ -93,6 +93,27 @@ def test_the_stop_notice_names_the_step_that_will_be_the_last(tmp_path, monkeypa
     assert ckpt.verify(ckpt.resolve(out, "latest"))["step"] == 4
 
 
+def test_under_several_processes_a_signal_after_the_check_names_both_steps_it_may_stop_at():
+    # Under --nproc the ranks stop at the first step any of them flagged: a signal after this rank's
+    # check of step 3 stops the run after step 3 where another rank saw it before its own check, else
+    # after step 4. The notice must not promise step 4 (it did, and the run stopped after step 3).
+    from hytrain.job.signals import Signals
+
+    for world, expected in ((1, "SIGTERM: step 4 (the signal came after step 3 had checked for one) finishes"),
+                            (2, "SIGTERM: step 3 or 4 (the signal came after this process's check of step 3; "
+                                "the step the 2 processes stop at depends on when the others saw it) finishes")):
+        said = []
+        sig = Signals(lambda text, **_: said.append(text), world)
+        sig.step_begins(3)
+        sig.stop_flag()
+        sig._in_loop(signal.SIGTERM, None)
+        assert expected in said[0], said
+        unflagged = Signals(lambda text, **_: said.append(text), world)
+        unflagged.step_begins(5)
+        unflagged._in_loop(signal.SIGTERM, None)
+        assert "SIGTERM: step 5 (running for" in said[1], said
+
+
 def test_a_signal_during_the_end_of_run_outputs_waits_for_the_summary(tmp_path, monkeypatch, capsys, fast):
     real = plots.write_all
 

@@ -21,9 +21,19 @@ from .tokenizers import ByteTokenizer, with_eos
 from .options import ConfigError
 
 
+_NOT_STDLIB = {"site-packages", "dist-packages", "test", "__pycache__"}
+
+
 def stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    """The standard library's own ``.py`` files (the embedded default corpus). The installed packages
+    under it are never walked: a concurrent ``pip install`` may remove a directory mid-walk, and
+    ``os.walk`` skips what vanished instead of raising."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for here, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _NOT_STDLIB]
+        found += [Path(here, f) for f in files if f.endswith(".py")]
+    return sorted(found)
 
 
 def load_corpus(spec: str, max_bytes: int) -> tuple[torch.Tensor, torch.Tensor, str]:

@@ -116,7 +116,7 @@ def run(plan: RunPlan) -> int:
     lock = RunLock(out) if ranks.main else None
     if lock is not None:
         lock.acquire()  # before anything is written: one run per --out
-    sig = Signals(say)  # (signals.py: what each signal does at each stage of the run)
+    sig = Signals(say, ranks.world)  # (signals.py: what each signal does at each stage of the run)
     try:
         with sig.outside():
             return _run(plan, ranks, say, out, sig)

@@ -45,8 +45,8 @@ class Signals:
     """One run's handlers (main thread only: elsewhere Python delivers no signals). ``say``: the
     main process's messages (a no-op on the other ranks)."""
 
-    def __init__(self, say):
-        self.say = say
+    def __init__(self, say, world=1):
+        self.say, self.world = say, world
         self.signal = None  # the stopping signal the loop acts on at the end of the step
         self.save = False  # SIGUSR1: save at the end of the step
         self.late = None  # a stopping signal held during the end-of-run outputs
@@ -109,8 +109,13 @@ class Signals:
         self.signal, self._first_at = signum, time.monotonic()
         running = time.perf_counter() - self._began if self._began is not None else 0.0
         last = f"; the last one took {self._last_s:.0f} s" if self._last_s is not None else ""
-        which = (f"step {self._step + 1} (the signal came after step {self._step} had checked for one)"
-                 if self._told else f"step {self._step} (running for {running:.0f} s{last})")
+        if not self._told:
+            which = f"step {self._step} (running for {running:.0f} s{last})"
+        elif self.world == 1:
+            which = f"step {self._step + 1} (the signal came after step {self._step} had checked for one)"
+        else:  # the ranks stop at the first step any of them flagged, and another may have flagged this one
+            which = (f"step {self._step} or {self._step + 1} (the signal came after this process's check of step "
+                     f"{self._step}; the step the {self.world} processes stop at depends on when the others saw it)")
         self.say(f"\nhytrain train: {name(signum)}: {which} finishes, is saved, and the run stops; send it again "
                  f"to stop at once (the last checkpoint stays)", flush=True)
 
