@@ -30,7 +30,8 @@
 #   timeline  train_bench L3B at 27.13 GB (hytrain_k0, fp32 states), one invocation per variant in
 #           $VARIANTS ("default", "torch1": torch's intra-op threads 1, "workersN": N update workers,
 #           "passive": OMP_WAIT_POLICY=passive), each with a trace of its last $TRACE_KEEP iterations,
-#           summarised per iteration by bench/trace_summary.py
+#           summarised per iteration by bench/trace_summary.py, and each iteration's page faults,
+#           update-worker CPU and preemptions and the machine's steal (train_bench --counters)
 # Logs go to $OUT (or ./device-out).
 set -uo pipefail
 source "$(dirname "$0")/stage_env.sh"
@@ -100,7 +101,7 @@ for stage in "$@"; do
         esac
         env "${envs[@]}" python3 bench/train_bench.py --workloads l3b --modes "${TIMELINE_MODE:-hytrain_k0}" \
           --cap-gb 27.13 --skip-nocap --no-profile --warmup 5 --iters "${PLACE_ITERS:-10}" "${extra[@]}" \
-          --trace "$out/trace_$n$variant" --trace-keep "${TRACE_KEEP:-6}" > "$out/timeline_$n$variant.log" 2>&1
+          --trace "$out/trace_$n$variant" --trace-keep "${TRACE_KEEP:-6}" --counters > "$out/timeline_$n$variant.log" 2>&1
         python3 - "$out/timeline_$n$variant.log" "$n$variant" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
@@ -110,6 +111,10 @@ for line in open(sys.argv[1]):
         print(sys.argv[2], {k: round(r[k], 3) if isinstance(r.get(k), float) else r.get(k) for k in keys})
         print("  iterations", r.get("iter_times_s"))
         print("  threads", json.dumps(r.get("thread_cpu")))
+        # each iteration from the first: s, the update workers' cores, page faults, preemptions, steal
+        for t, c in zip(r.get("iter_times_s", []), r.get("iter_counters", [])):
+            print(f"  iter {t:7.3f} s  workers {c.get('workers_cpu_s', 0) / t:5.1f} cores  minflt {c.get('minflt')}"
+                  f"  majflt {c.get('majflt')}  preempted {c.get('workers_preempted')}  steal {c.get('steal_s')} s")
 PY
         python3 bench/trace_summary.py "$out"/trace_$n$variant.*.json | cut -c1-220 | head -4
       done ;;

@@ -69,3 +69,48 @@ def thread_cpu_figures(before: dict, after: dict, window_s: float) -> dict:
     return {name: {"threads": g["threads"], "cores": round(g["cpu_s"] / window_s, 3),
                    "busiest_core": round(g["busiest_s"] / window_s, 3)}
             for name, g in sorted(groups.items(), key=lambda kv: -kv[1]["cpu_s"]) if g["cpu_s"] > 0}
+
+
+def counters(thread_name: str = "hytrain-update") -> dict:
+    """What the kernel has counted so far that may make one iteration slower than another: this
+    process's minor and major page faults, the CPU seconds and involuntary context switches (a
+    runnable thread taken off its core) of its threads named ``thread_name``, and the machine's
+    steal and iowait seconds (a virtual machine's vCPUs not run by its host; from /proc/stat).
+    Differences of two readings (:func:`counter_deltas`) belong to what ran between them. Linux; {}
+    elsewhere."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out["minflt"], out["majflt"] = int(fields[7]), int(fields[9])
+        with open("/proc/stat") as f:
+            cpu = f.readline().split()  # cpu user nice system idle iowait irq softirq steal ...
+        out["iowait_s"], out["steal_s"] = int(cpu[5]) / tick, int(cpu[8]) / tick
+    except (OSError, IndexError, ValueError):
+        return {}
+    cpu_s, nvcsw = 0.0, 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            if stat[stat.index("(") + 1:stat.rindex(")")] != thread_name:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            cpu_s += (int(fields[11]) + int(fields[12])) / tick
+            with open(f"/proc/self/task/{tid}/status") as f:
+                nvcsw += next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
+        except (OSError, StopIteration, ValueError):  # the thread ended
+            continue
+    out["workers_cpu_s"], out["workers_preempted"] = cpu_s, nvcsw
+    return out
+
+
+def counter_deltas(readings) -> list:
+    """The differences of consecutive :func:`counters` readings (one dict per interval, rounded)."""
+    deltas = []
+    for a, b in zip(readings, readings[1:]):
+        deltas.append({k: round(b[k] - a[k], 3) for k in b if k in a})
+    return deltas

@@ -49,7 +49,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timed_window import thread_cpu, thread_cpu_figures, window_figures  # noqa: E402
+from timed_window import counter_deltas, counters, thread_cpu, thread_cpu_figures, window_figures  # noqa: E402
 
 WORKLOADS = {
     "l3b": dict(hidden_size=3072, num_layers=26, num_heads=24, intermediate_size=8192, checkpointing=False),
@@ -266,9 +266,12 @@ def run_mode(args):
     warmup = args.warmup
     i = 0
     cpu_before = None
+    readings = []  # --counters: the kernel's counts at each iteration's start (and the last one's end)
     while i < warmup + args.iters:
         if i == warmup:
             cpu_before = thread_cpu()
+        if args.counters:
+            readings.append(counters())
         t0 = time.perf_counter()
         iteration()
         stream.synchronize()
@@ -281,6 +284,8 @@ def run_mode(args):
                 warmup += 1
         i += 1
     cpu_after = thread_cpu()
+    if args.counters:
+        readings.append(counters())
     iter_s = statistics.median(times[warmup:])
     tokens = BATCH * SEQ * accum
     rec = {"mode": mode, "workload": workload, "model": "transformers" if use_tf else "hytrain",
@@ -295,6 +300,8 @@ def run_mode(args):
            **window_figures(times[warmup:], tokens),
            # the cores each kind of thread kept busy over the timed window (hytrain-update: the CPU AdamW)
            "thread_cpu": thread_cpu_figures(cpu_before or {}, cpu_after, sum(times[warmup:]))}
+    if args.counters:  # per iteration, from the first: page faults, the update workers' CPU and preemptions, steal
+        rec["iter_counters"] = counter_deltas(readings)
     if scaler is not None:
         rec["loss_scale"] = scaler.get_scale()
     rec["kept_grads"] = bool(args.keep_grads) if mode.startswith("hytrain") else None
@@ -335,6 +342,8 @@ def child(mode, workload, args, cap=None, trace=None, label=None):
         cmd += ["--host-limit-gb", str(args.host_limit_gb)]
     if args.no_profile:
         cmd.append("--no-profile")
+    if args.counters:
+        cmd.append("--counters")
     if args.keep_grads:
         cmd.append("--keep-grads")
     if args.workers:
@@ -404,6 +413,8 @@ def main():
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch's intra-op threads in each run (default: torch's, every core), beside "
                          "hytrain's update workers")
+    ap.add_argument("--counters", action="store_true",
+                    help="record each iteration's page faults, update-worker CPU and preemptions, and the machine's steal")
     ap.add_argument("--accum", type=int, default=1,
                     help="micro-batches of 2 x 2048 tokens a step (gradient accumulation): 4 -> 16 K tokens a step")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)

@@ -2,6 +2,7 @@
 worked out by hand."""
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,36 @@ def test_thread_cpu_finds_a_busy_thread_by_name():
     assert "busy-spinner" in f and f["busy-spinner"]["threads"] == 1, f
     assert 0.2 < f["busy-spinner"]["cores"] + f.get("main", {}).get("cores", 0.0) < 1.3, f
     assert thread_cpu_figures(before, after, 0.0) == {}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_counters_see_the_page_faults_and_cpu_of_what_ran_between_two_readings():
+    import ctypes
+    import threading
+
+    from timed_window import counter_deltas, counters
+
+    def worker(stop):  # named as the update workers are (the kernel's name for the thread)
+        ctypes.CDLL(None).prctl(15, b"hytrain-update", 0, 0, 0)  # PR_SET_NAME
+        while not stop.is_set():
+            sum(range(1000))
+
+    stop = threading.Event()
+    t = threading.Thread(target=worker, args=(stop,))
+    t.start()
+    try:
+        before = counters()
+        touched = bytearray(64 << 20)  # 64 MiB of fresh pages, written
+        for i in range(0, len(touched), 4096):
+            touched[i] = 1
+        deadline = time.perf_counter() + 0.3
+        while time.perf_counter() < deadline:
+            pass
+        after = counters()
+    finally:
+        stop.set()
+        t.join()
+    (delta,) = counter_deltas([before, after])
+    assert delta["minflt"] >= 1000  # at least a page in 16 faulted (huge pages give fewer faults)
+    assert 0 < delta["workers_cpu_s"] <= 1.0
+    assert delta["steal_s"] >= 0 and delta["majflt"] >= 0
