@@ -26,7 +26,8 @@ def summarise(path: str) -> list[dict]:
         if ev["pid"] == 1 and ev["tid"] == 1:
             compute[it].append((ev["ts"], ev["ts"] + ev["dur"]))
         elif ev["pid"] == 2:
-            updates[it].append((ev["ts"], ev["dur"], ev["args"].get("queued_us", 0.0)))
+            a = ev["args"]
+            updates[it].append((ev["ts"], ev["dur"], a.get("queued_us", 0.0), a.get("workers"), a.get("busy_ms")))
     rows = []
     for it in sorted(set(compute) | set(updates), key=lambda i: (i is None, i)):
         c, u = compute.get(it, []), sorted(updates.get(it, []))
@@ -34,11 +35,17 @@ def summarise(path: str) -> list[dict]:
         if c:
             row["compute_ms"] = (max(e for _, e in c) - min(s for s, _ in c)) / 1e3
         if u:
-            durs = [d / 1e3 for _, d, _ in u]
+            durs = [d / 1e3 for _, d, *_ in u]
             row.update(first_ms=[round(d, 1) for d in durs[:3]], median_ms=statistics.median(durs),
-                       max_ms=max(durs), sum_ms=sum(durs), queued_max_ms=max(q for _, _, q in u) / 1e3,
-                       span_ms=(max(s + d for s, d, _ in u) - min(s for s, _, _ in u)) / 1e3,
+                       max_ms=max(durs), sum_ms=sum(durs), queued_max_ms=max(x[2] for x in u) / 1e3,
+                       span_ms=(max(x[0] + x[1] for x in u) - min(x[0] for x in u)) / 1e3,
                        slow=sum(d > 2.5 * statistics.median(durs) for d in durs))
+            if u[0][3] is not None:
+                # per block: the workers that ran its slices, and the share of span x workers they spent inside them
+                # (near 1: every one of them was busy with it throughout, so its slices ran slowly)
+                row["first_team"] = [(x[3], round(x[4] / (x[1] / 1e3 * x[3]), 2) if x[3] and x[1] else None)
+                                     for x in u[:3]]
+                row["median_workers"] = statistics.median(x[3] for x in u)
         rows.append(row)
     return rows
 

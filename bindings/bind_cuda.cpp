@@ -200,6 +200,8 @@ void bind_cuda(py::module_& m) {
         d["h2d_bytes"] = b.h2d_bytes;
         d["update_ns"] = std::make_tuple(b.update.submit_ns, b.update.start_ns, b.update.end_ns);
         d["elements"] = b.update.elements;
+        d["update_busy_ns"] = b.update.busy_ns;  // the workers' time inside its slices, summed
+        d["update_workers"] = b.update.workers;
         return d;
       })
       .def("copy_times_ms", [](OffloadPipeline& p, const std::string& direction,

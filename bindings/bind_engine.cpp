@@ -32,7 +32,7 @@ void bind_engine(py::module_& m) {
       .def("done", &UpdateEngine::done)
       .def("timing", [](UpdateEngine& e, int64_t block) {
         const BlockTiming t = e.timing(block);
-        return std::make_tuple(t.submit_ns, t.start_ns, t.end_ns, t.elements);
+        return std::make_tuple(t.submit_ns, t.start_ns, t.end_ns, t.elements, t.busy_ns, t.workers);
       })
       .def_property_readonly("workers", &UpdateEngine::workers)
       .def_property_readonly("inherited", &UpdateEngine::inherited,

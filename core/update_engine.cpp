@@ -4,6 +4,7 @@
 #include <pthread.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <thread>
 
 #include "hytrain/error.h"
@@ -52,6 +53,16 @@ AdamWTensor slice_of(const AdamWTensor& t, int64_t begin, int64_t end) {
 
 namespace {
 
+// HYTRAIN_WORKER_SPIN_US: how long an idle update worker keeps looking for work before it sleeps
+// (default 0: a few dozen tries). A measurement knob for hosts where a worker woken from sleep starts slowly.
+int64_t worker_spin_ns() {
+  const char* v = std::getenv("HYTRAIN_WORKER_SPIN_US");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long long us = std::strtoll(v, &end, 10);
+  return (end != v && *end == '\0' && us > 0 && us <= 10'000'000) ? us * 1000 : 0;
+}
+
 std::atomic<uint64_t> g_forks{0};
 
 void count_fork_in_child() { g_forks.fetch_add(1, std::memory_order_acq_rel); }
@@ -68,13 +79,14 @@ struct UpdateEngine::Runtime {
   Runtime(std::size_t queue_slices, SimdPath path) : queue(queue_slices), path(path) {}
 
   void start(int workers) {
-    for (int i = 0; i < workers; ++i) threads.emplace_back([this] {
+    queue.set_pop_spin_ns(worker_spin_ns());
+    for (int i = 0; i < workers; ++i) threads.emplace_back([this, i] {
       name_this_thread("hytrain-update");
-      run_worker();
+      run_worker(i);
     });
   }
   void stop();  // drains the queue (overflow included), then joins the workers
-  void run_worker();
+  void run_worker(int index);
   void finish(Block& b);
   void refill();  // moves overflow slices into the queue while they fit (takes overflow_mutex)
 
@@ -214,12 +226,17 @@ void UpdateEngine::Runtime::refill() {
   pending.store(overflow.size());
 }
 
-void UpdateEngine::Runtime::run_worker() {
+void UpdateEngine::Runtime::run_worker(int index) {
   Slice* s = nullptr;
+  const uint64_t bit = uint64_t{1} << (index % 64);
   while (queue.pop(s)) {
     Block& b = *s->block;
     int64_t zero = 0;
-    b.start_ns.compare_exchange_strong(zero, steady_now_ns());
+    const int64_t began = steady_now_ns();
+    b.start_ns.compare_exchange_strong(zero, began);
+    if (!(b.seen[index / 64 % 16].load(std::memory_order_relaxed) & bit)) {
+      b.seen[index / 64 % 16].fetch_or(bit, std::memory_order_relaxed);
+    }
     if (!b.failed.load(std::memory_order_acquire)) {
       const UpdateJob& j = b.jobs[s->job];
       try {
@@ -230,6 +247,7 @@ void UpdateEngine::Runtime::run_worker() {
         b.failed.store(true, std::memory_order_release);
       }
     }
+    b.busy_ns.fetch_add(steady_now_ns() - began, std::memory_order_relaxed);
     if (b.remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(b);
     if (pending.load() > 0) refill();
   }
@@ -242,6 +260,10 @@ void UpdateEngine::Runtime::finish(Block& b) {
     std::lock_guard<std::mutex> lock(mutex);
     b.timing.start_ns = b.start_ns.load();
     b.timing.end_ns = steady_now_ns();
+    b.timing.busy_ns = b.busy_ns.load();
+    int seen = 0;
+    for (const auto& word : b.seen) seen += __builtin_popcountll(word.load(std::memory_order_relaxed));
+    b.timing.workers = seen;
     b.complete = true;
     call = on_complete;
   }

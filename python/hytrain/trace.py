@@ -139,23 +139,25 @@ class Timeline:
                         spans.append((pid_dev, tids[d], f"{d} block {b}", s, e,
                                       {"iteration": it.index, "bytes": info[f"{d}_bytes"]}))
                     submit, start, end = info["update_ns"]
-                else:  # UpdateEngine timing: (submit, start, end, elements)
+                    team = {"workers": info.get("update_workers"), "busy_ms": info.get("update_busy_ns", 0) / 1e6}
+                else:  # UpdateEngine timing: (submit, start, end, elements, busy_ns, workers)
                     submit, start, end = info[0], info[1], info[2]
+                    team = {"workers": info[5], "busy_ms": info[4] / 1e6}
                 if end > start:
-                    updates.append((start, end, b, it.index, max(0, start - submit) if submit else 0))
+                    updates.append((start, end, b, it.index, max(0, start - submit) if submit else 0, team))
             if marks:
                 out.append({"ph": "C", "name": "k (GPU-updated blocks)", "pid": pid_dev,
                             "ts": marks[0][0], "args": {"k": it.k}})
         # CPU updates: one lane per concurrently running block (blocks are shared by all workers).
         lanes = []
-        for start, end, b, idx, queued in sorted(updates):
+        for start, end, b, idx, queued, team in sorted(updates, key=lambda u: u[:5]):
             lane = next((i for i, free_at in enumerate(lanes) if free_at <= start), None)
             if lane is None:
                 lanes.append(end)
                 lane = len(lanes) - 1
             lanes[lane] = end
             spans.append((pid_cpu, 10 + lane, f"AdamW block {b}", start, end,
-                          {"iteration": idx, "queued_us": queued / 1e3}))
+                          {"iteration": idx, "queued_us": queued / 1e3, **team}))
         for lane in range(len(lanes)):
             out.append({"ph": "M", "name": "thread_name", "pid": pid_cpu, "tid": 10 + lane,
                         "args": {"name": f"block updates (lane {lane})"}})

@@ -20,8 +20,9 @@ uint64_t items_from_env() {
   return s ? std::strtoull(s, nullptr, 10) : 10'000'000ull;
 }
 
-void stress(int producers, int consumers, std::size_t capacity, uint64_t total) {
+void stress(int producers, int consumers, std::size_t capacity, uint64_t total, int64_t spin_ns = 0) {
   MpmcQueue<uint64_t> q(capacity);
+  q.set_pop_spin_ns(spin_ns);
   const uint64_t per = total / producers;
   std::vector<std::atomic<uint8_t>> seen(per * producers);
   for (auto& s : seen) s.store(0, std::memory_order_relaxed);
@@ -74,6 +75,32 @@ TEST(many_producers_many_consumers) { stress(4, 4, 1024, items_from_env()); }
 TEST(one_producer_one_consumer_tiny_ring) { stress(1, 1, 2, items_from_env() / 10); }
 
 TEST(more_consumers_than_work) { stress(2, 8, 64, items_from_env() / 10); }
+
+TEST(spinning_consumers_lose_and_repeat_nothing) { stress(2, 4, 64, items_from_env() / 10, 2'000'000); }
+
+TEST(a_spinning_pop_takes_a_push_and_ends_at_close) {
+  MpmcQueue<int> q(8);
+  q.set_pop_spin_ns(5'000'000'000);  // 5 s: longer than the test, so both ends come while it spins
+  std::atomic<int> got{-1};
+  std::atomic<bool> ended{false};
+  std::thread consumer([&] {
+    int v;
+    if (q.pop(v)) got.store(v);
+    int w;
+    CHECK(!q.pop(w));  // closed and empty
+    ended.store(true);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(got.load() == -1);
+  CHECK(q.push(7));
+  while (got.load() == -1) std::this_thread::yield();
+  CHECK(got.load() == 7);
+  const auto closed_at = std::chrono::steady_clock::now();
+  q.close();
+  consumer.join();
+  CHECK(ended.load());
+  CHECK(std::chrono::steady_clock::now() - closed_at < std::chrono::seconds(2));  // not the 5 s spin
+}
 
 TEST(pop_sleeps_until_push_and_close_wakes) {
   MpmcQueue<int> q(8);

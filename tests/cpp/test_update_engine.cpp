@@ -71,6 +71,11 @@ TEST(submit_never_blocks_and_the_overflow_completes) {
   for (int b = 0; b < kBlocks; ++b) engine.wait(b);
   for (int b = 0; b < kBlocks; ++b) {
     CHECK_MSG(mine[b].p == ref[b].p && mine[b].m == ref[b].m && mine[b].v == ref[b].v, "block %d", b);
+    // Its team: 1 to 3 workers ran its ~100 slices, inside them for at most span x workers.
+    const hytrain::BlockTiming t = engine.timing(b);
+    CHECK_MSG(t.workers >= 1 && t.workers <= 3 && t.elements == kN, "block %d: %d workers", b, t.workers);
+    CHECK_MSG(t.busy_ns > 0 && t.busy_ns <= (t.end_ns - t.start_ns) * t.workers, "block %d: busy %lld ns", b,
+              static_cast<long long>(t.busy_ns));
   }
   // wait() returns once a block is complete; its hook runs just after, on the worker.
   for (int i = 0; i < 5000 && hooks.load() < kBlocks; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));

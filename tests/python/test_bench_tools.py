@@ -29,6 +29,10 @@ def test_trace_summary_gives_each_iteration_its_updates(tmp_path):
         durs = sorted(e["dur"] / 1e3 for e in updates if e["args"]["iteration"] == r["iteration"])
         assert r["updates"] == n and len(r["first_ms"]) == 3 and r["max_ms"] == max(durs)
         assert abs(r["sum_ms"] - sum(durs)) < 1e-6 and r["compute_ms"] > 0 and 0 <= r["slow"] < n
+        # each block's team: 1 or 2 of the 2 workers ran its slices, busy for at most span x workers
+        assert all(1 <= w <= 2 and 0 < share <= 1.05 for w, share in r["first_team"]), r["first_team"]
+    for e in updates:
+        assert 1 <= e["args"]["workers"] <= 2 and 0 < e["args"]["busy_ms"] <= 2 * e["dur"] / 1e3 * 1.05 + 0.01
 
 
 def test_summarise_runs_reads_records_and_ratios(tmp_path, capsys):

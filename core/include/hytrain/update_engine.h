@@ -47,6 +47,8 @@ struct BlockTiming {
   int64_t start_ns = 0;
   int64_t end_ns = 0;
   int64_t elements = 0;
+  int64_t busy_ns = 0;  // the workers' time inside the block's slices, summed (span x workers where all ran it)
+  int workers = 0;      // the workers that ran at least one of its slices
 };
 
 int64_t steady_now_ns();
@@ -102,6 +104,8 @@ class UpdateEngine {
     std::vector<Slice> slices;
     std::atomic<int64_t> remaining{0};
     std::atomic<int64_t> start_ns{0};
+    std::atomic<int64_t> busy_ns{0};
+    std::atomic<uint64_t> seen[16] = {};  // bit w: worker w ran a slice (workers <= 1024)
     std::atomic<bool> failed{false};
     std::mutex error_mutex;  // guards error
     std::string error;       // the first failure's message
