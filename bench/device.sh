@@ -29,7 +29,8 @@
 #           local, then spread (HYTRAIN_PAGE_PLACEMENT), one invocation each, $PLACE_ITERS timed
 #   timeline  train_bench L3B at 27.13 GB (hytrain_k0, fp32 states), one invocation per variant in
 #           $VARIANTS ("default", "torch1": torch's intra-op threads 1, "workersN": N update workers,
-#           "passive": OMP_WAIT_POLICY=passive), each with a trace of its last $TRACE_KEEP iterations,
+#           "passive": OMP_WAIT_POLICY=passive, "spinN": idle update workers look for work N us before
+#           sleeping; joined with "+", e.g. "workers32+spin50000"), each with a trace of its last $TRACE_KEEP iterations,
 #           summarised per iteration by bench/trace_summary.py, and each iteration's page faults,
 #           update-worker CPU and preemptions and the machine's steal (train_bench --counters)
 # Logs go to $OUT (or ./device-out).
@@ -94,11 +95,14 @@ for stage in "$@"; do
       n=0
       for variant in ${VARIANTS:-default torch1}; do
         n=$((n + 1)); extra=(); envs=()
-        case "$variant" in
-          torch1) extra=(--torch-threads 1) ;;
-          workers*) extra=(--workers "${variant#workers}") ;;
-          passive) envs=(OMP_WAIT_POLICY=passive) ;;
-        esac
+        for part in ${variant//+/ }; do
+          case "$part" in
+            torch1) extra+=(--torch-threads 1) ;;
+            workers*) extra+=(--workers "${part#workers}") ;;
+            passive) envs+=(OMP_WAIT_POLICY=passive) ;;
+            spin*) envs+=(HYTRAIN_WORKER_SPIN_US="${part#spin}") ;;
+          esac
+        done
         env "${envs[@]}" python3 bench/train_bench.py --workloads l3b --modes "${TIMELINE_MODE:-hytrain_k0}" \
           --cap-gb 27.13 --skip-nocap --no-profile --warmup 5 --iters "${PLACE_ITERS:-10}" "${extra[@]}" \
           --trace "$out/trace_$n$variant" --trace-keep "${TRACE_KEEP:-6}" --counters > "$out/timeline_$n$variant.log" 2>&1
