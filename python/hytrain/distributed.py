@@ -166,12 +166,26 @@ def local_world_size() -> int:
         return 1
 
 
-def default_workers() -> int:
+# Update threads per NUMA node at most. The update is bound by the node's memory bandwidth, which 16
+# to 32 threads already draw (docs/performance.md, section 1: one process on a 64-vCPU host updates
+# 5.35 G parameters/s with 32 threads and 5.26 with 63); beyond that, threads only wait on memory, and
+# on a virtual machine whose vCPUs are not all backed by cores at once they are what the hypervisor
+# takes away: with 63 workers on 64 vCPUs, 15-25 vCPUs' worth of time was stolen in every step and
+# each step's first block waited 50-200 ms for its sleeping workers to be run again (section 3,
+# "Why hytrain's iterations alternate").
+MAX_WORKERS_PER_NODE = 32
+
+
+def default_workers(nodes=None) -> int:
     """CPU update threads for this process: the cores it may use, shared with the other processes of
-    the node (torchrun starts one per GPU; each gets its share, less one for its training thread).
-    Where the affinity already narrows the cores to this process's share, that share is used as is."""
-    cores = len(os.sched_getaffinity(0))
+    the node (torchrun starts one per GPU; each gets its share, less one for its training thread),
+    and at most ``MAX_WORKERS_PER_NODE`` for each NUMA node those cores are on. Where the affinity
+    already narrows the cores to this process's share, that share is used as is."""
+    allowed = os.sched_getaffinity(0)
+    cores = len(allowed)
     per_node = local_world_size()
     total = os.cpu_count() or cores
     share = cores if cores < total else cores // per_node
-    return max(1, share - 1)
+    nodes = numa_nodes() if nodes is None else nodes
+    spanned = sum(1 for cpus in nodes.values() if allowed.intersection(cpus)) or 1
+    return max(1, min(share - 1, MAX_WORKERS_PER_NODE * spanned))

@@ -797,3 +797,25 @@ def test_a_real_small_disk_under_torchrun(tmp_path, fast):
         _after_full_disk(out, rc, stderr, "GB free")
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=20)
+
+
+def test_default_workers_leave_one_core_and_take_at_most_32_a_numa_node(monkeypatch):
+    # The update draws the node's memory bandwidth with 16-32 threads; more only wait on memory (and,
+    # on a virtual machine, are what the hypervisor takes away): at most 32 for each node spanned.
+    import os
+
+    from hytrain import distributed
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for cpus, nodes, expected in ((16, {0: list(range(16))}, 15), (64, {0: list(range(64))}, 32),
+                                  (128, {0: list(range(64)), 1: list(range(64, 128))}, 64),
+                                  (64, {}, 32),  # the kernel names no node: one
+                                  (33, {0: list(range(33))}, 32), (4, {0: [0, 1, 2, 3]}, 3)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        monkeypatch.setattr(os, "cpu_count", lambda n=cpus: n)
+        assert distributed.default_workers(nodes) == expected, (cpus, nodes)
+    # Two ranks of a 128-core host of two nodes, each bound to its node: 32 each, not 63.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(64, 128)))
+    assert distributed.default_workers({0: list(range(64)), 1: list(range(64, 128))}) == 32

@@ -50,7 +50,8 @@ class HybridAdamW(torch.optim.Optimizer):
         state_format: ``"fp32"`` (default); ``"bf16"``: m and v stochastically rounded to bfloat16 (8 bytes of
             state per parameter, not 12); ``"8bit"``: blockwise-quantised m and v (about 6). Neither with amsgrad.
         workers: CPU update threads (default: this process's share of the node's cores -- under
-            torchrun the cores divided by LOCAL_WORLD_SIZE -- less one, for the training thread).
+            torchrun the cores divided by LOCAL_WORLD_SIZE -- less one, for the training thread, and at
+            most 32 for each NUMA node it runs on: the memory bandwidth binds before that).
         pool: a :class:`hytrain.PinnedPool` for master weights, states and staging (default: a new one).
         overlap: False updates everything inside ``step()`` and waits for it there (what overlap
             buys, for benchmarks).
