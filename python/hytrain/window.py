@@ -29,7 +29,7 @@ from torch import nn
 
 from .pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
 from .streamed_params import StreamedParameter
-from .window_plan import fits_resident, layout, plan_window
+from .window_plan import Unit, fits_resident, layout, materialize_meta, plan_ends, plan_window, tensors_in  # noqa: F401
 
 _WINDOWS: "weakref.WeakKeyDictionary[nn.Module, WeightWindow]" = weakref.WeakKeyDictionary()
 _OWNERS: dict = {}  # id(parameter) -> (weak parameter, weak window); by identity (tensors compare by value)
@@ -77,7 +77,7 @@ class WeightWindow:
         self._kept = set()  # layers kept on the device
         self._keep = set()  # layers to keep from their next forward on
         # (Parameters on the meta device become real ones first, uninitialised: see below.)
-        self._unread = _materialize(model, [layers[i] for i in self.streamed], device)
+        self._unread = materialize_meta(model, [layers[i] for i in self.streamed], device)
         self._params = {i: [p for p in layers[i].parameters()] for i in self.streamed}
         self._trainable = {i: [p for p in ps if p.requires_grad] for i, ps in self._params.items()}
         self._homes = {}  # id(p) -> pinned host tensor
@@ -246,23 +246,27 @@ class WeightWindow:
 
     # -- hooks ----------------------------------------------------------------------------------------
 
-    def _pre_forward(self, i) -> None:
+    def _pre_forward(self, i, member=0) -> None:
         backward = _in_backward()
-        if i == 0 and not backward and torch.is_grad_enabled():
+        if i == 0 and member == 0 and not backward and torch.is_grad_enabled():
             self._count_forward()
         if i in self._arrived:
             self._use(i)
         self._read_ahead(i, -1 if backward else 1)
 
-    def _post_forward(self, i, output) -> None:
+    def _post_forward(self, i, last, output) -> None:
+        """After a forward of layer i (of one member of a :class:`Unit`; ``last``: its last member,
+        whose forward ends the unit's)."""
         if _in_backward():
             return  # a recomputation: the layer's backward follows and needs the weights
         if i in self._arrived:
             self._arrived[i] = 0
-        outs = [t for t in _tensors(output) if t.requires_grad]
+        outs = [t for t in tensors_in(output) if t.requires_grad]
         if torch.is_grad_enabled() and outs and i not in self._kept:
             torch.autograd.graph.register_multi_grad_hook(outs, _Call(weakref.ref(self), "_pre_backward", i),
                                                           mode="any")
+        if not last:
+            return
         if i in self._keep and i in self._loaded:
             self._keep.discard(i)
             self._kept.add(i)
@@ -305,8 +309,11 @@ class WeightWindow:
     def _install(self) -> None:
         ref = weakref.ref(self)
         for i, layer in enumerate(self.layers):
-            self._hooks.append(layer.register_forward_pre_hook(_Call(ref, "_pre_forward", i)))
-            self._hooks.append(layer.register_forward_hook(_Call(ref, "_post_forward", i, with_output=True)))
+            members = layer.members if isinstance(layer, Unit) else [layer]
+            for k, m in enumerate(members):
+                self._hooks.append(m.register_forward_pre_hook(_Call(ref, "_pre_forward", i, k)))
+                self._hooks.append(m.register_forward_hook(_Call(ref, "_post_forward", i, k == len(members) - 1,
+                                                                 with_output=True)))
         for i in self.streamed:
             for p in self._trainable[i]:
                 self._hooks.append(p.register_post_accumulate_grad_hook(_Call(ref, "_grad_arrived", i)))
@@ -316,7 +323,8 @@ class WeightWindow:
         # visits that holds a streamed layer, before it has written anything.
         for i in self.streamed:
             hook = _Call(ref, "_state_dict", with_args=True)
-            self._hooks.append(self.layers[i].register_state_dict_post_hook(hook))
+            for m in self.layers[i].modules() if isinstance(self.layers[i], Unit) else [self.layers[i]]:
+                self._hooks.append(m.register_state_dict_post_hook(hook))
         streamed = {id(p) for i in self.streamed for p in self._params[i]}
         for module in self.model.modules():
             if any(id(p) in streamed for p in module.parameters()):
@@ -365,8 +373,14 @@ class WeightWindow:
         self._homes = {}
         _WINDOWS.pop(self.model, None)
 
+    @property
+    def ends(self) -> list:
+        """The streamed units outside the repeated layers: ``"embeddings"``, ``"head"`` (see ``ends=``)."""
+        return [self.layers[i].name for i in self.streamed if isinstance(self.layers[i], Unit)]
+
     def __repr__(self) -> str:
-        return (f"WeightWindow({len(self.streamed)} of {len(self.layers)} layers streamed, depth {self.depth}, "
+        ends = f" (with the {' and the '.join(self.ends)})" if self.ends else ""
+        return (f"WeightWindow({len(self.streamed)} of {len(self.layers)} layers streamed{ends}, depth {self.depth}, "
                 f"{format_bytes(self.host_bytes())} on the host)")
 
 
@@ -393,41 +407,8 @@ class _Call:
         return (_Call, (None, self.name))
 
 
-def _materialize(model, streamed_layers, device) -> set:
-    """The model's parameters and buffers on the meta device replaced by real ones, uninitialised (tied
-    ones stay tied): a streamed layer's on the CPU, its pages untouched (each gets a home instead),
-    the rest on ``device``. Returns the ids of the new parameters (nothing in them to copy)."""
-    inside = {id(p) for layer in streamed_layers for p in layer.parameters()}
-    new = {}
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if p.is_meta:
-                if id(p) not in new:
-                    where = "cpu" if id(p) in inside else device
-                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=where),
-                                              requires_grad=p.requires_grad)
-                setattr(module, name, new[id(p)])
-        for name, b in list(module.named_buffers(recurse=False)):
-            if b.is_meta:
-                setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
-    return {id(p) for p in new.values()}
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
-    elif hasattr(x, "to_tuple"):  # transformers' ModelOutput
-        yield from _tensors(x.to_tuple())
-
-
 def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2, reserve_bytes=None,
-                 pool: PinnedPool | None = None) -> WeightWindow:
+                 pool: PinnedPool | None = None, ends="auto") -> WeightWindow:
     """Places ``model`` on ``device`` (default: the current CUDA device, else the CPU) with its last
     repeated layers streamed from pinned host memory, and returns the window. The model may be on
     the CPU (it is moved layer by layer, each layer's CPU memory freed as it goes), already on the
@@ -445,12 +426,19 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
     measurement). ``depth``: streamed layers on the GPU at once (at least 1; 2 lets the next
     layer's copy run beside the current one's compute). ``reserve_bytes``: GPU memory kept for
     everything but the weights (activations, gradients in flight, the optimizer's GPU side; default
-    measured, see ``stream``). A model that does not fit even streamed is refused before
-    anything moves (CapacityError)."""
+    measured, see ``stream``). ``ends``: whether the parameters outside the repeated layers stream
+    too, each end one more unit of the window (``window.ends``): ``"auto"`` streams the head (final
+    norm and LM head), then the embeddings, only where the layers alone cannot make room (a small
+    GPU); True both, False neither. With the embeddings streamed every block is updated on the
+    host (k = 0): the GPU-updated blocks come before the first streamed one. Tied embeddings do not
+    stream. A model that does not fit even streamed is refused before anything moves
+    (CapacityError)."""
     if window_of(model) is not None:
         raise ValueError("this model already streams its weights (stream_model was called on it)")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
+    if ends not in ("auto", True, False):
+        raise ValueError(f"ends must be 'auto', True or False, got {ends!r}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -466,28 +454,29 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
                          "init_empty_weights(include_buffers=False)) or fill them first")
     layers, ok, layer_bytes, fixed = layout(inner)
     n = len(layers)
-    measure = False
+    measure, with_ends = False, []
+
+    def plan(free, reserve):
+        return plan_ends(inner, layers, ok, layer_bytes, fixed, free, depth=depth, reserve_bytes=reserve, ends=ends)
+
     if stream == "auto":
         count = 0
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             # What is on the device already stays there, or moves into its home.
-            on_device = sum(p.numel() * p.element_size() for p in inner.parameters() if p.device == device)
+            free += sum(p.numel() * p.element_size() for p in inner.parameters() if p.device == device)
             if reserve_bytes is not None:
-                count = plan_window(layer_bytes, fixed, free + on_device, depth=depth,
-                                    reserve_bytes=int(reserve_bytes), streamable=ok)
-            else:  # everything resident, with half of the device for the rest: no window
-                count = 0 if fits_resident(layer_bytes, fixed, free + on_device, total, depth=depth,
-                                           streamable=ok) else None
-                if count != 0:
-                    # Every layer that can stream does, until the second forward has shown what the
-                    # rest takes; then the first ones that fit beside it stay (_count_forward). Refused
-                    # here only where even the window alone leaves no margin.
-                    count = plan_window(layer_bytes, fixed, free + on_device, depth=depth,
-                                        reserve_bytes=(1 << 30) + total // 20, streamable=ok)
-                    while count < n and ok[n - 1 - count]:
-                        count += 1
-                    measure = True
+                count, with_ends = plan(free, int(reserve_bytes))
+            elif not fits_resident(layer_bytes, fixed, free, total, depth=depth, streamable=ok):
+                # Every layer that can stream does, until the second forward has shown what the rest
+                # takes; then the first ones that fit beside it stay (_count_forward). Refused here
+                # only where even the window alone leaves no margin.
+                count, with_ends = plan(free, (1 << 30) + total // 20)
+                while count < n and ok[n - 1 - count]:
+                    count += 1
+                measure = True
+        if ends is True and not with_ends:  # (the plan above kept the layers resident)
+            with_ends = plan(float("inf"), 0)[1]
     else:
         if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream <= n:
             raise ValueError(f"stream must be 'auto' or a number of layers in [0, {n}], got {stream!r}")
@@ -496,17 +485,24 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
         if bad:
             raise ValueError(f"layer {bad[0]} cannot stream: its parameters must all be bfloat16 or float16, "
                              "some trainable, and none shared with modules outside it (tied weights)")
-    streamed = list(range(n - count, n))
-    host_need = sum(layer_bytes[i] for i in streamed)
+        if ends is True:
+            with_ends = plan(float("inf"), 0)[1]
+    first = [u for u in with_ends if u.name == "embeddings"]
+    last = [u for u in with_ends if u.name == "head"]
+    units = first + list(layers) + last
+    streamed = list(range(len(first))) + [len(first) + i for i in range(n - count, n)] + \
+        list(range(len(units) - len(last), len(units)))
+    sizes = [sum(p.numel() * p.element_size() for p in units[i].parameters()) for i in streamed]
+    host_need = sum(sizes)
     room = available_memory_bytes()
     if room is not None and host_need > room:
-        raise CapacityError(f"streaming {count} layers needs {format_bytes(host_need)} of pinned host memory for "
-                            f"their weights, and {format_bytes(room)} is available")
-    if pool is None and count:
-        pool = PinnedPool(None, slab_bytes=max(256 << 20, max(layer_bytes[i] for i in streamed) + 4096),
+        raise CapacityError(f"streaming {len(streamed)} layers needs {format_bytes(host_need)} of pinned host memory "
+                            f"for their weights, and {format_bytes(room)} is available")
+    if pool is None and streamed:
+        pool = PinnedPool(None, slab_bytes=max(256 << 20, max(sizes) + 4096),
                           pinned=True if device.type == "cuda" else "auto")
         if pool.page_locked:
-            pool.reserve_for([p.numel() * p.element_size() for i in streamed for p in layers[i].parameters()])
-    window = WeightWindow(inner, layers, streamed, device, depth, pool, measure=measure)
+            pool.reserve_for([p.numel() * p.element_size() for i in streamed for p in units[i].parameters()])
+    window = WeightWindow(inner, units, streamed, device, depth, pool, measure=measure)
     _WINDOWS[inner] = window
     return window

@@ -1,9 +1,12 @@
 """Which of a model's repeated layers may stream (window.py), and how many must: the plan a
-weight window starts from, and its refusal in one line."""
+weight window starts from, and its refusal in one line. The parameters outside the layers -- the
+embeddings before them, the final norm and the LM head after them -- are two more units of the
+window (:class:`Unit`), streamed where the layers alone do not make room (or when asked)."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .blocks import repeated_layers
 from .pool import CapacityError, format_bytes
@@ -102,3 +105,129 @@ def streamable_layers(model, layers) -> list[bool]:
         out.append(i not in shared and any(p.requires_grad for p in ps)
                    and all(p.dtype in _STREAMABLE for p in ps))
     return out
+
+
+class Unit:
+    """The modules outside the repeated layers whose own parameters are one of the optimizer's blocks:
+    ``"embeddings"`` (the parameters before the layers) or ``"head"`` (those after them: the final
+    norm and the LM head). It answers what the window asks of a layer -- parameters, buffers,
+    modules -- and its members take the window's hooks (each its forward's; the last of them, in
+    the model's order, the frees)."""
+
+    def __init__(self, name, members, split=False):
+        # split: members on both sides of the layers (an LM head tied to the embeddings): it would
+        # stay loaded from the first forward to the last backward, so it does not stream.
+        self.name, self.members, self.split = name, list(members), split
+
+    def parameters(self):
+        seen = set()
+        for m in self.members:
+            for p in m.parameters(recurse=False):
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def buffers(self, recurse=True):
+        for m in self.members:
+            yield from m.buffers(recurse=False)
+
+    def modules(self):
+        yield from self.members
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name}: {', '.join(type(m).__name__ for m in self.members)})"
+
+
+def end_units(model, layers) -> tuple:
+    """(embeddings, head): the :class:`Unit` of the parameters before the repeated layers and of those
+    after them, in the model's parameter order (as the optimizer's blocks are: blocks.py), each None
+    where there are none."""
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    before, after, seen_body = set(), set(), False
+    for p in model.parameters():
+        if id(p) in inside:
+            seen_body = True
+        else:
+            (after if seen_body else before).add(id(p))
+    modules = list(model.modules())
+    where = {id(m): k for k, m in enumerate(modules)}
+    layer_modules = [where[id(m)] for layer in layers for m in layer.modules()]
+    units = []
+    for name, ids in (("embeddings", before), ("head", after)):
+        members = [m for m in modules if any(id(p) in ids for p in m.parameters(recurse=False))]
+        split = (any(where[id(m)] < min(layer_modules) for m in members)
+                 and any(where[id(m)] > max(layer_modules) for m in members))
+        units.append(Unit(name, members, split) if members else None)
+    return tuple(units)
+
+
+def plan_ends(model, layers, ok, layer_bytes, fixed_bytes, free_bytes, *, depth, reserve_bytes, ends):
+    """Which ends stream and how many layers must, where the layers alone may not make room:
+    ``(count, [units that stream])``. ``ends``: ``"auto"`` (the head, then the embeddings, only
+    where streaming every layer that can leaves too little), True (both), False (neither). The
+    embeddings stream last of all: the GPU-updated blocks must come before the first streamed one,
+    so with them streamed every block is updated on the host. Raises CapacityError (one line) where
+    even that does not fit, or ValueError where True asks for an end that cannot stream."""
+    embeddings, head = end_units(model, layers)
+    units = [u for u in (embeddings, head) if u is not None]
+    can = {u.name: ok_ and not u.split for u, ok_ in zip(units, streamable_layers(model, units))}
+    if ends is True:
+        bad = [u.name for u in units if not can[u.name]]
+        if bad:
+            raise ValueError(f"the {bad[0]} cannot stream (ends=True): their parameters must be bfloat16 or float16 "
+                             "and not shared with a layer (tied embeddings: use ends='auto' or False)")
+        tries = [units]
+    elif ends == "auto":
+        tries = [[]] + [[u for u in (head, embeddings)[:n] if u is not None] for n in (1, 2)]
+        tries = [t for t in tries if all(can[u.name] for u in t)]
+    else:
+        tries = [[]]
+    error = None
+    for streamed in tries:
+        sizes = {u.name: sum(p.numel() * p.element_size() for p in u.parameters()) for u in streamed}
+        order = ([sizes["embeddings"]] if "embeddings" in sizes else []) + list(layer_bytes) + \
+            ([sizes["head"]] if "head" in sizes else [])
+        flags = ([True] if "embeddings" in sizes else []) + list(ok) + ([True] if "head" in sizes else [])
+        try:
+            count = plan_window(order, fixed_bytes - sum(sizes.values()), free_bytes, depth=depth,
+                                reserve_bytes=reserve_bytes, streamable=flags)
+        except CapacityError as e:
+            error = error or e
+            continue
+        # The head, last in the order, streams first; the embeddings, first in it, last: the layers are the rest.
+        layers = count - ("head" in sizes and count >= 1) - ("embeddings" in sizes and count == len(order))
+        return layers, streamed
+    raise error
+
+
+def materialize_meta(model, streamed_layers, device) -> set:
+    """The model's parameters and buffers on the meta device replaced by real ones, uninitialised (tied
+    ones stay tied): a streamed layer's on the CPU, its pages untouched (each gets a home instead),
+    the rest on ``device``. Returns the ids of the new parameters (nothing in them to copy)."""
+    inside = {id(p) for layer in streamed_layers for p in layer.parameters()}
+    new = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.is_meta:
+                if id(p) not in new:
+                    where = "cpu" if id(p) in inside else device
+                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=where),
+                                              requires_grad=p.requires_grad)
+                setattr(module, name, new[id(p)])
+        for name, b in list(module.named_buffers(recurse=False)):
+            if b.is_meta:
+                setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
+    return {id(p) for p in new.values()}
+
+
+def tensors_in(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from tensors_in(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from tensors_in(y)
+    elif hasattr(x, "to_tuple"):  # transformers' ModelOutput
+        yield from tensors_in(x.to_tuple())

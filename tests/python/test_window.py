@@ -347,3 +347,83 @@ def test_a_model_on_the_meta_device_is_placed_empty_and_read_into_its_places():
     opt_s = hytrain.HybridAdamW(meta.parameters(), model=meta, lr=1e-2)
     data = batches(2, seed=7)
     assert train(resident, opt_r, data) == train(meta, opt_s, data)
+
+
+# -- the ends: the embeddings and the head (final norm, LM head) as units of the window ----------------
+
+def test_the_ends_stream_only_where_the_layers_alone_leave_too_little():
+    from hytrain.window_plan import end_units, layout, plan_ends
+
+    m = model()
+    layers, ok, layer_bytes, fixed = layout(m)
+    embeddings, head = end_units(m, layers)
+    assert [type(x).__name__ for x in embeddings.members] == ["Embedding"]
+    assert [type(x).__name__ for x in head.members] == ["RMSNorm", "Linear"]
+    emb_b = CFG.vocab_size * CFG.hidden_size * 2
+    head_b = emb_b + CFG.hidden_size * 2
+    rest = sum(b.numel() * b.element_size() for b in m.buffers())
+    assert fixed == emb_b + head_b + rest
+    one = layer_bytes[0]
+
+    def plan(free, ends="auto"):
+        count, units = plan_ends(m, layers, ok, layer_bytes, fixed, free, depth=1, reserve_bytes=0, ends=ends)
+        return count, [u.name for u in units]
+
+    assert plan(fixed + 4 * one) == (0, [])  # everything resident
+    assert plan(fixed + one) == (4, [])  # every layer streams, one at a time: the ends stay
+    assert plan(rest + emb_b + one) == (4, ["head"])  # the head goes too (the window holds the largest unit)
+    assert plan(rest + one) == (4, ["head", "embeddings"])
+    assert plan(fixed + one, ends=True) == (4, ["embeddings", "head"])
+    assert plan(fixed + 4 * one, ends=True) == (0, ["embeddings", "head"])
+    with pytest.raises(hytrain.CapacityError) as e:
+        plan(rest + one // 2)
+    assert "\n" not in str(e.value) and "layers streamed" in str(e.value)
+    with pytest.raises(hytrain.CapacityError):
+        plan(rest + emb_b + one, ends=False)
+    # Tied embeddings never stream: auto leaves them, True is refused naming them.
+    tied = model()
+    tied.lm_head.weight = tied.embed.weight
+    layers, ok, layer_bytes, fixed = layout(tied)
+    assert plan_ends(tied, layers, ok, layer_bytes, fixed, fixed + one, depth=1, reserve_bytes=0, ends="auto")[1] == []
+    with pytest.raises(ValueError, match="embeddings cannot stream"):
+        plan_ends(tied, layers, ok, layer_bytes, fixed, fixed + one, depth=1, reserve_bytes=0, ends=True)
+
+
+@pytest.mark.parametrize("state_format", ["fp32", "8bit"])
+def test_streaming_the_embeddings_and_the_head_is_the_resident_training_bit_for_bit(state_format):
+    resident = model(seed=3, checkpointing=True)
+    streamed = copy.deepcopy(resident)
+    window = hytrain.stream_model(streamed, "cpu", stream=2, ends=True)
+    # units: the embeddings, the 4 layers, the head; streamed: the ends and the last 2 layers
+    assert window.streamed == [0, 3, 4, 5] and window.ends == ["embeddings", "head"]
+    assert "with the embeddings and the head" in repr(window)
+    ends = [streamed.embed.weight, streamed.norm.weight, streamed.lm_head.weight]
+    assert all(window.streams(p) and p.untyped_storage().nbytes() == 0 for p in ends)
+    data = batches(5, micro=2, seed=3)
+    kw = dict(lr=3e-3, weight_decay=0.1, max_grad_norm=0.5, accumulation_steps=2, state_format=state_format)
+    opt_r = hytrain.HybridAdamW(resident.parameters(), model=resident, **kw)
+    ref_losses = train(resident, opt_r, data)
+    opt_s = hytrain.HybridAdamW(streamed.parameters(), model=streamed, **kw)
+    assert train(streamed, opt_s, data) == ref_losses
+    assert opt_s.gpu_blocks == 0  # the embeddings stream: every block is updated on the host
+    a, b = weights(resident), weights(streamed, window)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    for (pr, ps) in zip(resident.parameters(), streamed.parameters()):
+        for key, val in opt_r.state[pr].items():
+            assert torch.equal(val, opt_s.state[ps][key]), key
+    assert all(p.untyped_storage().nbytes() == 0 for p in ends)  # between uses: nothing on the device
+    sd_r, sd_s = resident.state_dict(), streamed.state_dict()
+    assert all(torch.equal(sd_r[k], sd_s[k]) for k in sd_r)
+    tokens = batches(1, seed=4)[0][0]
+    with torch.no_grad():
+        assert torch.equal(resident(tokens), streamed(tokens))
+
+
+def test_ends_argument_is_checked():
+    with pytest.raises(ValueError, match="ends must be"):
+        hytrain.stream_model(model(), "cpu", stream=1, ends="yes")
+    tied = model()
+    tied.lm_head.weight = tied.embed.weight
+    with pytest.raises(ValueError, match="embeddings cannot stream"):
+        hytrain.stream_model(tied, "cpu", stream=1, ends=True)
+    assert hytrain.stream_model(model(), "cpu", stream=1).ends == []

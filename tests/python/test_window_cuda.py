@@ -51,13 +51,13 @@ def run(m, opt, batches, scaler=None, overflow_at=None):
 
 
 def both(kw, *, dtype=torch.bfloat16, checkpointing=False, micro=1, steps=8, scaled=False, seed=0,
-         stream=STREAMED):
+         stream=STREAMED, ends="auto"):
     """The resident run, then the streamed one (never interleaved); returns both and the window."""
     batches = data(steps, micro, seed)
     out = []
     for streamed in (False, True):
         m = make(dtype, seed, checkpointing)
-        window = hytrain.stream_model(m, DEV, stream=stream) if streamed else None
+        window = hytrain.stream_model(m, DEV, stream=stream, ends=ends) if streamed else None
         opt = hytrain.HybridAdamW(m.parameters(), model=m, workers=2, **kw)
         scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=3) if scaled else None
         losses = run(m, opt, batches, scaler, overflow_at=4 if scaled else None)
@@ -94,6 +94,24 @@ def test_streamed_is_resident_bit_for_bit_for_any_k(gpu_blocks):
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert st[key].is_pinned() is (id(p) not in streamed_ids), (tuple(p.shape), key)
     assert all(window.home(p).is_pinned() for p in window.params)
+
+
+@pytest.mark.parametrize("case", ["fp32-auto-clip", "8bit-fp16-scaled", "bf16-accumulation"])
+def test_the_embeddings_and_the_head_streamed_too_bit_for_bit(case):
+    # ends=True: the embeddings and the head (final norm, LM head) are units of the window too; with
+    # the embeddings streamed every block is updated on the host, whatever k the resident run takes.
+    kw = {"fp32-auto-clip": dict(lr=1e-3, max_grad_norm=0.3, gpu_blocks="auto"),
+          "8bit-fp16-scaled": dict(lr=1e-3, state_format="8bit", gpu_blocks="auto"),
+          "bf16-accumulation": dict(lr=1e-3, state_format="bf16", accumulation_steps=2, gpu_blocks=0)}[case]
+    r, s = both(kw, ends=True, dtype=torch.float16 if "fp16" in case else torch.bfloat16, scaled="fp16" in case,
+                micro=2 if "accumulation" in case else 1, checkpointing="clip" in case)
+    assert_same(r, s)
+    window, opt, m = s[3], s[1], s[0]
+    assert window.ends == ["embeddings", "head"] and window.streamed == [0, 3, 4, 5, 6, 7]
+    assert opt.residency()["gpu"] == []
+    ends = [m.embed.weight, m.norm.weight, m.lm_head.weight]
+    assert all(window.streams(p) and p.untyped_storage().nbytes() == 0 for p in ends)
+    assert window.stats["prefetched"] > 0 and window.stats["max_loaded"] <= window.depth
 
 
 @pytest.mark.parametrize("state_format", ["bf16", "8bit"])

@@ -175,7 +175,9 @@ def _run(plan: RunPlan, ranks, say, out: Path, sig) -> int:
     config = run_config(out, plan, model, ranks)
     where = f"{ranks.world} processes ({device.type}, FSDP2)" if ranks.distributed else str(device)
     if model.window is not None and model.window.streamed:
-        where += f", {len(model.window.streamed)} of {len(model.window.layers)} layers streamed from host memory"
+        w = model.window
+        ends = f" (the {' and the '.join(w.ends)} among them)" if w.ends else ""
+        where += f", {len(w.streamed)} of {len(w.layers)} layers streamed from host memory{ends}"
     say(f"hytrain train: {plan.model.model} ({model.n_params / 1e6:.2f} M parameters, {dtype}) on {where}, "
         f"k={updates.opt.gpu_blocks}, data {data.description}", flush=True)
     saver = Saver(plan.checkpoint, plan.schedule.steps, out, config, ranks, resume, start)
