@@ -323,6 +323,12 @@ def run_one(args):
         rec["model"] = "transformers" if use_tf else "hytrain"
         if cuda:
             torch.cuda.set_device(0)
+            if args.gpu_gb:  # a smaller card: the rest of this one taken by a ballast, before anything is built
+                free, _ = torch.cuda.mem_get_info(0)
+                ballast = int(free - args.gpu_gb * 1e9)
+                if ballast > 0:
+                    state["ballast"] = torch.empty(ballast, dtype=torch.uint8, device="cuda")
+                rec["gpu_gb"] = args.gpu_gb
         if system == "fsdp2_offload":
             import torch.distributed as dist
 
@@ -345,8 +351,10 @@ def run_one(args):
             materialize_cpu(model, torch.bfloat16)
             init_params(list(model.parameters()))
             stream = {"auto": "auto", "all": len(layers)}.get(args.stream) or int(args.stream)
-            window = hytrain.stream_model(model, device, stream=stream)
+            ends = {"auto": "auto", "on": True, "off": False}[args.ends]
+            window = hytrain.stream_model(model, device, stream=stream, ends=ends)
             rec["streamed_layers"] = len(window.streamed)
+            rec["streamed_ends"] = window.ends
             rec["window_host_gb"] = window.host_bytes() / 1e9
         elif system == "deepspeed_zero3_offload":
             import deepspeed
@@ -554,7 +562,10 @@ def child_records(out):
 def child(system, size, args):
     cmd = [sys.executable, os.path.abspath(__file__), "--one", system, "--sizes", size, "--device", args.device,
            "--warmup", str(args.warmup), "--iters", str(args.iters), "--batch", str(args.batch), "--seq",
-           str(args.seq), "--stream", args.stream, "--micro-batch", str(args.micro_batch or args.batch)]
+           str(args.seq), "--stream", args.stream, "--ends", args.ends, "--micro-batch",
+           str(args.micro_batch or args.batch)]
+    if args.gpu_gb:
+        cmd += ["--gpu-gb", str(args.gpu_gb)]
     if args.own_model:
         cmd.append("--own-model")
     if args.inject_failure:
@@ -639,6 +650,11 @@ def main(argv=None):
                     help="sequences per forward and backward (gradient accumulation over --batch / this; "
                          "default: --batch, one micro-batch; not for the DeepSpeed systems)")
     ap.add_argument("--stream", default="auto", help="hytrain_stream*: layers streamed: auto, all or a number")
+    ap.add_argument("--ends", choices=("auto", "on", "off"), default="auto",
+                    help="hytrain_stream*: whether the embeddings and the head stream too (stream_model's ends=)")
+    ap.add_argument("--gpu-gb", type=float, default=None,
+                    help="hold each run to this much GPU memory, as a smaller card: the rest of the GPU's free "
+                         "memory is taken by a ballast before the model is built (what the window plans from)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--machine-info", action="store_true", help=argparse.SUPPRESS)
     # Makes every child fail right after building its model ('memory': a MemoryError; 'kill': SIGKILL

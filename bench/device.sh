@@ -15,7 +15,8 @@
 #   speed   capacity_bench.py at $SPEED_SIZE (7b): resident (hytrain_8bit) against every layer
 #           streamed (hytrain_stream_8bit --stream all), $BATCH x 1024 tokens a step (16: 16 K tokens)
 #   cap     capacity_bench.py --sizes $SIZES (24b,30b) --systems $SYSTEMS (hytrain_stream_8bit), the
-#           window planned by itself (--stream auto), $BATCH x 1024 tokens a step
+#           window planned by itself (--stream auto, --ends $ENDS: auto), $BATCH x 1024 tokens a step;
+#           GPU_GB=24 holds each run to 24 GB of the GPU (a smaller card)
 #   job     bench/finetune_bench.py: `hytrain train --model DIR` of a $JOB_SIZE (32b) checkpoint written on the
 #           host (kept for the next call: --reuse), $JOB_FORMAT (8bit) states, $JOB_BATCH x 1024 tokens a
 #           step, timed from the command to its first step (the job's startup_s: model, optimizer, first
@@ -69,7 +70,8 @@ for stage in "$@"; do
         | grep -vE "^PROGRESS" | cut -c1-1500 | tail -12 ;;
     cap)
       python3 bench/capacity_bench.py --sizes "${SIZES:-24b,30b}" --systems "${SYSTEMS:-hytrain_stream_8bit}" \
-        --batch "${BATCH:-16}" --warmup 1 --iters 2 --timeout "${CAP_TIMEOUT:-420}" --keep-going 2>&1 \
+        --batch "${BATCH:-16}" --warmup 1 --iters 2 --timeout "${CAP_TIMEOUT:-420}" --keep-going \
+        --ends "${ENDS:-auto}" ${GPU_GB:+--gpu-gb "$GPU_GB"} 2>&1 \
         | tee "$out/stream_capacity.log" | grep -vE "^PROGRESS" | cut -c1-1500 | tail -12 ;;
     job)
       free -g | head -2; df -h /tmp | tail -1
