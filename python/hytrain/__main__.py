@@ -65,6 +65,7 @@ def measure(params: int, threads: int) -> dict:
 
 def cmd_info(args) -> int:
     import hytrain
+    from hytrain.distributed import default_workers
     from hytrain.state_formats import FORMATS
 
     info = hytrain.build_info()
@@ -73,12 +74,13 @@ def cmd_info(args) -> int:
         [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available() else [])
     info["cpu_count"] = os.cpu_count()
+    info["update_workers"] = default_workers()  # HybridAdamW's default workers= here
     info["simd"] = hytrain.simd_paths()
     info["page_placement"] = hytrain.pool.page_placement()
     # The optimizer-state formats (state_format=, --state-format): state bytes a parameter, master included.
     info["state_formats"] = {f.name: round(4 + f.bytes_per_parameter(), 2) for f in FORMATS.values()}
     if not args.no_measure:
-        info["measured"] = measure(args.params, args.threads or torch.get_num_threads())
+        info["measured"] = measure(args.params, args.threads or default_workers())
     if args.json:
         print(json.dumps(info))
         return 0
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
                             "bandwidth from pinned memory.")
     p_info.add_argument("--params", type=int, default=16 * 2**20,
                         help="parameters in the quick AdamW measurement (default 16M)")
-    p_info.add_argument("--threads", type=int, default=0, help="threads (default: torch's)")
+    p_info.add_argument("--threads", type=int, default=0,
+                        help="threads (default: the optimizer's default update workers here)")
     p_info.add_argument("--no-measure", action="store_true", help="skip the measurements")
     p_info.add_argument("--json", action="store_true", help="print one JSON object")
     p_info.set_defaults(fn=cmd_info)

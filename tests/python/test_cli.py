@@ -8,6 +8,9 @@ def test_info_runs_and_measures():
                          check=True, capture_output=True, text=True).stdout
     info = json.loads(out)
     assert info["simd_selected"] in info["simd_compiled"]
+    from hytrain.distributed import default_workers
+
+    assert info["update_workers"] == default_workers() >= 1  # the optimizer's default workers= here
     assert info["measured"]["cpu_adamw_gparams_per_s"] > 0
     assert info["measured"]["host_triad_gbps"] > 0
 
