@@ -29,7 +29,8 @@ from torch import nn
 
 from .pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
 from .streamed_params import StreamedParameter
-from .window_plan import Unit, fits_resident, layout, materialize_meta, plan_ends, plan_window, tensors_in  # noqa: F401
+from .window_plan import Unit, fits_resident, layout, materialize_meta, plan_ends, tensors_in
+from .window_plan import plan_window  # noqa: F401 -- hytrain.window.plan_window, as before
 
 _WINDOWS: "weakref.WeakKeyDictionary[nn.Module, WeightWindow]" = weakref.WeakKeyDictionary()
 _OWNERS: dict = {}  # id(parameter) -> (weak parameter, weak window); by identity (tensors compare by value)
