@@ -184,12 +184,16 @@ class WeightWindow:
     # -- loads and frees ------------------------------------------------------------------------------
 
     def _load(self, i) -> None:
+        # What each parameter holds now, as the optimizer says (weights()): a layer called outside the
+        # model's forward (the embeddings, to make inputs_embeds) has not had the optimizer's wait for
+        # its block, and its home may still be written by an update, or stage gradients until step().
+        sources = [self.weights(p) for p in self._params[i]]
         with torch._C.DisableTorchFunction():
             ps = self._params[i]
             if not self.cuda:
-                for p in ps:
+                for p, src in zip(ps, sources):
                     p.untyped_storage().resize_(p.numel() * p.element_size())
-                    p.data.copy_(self._homes[id(p)])
+                    p.data.copy_(src)
                 self._loaded[i] = None
             else:
                 compute = torch.cuda.current_stream(self.device)
@@ -199,8 +203,8 @@ class WeightWindow:
                 allocated.record(compute)  # the memory's last user on the compute stream is done first
                 self._stream.wait_event(allocated)
                 with torch.cuda.stream(self._stream):
-                    for p in ps:
-                        p.data.copy_(self._homes[id(p)], non_blocking=True)
+                    for p, src in zip(ps, sources):  # (a source not in a home is pageable: copied at once)
+                        p.data.copy_(src, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self._stream)
                 self._loaded[i] = done
@@ -438,7 +442,7 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
         raise ValueError("this model already streams its weights (stream_model was called on it)")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
-    if ends not in ("auto", True, False):
+    if not (isinstance(ends, bool) or (isinstance(ends, str) and ends == "auto")):
         raise ValueError(f"ends must be 'auto', True or False, got {ends!r}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

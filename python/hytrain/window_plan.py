@@ -161,6 +161,19 @@ def end_units(model, layers) -> tuple:
     return tuple(units)
 
 
+def _why_not(model, unit) -> str:
+    """Why ``unit`` cannot stream, in a user's words."""
+    ps = list(unit.parameters())
+    if unit.split:
+        return "the LM head shares the embeddings' weight (tied embeddings), so it would stay loaded throughout"
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in ps if p.dtype not in _STREAMABLE})
+    if dtypes:
+        return f"its parameters must be bfloat16 or float16, and some are {', '.join(dtypes)}"
+    if not any(p.requires_grad for p in ps):
+        return "none of its parameters is trainable"
+    return "a parameter of it is used by a module outside it (a tied weight)"
+
+
 def plan_ends(model, layers, ok, layer_bytes, fixed_bytes, free_bytes, *, depth, reserve_bytes, ends):
     """Which ends stream and how many layers must, where the layers alone may not make room:
     ``(count, [units that stream])``. ``ends``: ``"auto"`` (the head, then the embeddings, only
@@ -172,10 +185,10 @@ def plan_ends(model, layers, ok, layer_bytes, fixed_bytes, free_bytes, *, depth,
     units = [u for u in (embeddings, head) if u is not None]
     can = {u.name: ok_ and not u.split for u, ok_ in zip(units, streamable_layers(model, units))}
     if ends is True:
-        bad = [u.name for u in units if not can[u.name]]
+        bad = [u for u in units if not can[u.name]]
         if bad:
-            raise ValueError(f"the {bad[0]} cannot stream (ends=True): their parameters must be bfloat16 or float16 "
-                             "and not shared with a layer (tied embeddings: use ends='auto' or False)")
+            raise ValueError(f"the {bad[0].name} cannot stream (ends=True): {_why_not(model, bad[0])}; "
+                             "use ends='auto' or False")
         tries = [units]
     elif ends == "auto":
         tries = [[]] + [[u for u in (head, embeddings)[:n] if u is not None] for n in (1, 2)]

@@ -385,7 +385,7 @@ def test_the_ends_stream_only_where_the_layers_alone_leave_too_little():
     tied.lm_head.weight = tied.embed.weight
     layers, ok, layer_bytes, fixed = layout(tied)
     assert plan_ends(tied, layers, ok, layer_bytes, fixed, fixed + one, depth=1, reserve_bytes=0, ends="auto")[1] == []
-    with pytest.raises(ValueError, match="embeddings cannot stream"):
+    with pytest.raises(ValueError, match="embeddings cannot stream .*shares the embeddings' weight"):
         plan_ends(tied, layers, ok, layer_bytes, fixed, fixed + one, depth=1, reserve_bytes=0, ends=True)
 
 
@@ -420,10 +420,44 @@ def test_streaming_the_embeddings_and_the_head_is_the_resident_training_bit_for_
 
 
 def test_ends_argument_is_checked():
-    with pytest.raises(ValueError, match="ends must be"):
-        hytrain.stream_model(model(), "cpu", stream=1, ends="yes")
+    for bad in ("yes", 1, 1.0, None):  # (1 == True: refused, not taken for False)
+        with pytest.raises(ValueError, match="ends must be"):
+            hytrain.stream_model(model(), "cpu", stream=1, ends=bad)
+    frozen = model()
+    frozen.embed.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="the embeddings cannot stream .*none of its parameters is trainable"):
+        hytrain.stream_model(frozen, "cpu", stream=1, ends=True)
+    wide = model()
+    wide.lm_head.float()
+    with pytest.raises(ValueError, match="the head cannot stream .*bfloat16 or float16, and some are float32"):
+        hytrain.stream_model(wide, "cpu", stream=1, ends=True)
     tied = model()
     tied.lm_head.weight = tied.embed.weight
     with pytest.raises(ValueError, match="embeddings cannot stream"):
         hytrain.stream_model(tied, "cpu", stream=1, ends=True)
     assert hytrain.stream_model(model(), "cpu", stream=1).ends == []
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_streamed_unit_called_outside_the_models_forward_reads_the_current_weights(clip):
+    # The embeddings called on their own (to build inputs_embeds) get no wait of the optimizer's (its
+    # waits are the model's hooks): right after step() their update may still be writing the home,
+    # and between backward and step() the home stages their gradients. The window's load asks the
+    # optimizer what the weights are now, so the output is the resident model's, every time.
+    resident = model(seed=5)
+    streamed = copy.deepcopy(resident)
+    hytrain.stream_model(streamed, "cpu", stream=2, ends=True)
+    data = batches(4, seed=5)
+    seen = []
+    for m in (resident, streamed):
+        opt = hytrain.HybridAdamW(m.parameters(), model=m, lr=3e-2, max_grad_norm=clip, workers=1)
+        out = []
+        for (tokens,) in data:
+            out.append(m.embed(tokens))  # right after the last step()
+            loss = m(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            out.append(m.embed(tokens))  # between backward and step()
+            opt.step()
+            opt.zero_grad()
+        seen.append(out)
+    assert all(torch.equal(a, b) for a, b in zip(*seen)), [torch.equal(a, b) for a, b in zip(*seen)]
