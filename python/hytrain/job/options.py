@@ -127,7 +127,8 @@ def _training_options(a) -> None:
     a("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False,
       help="recompute each layer in backward")
     a("--device", default="auto", help="auto, cpu or cuda[:N]")
-    a("--workers", type=int, default=0, help="CPU update threads (0: the usable cores)")
+    a("--workers", type=int, default=0,
+      help="CPU update threads (0: this process's share of the cores less one, at most 32 a NUMA node)")
     a("--eval-every", type=int, default=100, help="validation every N steps (and at the end)")
     a("--eval-batches", type=int, default=8, help="batches of held-out data in each validation")
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on signals)")
