@@ -832,3 +832,24 @@ def test_fp16_weights_train_with_dynamic_loss_scaling_and_resume_with_the_scale(
     assert scales[0] == 2.0 ** 29 and scales[-1] < 2.0 ** 29, scales  # backed off, then held
     assert all(math.isfinite(r["loss"]) for r in rows)
     assert [(r["loss"], r["loss_scale"]) for r in metrics(part)] == [(r["loss"], r["loss_scale"]) for r in rows]
+
+
+def test_without_transformers_the_run_trains_and_says_why_no_model_dir(tmp_path, capsys, monkeypatch, fast):
+    # A plain `pip install .` has no transformers: the README's first command trains the embedded default
+    # and must end well, saying in one line why OUT/model was not written and how to write it later
+    # (it ended in a traceback); `hytrain export` refuses in one line.
+    from hytrain.__main__ import main as cli
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    out = tmp_path / "run"
+    assert main(["--steps", "3", "--eval-every", "0", "--out", str(out), *fast]) == 0
+    said = capsys.readouterr().out
+    line = next(x for x in said.splitlines() if "not written" in x)
+    assert f"{out / 'model'} not written: writing a Hugging Face model directory needs transformers" in line
+    assert "pip install 'hytrain[hf]'" in line and f"`hytrain export {out} --to DIR`" in line
+    assert not (out / "model").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert "model_dir" not in summary and "export_error" not in summary
+    assert cli(["export", str(out), "--to", str(tmp_path / "exported")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs transformers" in err[0], err

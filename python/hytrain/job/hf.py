@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import json
 import math
 import os
@@ -254,6 +255,15 @@ def _layout(own):
     return config, (lambda n: n), {t for t, s in tied.items() if s in names}
 
 
+def export_needs(packages=("transformers",)) -> str | None:
+    """Why a Hugging Face model directory (transformers' config) cannot be written here, or None."""
+    for name in packages:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return f"writing a Hugging Face model directory needs {name}: pip install 'hytrain[hf]' (\".[hf]\" here)"
+
+
 class ExportError(ConfigError):
     """A failed export's write (a full disk, an I/O error); ``why``: the reason, for a caller's sentence."""
 
@@ -398,6 +408,8 @@ def export_run(run_dir, to, *, checkpoint: str = "latest", attempts: int = 5, wi
     Returns the directory written (``with_source``: and the checkpoint it was read from)."""
     from .. import checkpoint as ckpt
 
+    if why_not := export_needs(("transformers", "accelerate")):
+        raise ConfigError(why_not)
     run = Path(run_dir)
     try:
         config = json.loads((run / "config.json").read_text())

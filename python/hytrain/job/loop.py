@@ -355,7 +355,7 @@ def _finish(plan, output, keep: int, model, opt, trained: Trained, device, ranks
     checkpoints (--keep 0) leaves its model so far: nothing else would remain."""
     stopped = trained.stopped
     with sig.held():  # a signal now waits for summary.json (a second one stops at once)
-        exported = (export_at_end(model.module, out, plan, keep, ranks)
+        exported = (export_at_end(model.module, out, plan, keep, ranks, say)
                     if output.export and (trained.done or (stopped and not keep)) else None)
         summary = finish(out, opt, trained.history, model.n_params, trained.tokens_per_step, trained.elapsed,
                          trained.energy, device, ranks, exported, model.window, trained.startup)

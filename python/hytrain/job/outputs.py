@@ -14,7 +14,7 @@ import torch
 
 from .. import checkpoint as ckpt
 from .. import plots
-from .hf import ExportError, export_model
+from .hf import ExportError, export_model, export_needs
 from .metrics import recorded
 from .models import model_path
 from .options import ConfigError, first_line
@@ -38,12 +38,20 @@ def run_config(out: Path, plan, model, ranks) -> dict:
     return config
 
 
-def export_at_end(model, out, plan, keep: int, ranks) -> Path | ExportFailed:
+def export_at_end(model, out, plan, keep: int, ranks, say) -> Path | ExportFailed | None:
     """The trained model as a Hugging Face model directory, ``OUT/model`` (config, safetensors shards,
     the tokenizer's files; ``plan``: the ModelPlan, whose tokenizer goes with it): written beside an
     earlier one (a resumed run's), then put in its place. A failed export (a full disk, an I/O error,
     an unreadable tokenizer) is not the training's failure: it returns :class:`ExportFailed`, naming
-    the last good checkpoint (``keep``: 0 where none was written) and how to export it."""
+    the last good checkpoint (``keep``: 0 where none was written) and how to export it. Without
+    transformers (a plain ``pip install``) nothing is written: one line says so (``say``), and None."""
+    why_not = export_needs()
+    if why_not:
+        done = ckpt.complete_checkpoints(out) if ranks.main else []
+        later = (f"; its last checkpoint, {done[-1]}, exports later with `hytrain export {out} --to DIR`"
+                 if done else "")
+        say(f"hytrain train: {out / 'model'} not written: {why_not}{later}", flush=True)
+        return None
     where = model_path(plan)
     tokenizer = plan.tokenizer if plan.tokenizer not in (None, "bytes") else (str(where) if where else None)
     if plan.tokenizer == "bytes":
