@@ -91,19 +91,15 @@ def counters(thread_name: str = "hytrain-update") -> dict:
         out["iowait_s"], out["steal_s"] = int(cpu[5]) / tick, int(cpu[8]) / tick
     except (OSError, IndexError, ValueError):
         return {}
-    cpu_s, nvcsw = 0.0, 0
-    for tid in os.listdir("/proc/self/task"):
+    mine = {tid: seconds for tid, (name, seconds) in thread_cpu().items() if name == thread_name}
+    nvcsw = 0
+    for tid in mine:
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-            if stat[stat.index("(") + 1:stat.rindex(")")] != thread_name:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            cpu_s += (int(fields[11]) + int(fields[12])) / tick
             with open(f"/proc/self/task/{tid}/status") as f:
                 nvcsw += next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
         except (OSError, StopIteration, ValueError):  # the thread ended
             continue
+    cpu_s = sum(mine.values())
     out["workers_cpu_s"], out["workers_preempted"] = cpu_s, nvcsw
     return out
 

@@ -161,7 +161,7 @@ def end_units(model, layers) -> tuple:
     return tuple(units)
 
 
-def _why_not(model, unit) -> str:
+def _why_not(unit) -> str:
     """Why ``unit`` cannot stream, in a user's words."""
     ps = list(unit.parameters())
     if unit.split:
@@ -187,7 +187,7 @@ def plan_ends(model, layers, ok, layer_bytes, fixed_bytes, free_bytes, *, depth,
     if ends is True:
         bad = [u for u in units if not can[u.name]]
         if bad:
-            raise ValueError(f"the {bad[0].name} cannot stream (ends=True): {_why_not(model, bad[0])}; "
+            raise ValueError(f"the {bad[0].name} cannot stream (ends=True): {_why_not(bad[0])}; "
                              "use ends='auto' or False")
         tries = [units]
     elif ends == "auto":
