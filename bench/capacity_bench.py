@@ -458,6 +458,7 @@ def run_one(args):
             rec["gpu_wait_frac"] = stats.get("gpu_wait_frac")
             if system.startswith("hytrain_stream"):
                 rec["window_stats"] = dict(window.stats)
+                rec["streamed_layers_end"] = len(window.streamed)  # (made resident where the host was short)
             try:
                 rec["blocks"] = len(opt.blocks)
             except Exception:  # noqa: BLE001 -- informational

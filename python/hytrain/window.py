@@ -29,7 +29,7 @@ from torch import nn
 
 from .pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes
 from .streamed_params import StreamedParameter
-from .window_plan import Unit, fits_resident, layout, materialize_meta, plan_ends, tensors_in
+from .window_plan import Unit, choose_streamed, layout, materialize_meta, tensors_in
 from .window_plan import plan_window  # noqa: F401 -- hytrain.window.plan_window, as before
 
 _WINDOWS: "weakref.WeakKeyDictionary[nn.Module, WeightWindow]" = weakref.WeakKeyDictionary()
@@ -74,6 +74,9 @@ class WeightWindow:
         # the third on (kept: their homes still stage their gradients and take their updates, whose
         # new weights are then copied to the device, as for any resident block).
         self._measure = measure and self.cuda
+        # Whether the optimizer may make the first streamed layers resident (make_resident): the
+        # window was planned, not asked for (stream="auto").
+        self.adjustable = False
         self._forwards = 0
         self._kept = set()  # layers kept on the device
         self._keep = set()  # layers to keep from their next forward on
@@ -87,9 +90,10 @@ class WeightWindow:
         self._arrived = {i: 0 for i in self.streamed}
         self._ready = None  # layer -> whether its home may be read now (the optimizer's updates)
         self._current = None  # parameter -> its weights where its home does not hold them now, else None
+        self._in_use = None  # () -> whether an optimizer's state uses the homes
         self._hooks = []
         self._stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
-        self.stats = {"loads": 0, "prefetched": 0, "max_loaded": 0, "bytes_in": 0, "kept": 0}
+        self.stats = {"loads": 0, "prefetched": 0, "max_loaded": 0, "bytes_in": 0, "kept": 0, "made_resident": 0}
         # Tensor by tensor (a model built on the CPU never has two copies of much at once): the
         # streamed layers' weights to their homes, everything else to the device. A parameter that
         # was on the meta device gets its place uninitialised, for a checkpoint to be read into
@@ -146,12 +150,12 @@ class WeightWindow:
     def layer_bytes(self, i) -> int:
         return sum(p.numel() * p.element_size() for p in self._params[i])
 
-    def attach(self, ready=None, current=None) -> None:
+    def attach(self, ready=None, current=None, in_use=None) -> None:
         """The optimizer's answers (None: no optimizer, the homes are always final).
         ``ready(layer) -> bool``: whether the layer's home holds its final weights now (no update of
         it in flight, its gradients not staged there); ``current(p)``: the parameter's weights where
-        its home does not hold them now, else None."""
-        self._ready, self._current = ready, current
+        its home does not hold them now, else None; ``in_use()``: whether its state uses the homes."""
+        self._ready, self._current, self._in_use = ready, current, in_use
 
     def weights(self, p) -> torch.Tensor:
         """A streamed parameter's weights as of now, on the host (its home, or what the optimizer says
@@ -166,6 +170,37 @@ class WeightWindow:
         (a kept layer's gets the update's own copy)."""
         if layer in self._loaded and layer not in self._kept:
             self._free(layer)
+
+    def make_resident(self, i) -> None:
+        """Streamed layer i stays on the device for good, as if it had never streamed, and its home is
+        given back: what the optimizer asks where the host cannot hold the states of every streamed
+        block and the GPU can hold the first ones' (their states then live there too). Only before an
+        optimizer's state uses the homes (they stage its gradients from then on)."""
+        if self._in_use is not None and self._in_use():
+            raise RuntimeError("this window's homes stage the gradients of an optimizer's state: its layers can "
+                               "be made resident only before that optimizer's first step")
+        if i not in self._arrived:
+            raise ValueError(f"layer {i} does not stream (window.streamed: {self.streamed})")
+        with torch._C.DisableTorchFunction():
+            if i in self._loaded:  # its weights are on the device already (or on their way)
+                done = self._loaded.pop(i)
+                if done is not None:
+                    done.synchronize()
+            else:
+                for p in self._params[i]:
+                    p.untyped_storage().resize_(p.numel() * p.element_size())
+                    p.data.copy_(self.weights(p))  # (not non_blocking: the home is given back below)
+        for p in self._params[i]:
+            p.__class__ = nn.Parameter
+            _OWNERS.pop(id(p), None)
+            del self._homes[id(p)], self._layer_of[id(p)]
+        self.streamed.remove(i)
+        for table in (self._params, self._trainable, self._arrived):
+            del table[i]
+        self._keep.discard(i)
+        self._kept.discard(i)
+        self.stats["made_resident"] += 1
+        self.pool.trim()  # its slabs back to the system where nothing else is in them
 
     # -- placement ------------------------------------------------------------------------------------
 
@@ -285,6 +320,8 @@ class WeightWindow:
         self._read_ahead(i, -1)
 
     def _grad_arrived(self, i) -> None:
+        if i not in self._arrived:
+            return  # (made resident since: make_resident)
         self._arrived[i] += 1
         if self._arrived[i] >= len(self._trainable[i]) and i in self._loaded and i not in self._kept:
             self._free(i)
@@ -458,43 +495,12 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
                          "not buffers, which are computed: build the model with real ones (accelerate's "
                          "init_empty_weights(include_buffers=False)) or fill them first")
     layers, ok, layer_bytes, fixed = layout(inner)
-    n = len(layers)
-    measure, with_ends = False, []
-
-    def plan(free, reserve):
-        return plan_ends(inner, layers, ok, layer_bytes, fixed, free, depth=depth, reserve_bytes=reserve, ends=ends)
-
-    if stream == "auto":
-        count = 0
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            # What is on the device already stays there, or moves into its home.
-            free += sum(p.numel() * p.element_size() for p in inner.parameters() if p.device == device)
-            if reserve_bytes is not None:
-                count, with_ends = plan(free, int(reserve_bytes))
-            elif not fits_resident(layer_bytes, fixed, free, total, depth=depth, streamable=ok):
-                # Every layer that can stream does, until the second forward has shown what the rest
-                # takes; then the first ones that fit beside it stay (_count_forward). Refused here
-                # only where even the window alone leaves no margin.
-                count, with_ends = plan(free, (1 << 30) + total // 20)
-                while count < n and ok[n - 1 - count]:
-                    count += 1
-                measure = True
-        if ends is True and not with_ends:  # (the plan above kept the layers resident)
-            with_ends = plan(float("inf"), 0)[1]
-    else:
-        if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream <= n:
-            raise ValueError(f"stream must be 'auto' or a number of layers in [0, {n}], got {stream!r}")
-        count = stream
-        bad = [i for i in range(n - count, n) if not ok[i]]
-        if bad:
-            raise ValueError(f"layer {bad[0]} cannot stream: its parameters must all be bfloat16 or float16, "
-                             "some trainable, and none shared with modules outside it (tied weights)")
-        if ends is True:
-            with_ends = plan(float("inf"), 0)[1]
+    count, with_ends, measure = choose_streamed(inner, layers, ok, layer_bytes, fixed, device, stream=stream,
+                                                depth=depth, reserve_bytes=reserve_bytes, ends=ends)
     first = [u for u in with_ends if u.name == "embeddings"]
     last = [u for u in with_ends if u.name == "head"]
     units = first + list(layers) + last
+    n = len(layers)
     streamed = list(range(len(first))) + [len(first) + i for i in range(n - count, n)] + \
         list(range(len(units) - len(last), len(units)))
     sizes = [sum(p.numel() * p.element_size() for p in units[i].parameters()) for i in streamed]
@@ -509,5 +515,6 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
         if pool.page_locked:
             pool.reserve_for([p.numel() * p.element_size() for i in streamed for p in units[i].parameters()])
     window = WeightWindow(inner, units, streamed, device, depth, pool, measure=measure)
+    window.adjustable = stream == "auto"
     _WINDOWS[inner] = window
     return window

@@ -213,6 +213,47 @@ def plan_ends(model, layers, ok, layer_bytes, fixed_bytes, free_bytes, *, depth,
     raise error
 
 
+def choose_streamed(model, layers, ok, layer_bytes, fixed, device, *, stream, depth, reserve_bytes, ends):
+    """``stream_model``'s plan before anything moves: ``(count, [end units that stream], measure)``,
+    ``count`` the last layers that stream and ``measure`` whether the window keeps the first ones on
+    the device once the second forward has been measured (``stream="auto"`` without ``reserve_bytes``,
+    where the weights would not leave half of the device free)."""
+    n = len(layers)
+    measure, with_ends = False, []
+
+    def plan(free, reserve):
+        return plan_ends(model, layers, ok, layer_bytes, fixed, free, depth=depth, reserve_bytes=reserve, ends=ends)
+
+    if stream == "auto":
+        count = 0
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            # What is on the device already stays there, or moves into its home.
+            free += sum(p.numel() * p.element_size() for p in model.parameters() if p.device == device)
+            if reserve_bytes is not None:
+                count, with_ends = plan(free, int(reserve_bytes))
+            elif not fits_resident(layer_bytes, fixed, free, total, depth=depth, streamable=ok):
+                # Every layer that can stream does, until the second forward has shown what the rest
+                # takes; then the first ones that fit beside it stay (_count_forward). Refused here
+                # only where even the window alone leaves no margin.
+                count, with_ends = plan(free, (1 << 30) + total // 20)
+                while count < n and ok[n - 1 - count]:
+                    count += 1
+                measure = True
+        if ends is True and not with_ends:  # (the plan above kept the layers resident)
+            with_ends = plan(float("inf"), 0)[1]
+        return count, with_ends, measure
+    if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream <= n:
+        raise ValueError(f"stream must be 'auto' or a number of layers in [0, {n}], got {stream!r}")
+    bad = [i for i in range(n - stream, n) if not ok[i]]
+    if bad:
+        raise ValueError(f"layer {bad[0]} cannot stream: its parameters must all be bfloat16 or float16, "
+                         "some trainable, and none shared with modules outside it (tied weights)")
+    if ends is True:
+        with_ends = plan(float("inf"), 0)[1]
+    return stream, with_ends, measure
+
+
 def materialize_meta(model, streamed_layers, device) -> set:
     """The model's parameters and buffers on the meta device replaced by real ones, uninitialised (tied
     ones stay tied): a streamed layer's on the CPU, its pages untouched (each gets a home instead),

@@ -461,3 +461,38 @@ def test_a_streamed_unit_called_outside_the_models_forward_reads_the_current_wei
             opt.zero_grad()
         seen.append(out)
     assert all(torch.equal(a, b) for a, b in zip(*seen)), [torch.equal(a, b) for a, b in zip(*seen)]
+
+
+def test_a_layer_made_resident_mid_backward_trains_as_if_it_had_never_streamed():
+    # What the optimizer does where the host cannot hold every streamed block's state: the first
+    # streamed layer stays on the device for good, its home given back. Here in the first backward,
+    # after the streamed layers' forwards freed them and before their backwards loaded them again.
+    resident = model(seed=11, checkpointing=True)
+    streamed = copy.deepcopy(resident)
+    window = hytrain.stream_model(streamed, "cpu", stream=3)
+    data = batches(4, seed=11)
+    kw = dict(lr=3e-3, weight_decay=0.1)
+    opt_r = hytrain.HybridAdamW(resident.parameters(), model=resident, **kw)
+    ref_losses = train(resident, opt_r, data)
+    with pytest.raises(ValueError, match="layer 0 does not stream"):
+        window.make_resident(0)
+    moved = list(streamed.layers[1].parameters())
+    home_bytes = window.host_bytes()
+    made = []
+
+    def once(p):
+        if not made:
+            window.make_resident(1)
+            made.append(1)
+
+    streamed.layers[3].mlp_norm.weight.register_post_accumulate_grad_hook(once)
+    opt_s = hytrain.HybridAdamW(streamed.parameters(), model=streamed, **kw)
+    assert train(streamed, opt_s, data) == ref_losses
+    assert made and window.streamed == [2, 3] and window.stats["made_resident"] == 1
+    assert not any(window.streams(p) for p in moved)
+    assert all(type(p) is torch.nn.Parameter and p.untyped_storage().nbytes() > 0 for p in moved)
+    assert window.host_bytes() == home_bytes - sum(p.numel() * p.element_size() for p in moved)
+    a, b = weights(resident), weights(streamed, window)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    with pytest.raises(RuntimeError, match="only before that optimizer's first step"):
+        window.make_resident(2)

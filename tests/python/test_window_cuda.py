@@ -184,7 +184,7 @@ def test_the_window_frees_device_memory_and_k_cannot_pass_it():
 def test_auto_streams_every_layer_then_keeps_what_fits_bit_for_bit(monkeypatch):
     # Auto where the weights would not leave half of the device: every layer streams until the
     # second forward is measured, then those that fit stay (here all of them: the model is small).
-    import hytrain.window as window_module
+    import hytrain.window_plan as window_module
 
     # The first question (everything resident, half of the device for the rest?) answered no.
     monkeypatch.setattr(window_module, "fits_resident", lambda *args, **kwargs: False)
@@ -194,3 +194,51 @@ def test_auto_streams_every_layer_then_keeps_what_fits_bit_for_bit(monkeypatch):
     assert window.streamed == list(range(CFG.num_layers)) and window.kept_layers == window.streamed
     assert window.stats["kept"] == CFG.num_layers and window.stats["loads"] > CFG.num_layers
     assert all(p.untyped_storage().nbytes() > 0 for p in window.params)  # kept on the device now
+
+
+def _host_state_bytes(ps, staged=False):
+    """fp32 states on the host: master, m and v (and bf16 staging), each rounded to the pool's 256 B."""
+    return sum(-(-nb // 256) * 256 for p in ps for nb in [4 * p.numel()] * 3 + ([2 * p.numel()] if staged else []))
+
+
+def test_a_host_too_small_for_every_streamed_state_keeps_the_first_layers_resident_bit_for_bit(monkeypatch):
+    # Auto streams every layer; the optimizer's pool holds the states of blocks 3 and up only (layers
+    # 2..5 and the head), so the host's floor (3) is past the first streamed block (1): the first two
+    # layers become resident, their homes given back, and their blocks' states live on the GPU.
+    import hytrain.window_plan as window_module
+
+    monkeypatch.setattr(window_module, "fits_resident", lambda *args, **kwargs: False)
+    probe = make()
+    head = list(probe.norm.parameters()) + list(probe.lm_head.parameters())
+    capacity = _host_state_bytes([p for layer in probe.layers[2:] for p in layer.parameters()]) + \
+        _host_state_bytes(head, staged=True) + (1 << 20)
+    batches = data(6, seed=3)
+    out = []
+    for streamed in (False, True):
+        m = make(seed=3)
+        window = hytrain.stream_model(m, DEV, stream="auto") if streamed else None
+        pool = hytrain.PinnedPool(capacity) if streamed else None
+        opt = hytrain.HybridAdamW(m.parameters(), model=m, workers=2, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0,
+                                  pool=pool)
+        out.append((m, opt, run(m, opt, batches), window))
+    assert_same(*out)
+    window, opt = out[1][3], out[1][1]
+    assert window.stats["made_resident"] == 2 and window.streamed == [2, 3, 4, 5]
+    assert all(not window.streams(p) and p.untyped_storage().nbytes() > 0 for p in out[1][0].layers[1].parameters())
+    assert opt.residency()["gpu"] == [0, 1, 2]
+
+
+def test_where_the_gpu_cannot_hold_what_the_host_cannot_it_is_refused_naming_both(monkeypatch):
+    import hytrain.window_plan as window_module
+
+    monkeypatch.setattr(window_module, "fits_resident", lambda *args, **kwargs: False)
+    m = make(seed=4)
+    window = hytrain.stream_model(m, DEV, stream="auto")
+    opt = hytrain.HybridAdamW(m.parameters(), model=m, pool=hytrain.PinnedPool(1 << 20),
+                              gpu_memory_limit=torch.cuda.memory_allocated() + (1 << 20))
+    t = data(1, seed=4)[0][0]
+    # Refused at the first backward's first gradient, before anything of the state is allocated.
+    with pytest.raises(hytrain.CapacityError, match=r"the host can hold the optimizer states of (blocks \d+ to 7 "
+                                                    r"only|no block).*of GPU memory, and .* is free"):
+        m(t[:, :-1], t[:, 1:]).backward()
+    assert len(opt.state) == 0 and window.stats["made_resident"] == 0 and len(window.streamed) == CFG.num_layers

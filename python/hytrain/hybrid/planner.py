@@ -165,6 +165,10 @@ class Planner:
         limit = self.gpu_limit()
         return allocated, max(0, free if device else min(free, limit - allocated)), limit
 
+    def gpu_room(self) -> int:
+        """GPU bytes free now within the run's limit, beside one block's gradients in flight and 1 GiB."""
+        return self._free()[1] - self._transient() - (1 << 30)
+
     def _transient(self) -> int:
         """The gradients in flight at once when blocks hand them off during backward: the largest
         block's, twice (one landing on the host while the next accumulates)."""

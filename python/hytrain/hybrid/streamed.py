@@ -16,6 +16,7 @@ rounding, which is what the weights are at a step's end)."""
 from __future__ import annotations
 
 from .._native import native
+from ..pool import CapacityError, format_bytes
 from ..window import window_for
 
 
@@ -29,18 +30,13 @@ def bind(ref, plan, store, planner, *, sharded) -> None:
         raise ValueError(f"the model's weight window is on {window.device}, its parameters on {store.device}")
     if sharded:
         raise ValueError("streamed weights (stream_model) are not supported with FSDP2-sharded parameters")
-    layers = {}  # streamed layer -> its blocks
-    for b, ps in enumerate(plan.blocks):
-        streaming = [window.streams(p) for p in ps]
-        if any(streaming) and not all(streaming):
-            raise ValueError(f"block {b} has parameters in streamed layers and others: with stream_model, "
-                             "each streamed layer must be whole blocks (the default blocks are)")
-        for p in ps:
-            if window.streams(p):
-                layers.setdefault(window.layer_of(p), set()).add(b)
-    blocks = {b for bs in layers.values() for b in bs}
-    store.set_window(window, blocks)
-    planner.max_k = min(blocks) if blocks else None
+    while True:
+        layers = _layers(window, plan)  # streamed layer -> its blocks
+        blocks = {b for bs in layers.values() for b in bs}
+        store.set_window(window, blocks)
+        planner.max_k = min(blocks) if blocks else None
+        if not _made_room(window, layers, plan, store, planner):
+            break
 
     def ready(layer) -> bool:
         engine = ref()
@@ -59,7 +55,50 @@ def bind(ref, plan, store, planner, *, sharded) -> None:
         engine.wait_blocks([b])  # an update under way: its weights, once written
         return None
 
-    window.attach(ready, current)
+    window.attach(ready, current, in_use=lambda: (engine := ref()) is not None and engine.bound)
+
+
+def _layers(window, plan) -> dict:
+    """Each streamed layer's blocks (a block is all streamed or none)."""
+    layers = {}
+    for b, ps in enumerate(plan.blocks):
+        streaming = [window.streams(p) for p in ps]
+        if any(streaming) and not all(streaming):
+            raise ValueError(f"block {b} has parameters in streamed layers and others: with stream_model, "
+                             "each streamed layer must be whole blocks (the default blocks are)")
+        for p in ps:
+            if window.streams(p):
+                layers.setdefault(window.layer_of(p), set()).add(b)
+    return layers
+
+
+def _made_room(window, layers, plan, store, planner) -> bool:
+    """Where the host cannot hold the states of every streamed block (its floor is past the first
+    streamed block, ``planner.max_k``) and the window was planned (``stream="auto"``): the first
+    streamed layer becomes resident, its home given back, so that its blocks' states may live on the
+    GPU (k); True where one was, for the caller to look again. A layer moves only where the GPU holds
+    its weights beside the states of every block below the host's floor, one block's gradients in
+    flight and 1 GiB; else CapacityError, naming the bytes on each side."""
+    if planner.max_k is None or not window.adjustable or not store.cuda or store.bound is not None:
+        return False
+    floor = store.host_floor()
+    if floor <= planner.max_k:
+        return False
+    first = min(layers, key=lambda i: min(layers[i]))
+    states = sum(plan.sizes()[2][:floor])
+    need, room = window.layer_bytes(first) + states, planner.gpu_room()
+    if need > room:
+        moved = window.stats["made_resident"]
+        n = len(plan.blocks)
+        holds = f"of blocks {floor} to {n - 1} only" if floor < n else "of no block"
+        raise CapacityError(
+            f"the host can hold the optimizer states {holds}, and "
+            f"blocks {planner.max_k} and up stream their weights from it: keeping the next streamed layer on the "
+            f"GPU with the states of blocks 0 to {floor - 1} there needs {format_bytes(need)} of GPU memory, and "
+            f"{format_bytes(max(0, room))} is free ({moved} layers were made resident already): use a host with "
+            "more memory or a larger GPU, 8-bit states, or a smaller model")
+    window.make_resident(first)
+    return True
 
 
 def detach(store) -> None:
