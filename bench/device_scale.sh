@@ -8,7 +8,8 @@
 #           hytrain capped at $CAP (default: DeepSpeed's reserved peak where DeepSpeed ran; GB per rank;
 #           none); $ITERS/$WARMUP for hytrain, $BASE_ITERS/$BASE_WARMUP for the baselines; the node's host
 #           update rate with 1 and N ranks at once first (the floor beside each hytrain record);
-#           META_INIT=1: the model built on the meta device and sharded before it is allocated (32b, 50b)
+#           META_INIT=1: the model built on the meta device and sharded before it is allocated (32b, 50b);
+#           WORKERS=N: hytrain's update workers per rank (default: its own)
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0). Logs go to $OUT (or ./device-out).
 set -uo pipefail
 source "$(dirname "$0")/stage_env.sh" 10
@@ -28,7 +29,7 @@ for stage in "$@"; do
         --modes "${MODES:-deepspeed_offload,hytrain,hytrain_8bit,fsdp2_cpu_offload}" --cap "${CAP:-deepspeed}" \
         --warmup "${WARMUP:-6}" --iters "${ITERS:-10}" \
         --baseline-warmup "${BASE_WARMUP:-2}" --baseline-iters "${BASE_ITERS:-4}" --timeout "${TIMEOUT:-400}" \
-        ${META_INIT:+--meta-init} --floor-params "${FLOOR_PARAMS:-100000000}" \
+        ${META_INIT:+--meta-init} ${WORKERS:+--workers "$WORKERS"} --floor-params "${FLOOR_PARAMS:-100000000}" \
         2>&1 | tee -a "$out/scale_${MODEL:-l7b}.txt" ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -103,7 +103,7 @@ def worker(args):
             total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
         opt = hytrain.HybridAdamW(model.parameters(), lr=LR, weight_decay=WD, max_grad_norm=CLIP, model=model,
-                                  gpu_memory_limit=cap, state_format=STATE_FORMATS[args.mode])
+                                  gpu_memory_limit=cap, state_format=STATE_FORMATS[args.mode], workers=args.workers)
     elif args.mode == "fsdp2_cpu_offload_hybrid":  # the shards are host fp32 tensors: their own masters
         import hytrain
 
@@ -127,7 +127,8 @@ def worker(args):
         local = [sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in b) for b in opt.blocks]
         extra = dict(gpu_wait_frac=stats.get("gpu_wait_frac"), k=stats.get("k"), cap_gb=args.cap_gb,
                      cpu_params=sum(n for b, n in enumerate(local) if b not in set(placed["gpu"])),
-                     blocks=len(local), state_host_gb=placed["host_bytes"] / 1e9)
+                     blocks=len(local), state_host_gb=placed["host_bytes"] / 1e9,
+                     workers=args.workers or hytrain.distributed.default_workers())
     report(args, model, times, rank, world, extra)
 
 
@@ -330,6 +331,8 @@ def main():
     ap.add_argument("--meta-init", action="store_true",
                     help="hytrain modes: build the model on the meta device, shard it, then allocate and initialise "
                          "each rank's shards on its GPU (models whose bf16 weights do not fit one GPU: 32b, 50b)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="hytrain's update workers per rank (default: its own, hytrain.distributed.default_workers)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cap-gb", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
@@ -377,6 +380,8 @@ def main():
                    "--iters", str(iters), "--warmup", str(warmup), "--device", args.device]
             if args.meta_init:
                 cmd.append("--meta-init")
+            if args.workers is not None:
+                cmd += ["--workers", str(args.workers)]
             if mode in STATE_FORMATS and args.cap != "none":
                 ds = results.get(("deepspeed_offload", n), {}).get("peak_gpu_reserved_gb")
                 cap = ds if args.cap == "deepspeed" else cap_value

@@ -26,7 +26,11 @@ def _buffers(params: int):
 
     from .pool import PinnedPool
 
-    pool = PinnedPool(params * 16 + (64 << 20), pinned=False)  # the pool's page placement, no pinning
+    # The pool's page placement, no pinning. Its capacity: the 16 B a parameter, and for each of the
+    # five buffers a slab's worth of what the slabs leave over (a buffer of a slab or more takes its
+    # own, rounded up; the smaller ones share slabs).
+    slab = 256 << 20
+    pool = PinnedPool(params * 16 + 5 * slab, slab_bytes=slab, pinned=False)
     p, m, v = (pool.empty(params) for _ in range(3))
     g, copy = pool.empty(params, torch.bfloat16), pool.empty(params, torch.bfloat16)
     p.copy_(torch.randn(params))

@@ -166,8 +166,12 @@ class Planner:
         return allocated, max(0, free if device else min(free, limit - allocated)), limit
 
     def gpu_room(self) -> int:
-        """GPU bytes free now within the run's limit, beside one block's gradients in flight and 1 GiB."""
-        return self._free()[1] - self._transient() - (1 << 30)
+        """GPU bytes that more weights and states may take for good, within the run's limit: what this
+        iteration has not used at its peak so far (the loss's logits included, which later forwards
+        allocate again), beside one block's gradients in flight and the scheduler's margin."""
+        allocated, free, limit = self._free()
+        peak = max(torch.cuda.max_memory_allocated(self.store.device), allocated)
+        return allocated + free - peak - self._transient() - ((1 << 30) + limit // 20)
 
     def _transient(self) -> int:
         """The gradients in flight at once when blocks hand them off during backward: the largest

@@ -30,13 +30,17 @@ def bind(ref, plan, store, planner, *, sharded) -> None:
         raise ValueError(f"the model's weight window is on {window.device}, its parameters on {store.device}")
     if sharded:
         raise ValueError("streamed weights (stream_model) are not supported with FSDP2-sharded parameters")
+    # The GPU's room for weights made resident and states, as it was before any move.
+    moved, room = 0, planner.gpu_room() if store.cuda and window.adjustable and store.bound is None else 0
     while True:
         layers = _layers(window, plan)  # streamed layer -> its blocks
         blocks = {b for bs in layers.values() for b in bs}
         store.set_window(window, blocks)
         planner.max_k = min(blocks) if blocks else None
-        if not _made_room(window, layers, plan, store, planner):
+        more = _made_room(window, layers, plan, store, planner, moved, room)
+        if not more:
             break
+        moved += more
 
     def ready(layer) -> bool:
         engine = ref()
@@ -72,33 +76,36 @@ def _layers(window, plan) -> dict:
     return layers
 
 
-def _made_room(window, layers, plan, store, planner) -> bool:
+def _made_room(window, layers, plan, store, planner, moved, room) -> int:
     """Where the host cannot hold the states of every streamed block (its floor is past the first
     streamed block, ``planner.max_k``) and the window was planned (``stream="auto"``): the first
     streamed layer becomes resident, its home given back, so that its blocks' states may live on the
-    GPU (k); True where one was, for the caller to look again. A layer moves only where the GPU holds
-    its weights beside the states of every block below the host's floor, one block's gradients in
-    flight and 1 GiB; else CapacityError, naming the bytes on each side."""
+    GPU (k); the bytes of its weights where one was (0 where none), for the caller to look again. A
+    layer moves only where the GPU's ``room`` (``planner.gpu_room``: beside this iteration's peak so
+    far) holds its weights, those ``moved`` before it and the states of every block below the host's
+    floor; else CapacityError, naming the bytes on each side."""
     if planner.max_k is None or not window.adjustable or not store.cuda or store.bound is not None:
-        return False
+        return 0
     floor = store.host_floor()
     if floor <= planner.max_k:
-        return False
+        return 0
     first = min(layers, key=lambda i: min(layers[i]))
     states = sum(plan.sizes()[2][:floor])
-    need, room = window.layer_bytes(first) + states, planner.gpu_room()
+    weights = window.layer_bytes(first)
+    need = moved + weights + states
     if need > room:
-        moved = window.stats["made_resident"]
+        count = window.stats["made_resident"]
         n = len(plan.blocks)
         holds = f"of blocks {floor} to {n - 1} only" if floor < n else "of no block"
         raise CapacityError(
             f"the host can hold the optimizer states {holds}, and "
             f"blocks {planner.max_k} and up stream their weights from it: keeping the next streamed layer on the "
             f"GPU with the states of blocks 0 to {floor - 1} there needs {format_bytes(need)} of GPU memory, and "
-            f"{format_bytes(max(0, room))} is free ({moved} layers were made resident already): use a host with "
+            f"{format_bytes(max(0, room))} is free beside this iteration's peak ({count} layers were made resident "
+            "already): use a host with "
             "more memory or a larger GPU, 8-bit states, or a smaller model")
     window.make_resident(first)
-    return True
+    return weights
 
 
 def detach(store) -> None:
