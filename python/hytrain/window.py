@@ -465,7 +465,9 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
     leave half of the device free; else every layer that can, until the second training
     forward has been measured, after which the first streamed layers that fit beside its peak stay
     on the device for good (with ``reserve_bytes`` given: as few as :func:`plan_window` says, no
-    measurement). ``depth``: streamed layers on the GPU at once (at least 1; 2 lets the next
+    measurement). Where the host then cannot hold every streamed block's optimizer state, HybridAdamW
+    makes the first streamed layers resident at its first step and keeps their states on the GPU
+    (as many as the GPU holds; ``window.stats["made_resident"]``). ``depth``: streamed layers on the GPU at once (at least 1; 2 lets the next
     layer's copy run beside the current one's compute). ``reserve_bytes``: GPU memory kept for
     everything but the weights (activations, gradients in flight, the optimizer's GPU side; default
     measured, see ``stream``). ``ends``: whether the parameters outside the repeated layers stream
@@ -477,10 +479,6 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
     (CapacityError)."""
     if window_of(model) is not None:
         raise ValueError("this model already streams its weights (stream_model was called on it)")
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
-    if not (isinstance(ends, bool) or (isinstance(ends, str) and ends == "auto")):
-        raise ValueError(f"ends must be 'auto', True or False, got {ends!r}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)

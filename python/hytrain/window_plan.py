@@ -218,6 +218,10 @@ def choose_streamed(model, layers, ok, layer_bytes, fixed, device, *, stream, de
     ``count`` the last layers that stream and ``measure`` whether the window keeps the first ones on
     the device once the second forward has been measured (``stream="auto"`` without ``reserve_bytes``,
     where the weights would not leave half of the device free)."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
+    if not (isinstance(ends, bool) or (isinstance(ends, str) and ends == "auto")):
+        raise ValueError(f"ends must be 'auto', True or False, got {ends!r}")
     n = len(layers)
     measure, with_ends = False, []
 
