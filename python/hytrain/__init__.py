@@ -6,7 +6,11 @@ multi-threaded CPU AdamW, while the GPU keeps only the bf16/fp16 training copy.
 
 from __future__ import annotations
 
-from ._native import native
+from . import early_signals
+
+early_signals.install()  # first: a job's process notes a SIGUSR1 while it is still importing (early_signals.py)
+
+from ._native import native  # noqa: E402
 from .copies import CopyStream
 from .cpu_adam import adamw_step, set_simd_path, simd_paths
 from .cuda_adam import CudaAdamW

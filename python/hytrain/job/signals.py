@@ -2,7 +2,8 @@
 early warning, ``--signal=USR1@120``) do at each stage of a run.
 
 - Before the training loop (building the model): SIGTERM and SIGHUP end the run at once (:class:`Stopped`,
-  exit 128 + N, the lock released); a SIGUSR1 is kept for the first step (saved there).
+  exit 128 + N, the lock released); a SIGUSR1 is kept for the first step (saved there), one that came
+  while the process was still importing too (``hytrain.early_signals``).
 - In the training loop: the first stopping signal is acted on at the end of the step in progress, by
   every rank at the same step (saved, exit 128 + N), and says when that will be; a second one (at
   least ``REPEAT_S`` later: sooner, it is the first one delivered twice) ends the run at once (the last checkpoint stays as it was; a save it interrupts leaves only a temporary
@@ -17,6 +18,8 @@ import contextlib
 import signal
 import threading
 import time
+
+from .. import early_signals
 
 STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # A second stopping signal within this many seconds of the first is the same request delivered twice
@@ -67,8 +70,9 @@ class Signals:
                 signal.signal(s, h)
 
     def outside(self):
-        """Around the whole run: SIGTERM and SIGHUP end it now; SIGUSR1 is kept for the first step."""
-        self.save = False
+        """Around the whole run: SIGTERM and SIGHUP end it now; SIGUSR1 is kept for the first step (and
+        so is one that came while the process was starting: ``early_signals``)."""
+        self.save = early_signals.take()
 
         def handler(signum, _frame):
             if signum == signal.SIGUSR1:

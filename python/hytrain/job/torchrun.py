@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 
+from .. import early_signals
 from .processes import children, stop_when_orphaned
 
 
@@ -75,6 +76,7 @@ def main(argv: list[str]) -> int:
     # SIGUSR1 (a scheduler's warning, to the launcher or to every process): the agent passes it to its
     # ranks, which save at the end of the step and go on; torch's agent would die of it (default action).
     signal.signal(signal.SIGUSR1, _pass_to_ranks)
+    early_signals.pass_on()  # one that came while this process was starting: to the ranks it starts
     try:
         run(parse_args(argv))
     except ChildFailedError as e:

@@ -1,0 +1,60 @@
+"""A SIGUSR1 (a scheduler's early warning: Slurm's ``--signal=USR1@120``) that reaches a job's process
+while it is still starting -- importing torch, a second or more before the job's own handlers are in --
+would end it at once and silently (the signal's default action), where the job promises to save at its
+first step and go on. So the job's processes (``hytrain train``, its ``--nproc`` launcher and ranks) note
+the signal from the first thing ``import hytrain`` does for them (:func:`install`), and the job's
+handlers take the note over (``job/signals.py``: saved at the first step; the launcher passes it on to
+its ranks). A program that only imports hytrain keeps its own handlers: nothing is installed there."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+_noted = False
+PASSED = "HYTRAIN_USR1_BEFORE_START"  # the launcher's note to its ranks (pass_on)
+
+
+def _note(_signum, _frame) -> None:
+    global _noted
+    _noted = True
+
+
+def is_job(argv) -> bool:
+    """Whether ``argv`` (the interpreter's own, ``sys.orig_argv``) starts a hytrain job process:
+    ``python -m hytrain train``, the ``hytrain train`` script, or ``python -m hytrain.job.torchrun``."""
+    argv = list(argv)
+    if "-m" in argv[1:]:
+        at = argv.index("-m", 1)
+        module, rest = (argv[at + 1:at + 2] or [""])[0], argv[at + 2:at + 3]
+        return module == "hytrain.job.torchrun" or (module in ("hytrain", "hytrain.__main__") and rest == ["train"])
+    return len(argv) > 2 and os.path.basename(argv[1]) == "hytrain" and argv[2] == "train"
+
+
+def install(argv=None) -> bool:
+    """Notes SIGUSR1 from now on where this process is a job's (``argv``: default ``sys.orig_argv``)
+    and nothing else handles it yet; returns whether it did."""
+    argv = getattr(sys, "orig_argv", sys.argv) if argv is None else argv
+    if threading.current_thread() is not threading.main_thread() or not is_job(argv):
+        return False
+    if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGUSR1, _note)
+    return True
+
+
+def take() -> bool:
+    """Whether a SIGUSR1 was noted since the last call, or passed on by the launcher that started this
+    process (:func:`pass_on`); the note is cleared."""
+    global _noted
+    noted, _noted = _noted or os.environ.pop(PASSED, None) == "1", False
+    return noted
+
+
+def pass_on() -> None:
+    """The ``--nproc`` launcher, before it starts its ranks: a SIGUSR1 it noted while starting goes to
+    them (in their environment: they do not exist yet)."""
+    if take():
+        os.environ[PASSED] = "1"

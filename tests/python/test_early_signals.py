@@ -1,0 +1,89 @@
+"""A SIGUSR1 that reaches a job's process while it is still importing (before the job's handlers are
+in) is noted and saved at the first step, instead of ending the process silently (the signal's
+default action); other programs that import hytrain keep their handlers."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hytrain import early_signals
+
+
+@pytest.mark.parametrize("argv, job", [
+    (["python", "-m", "hytrain", "train", "--steps", "3"], True),
+    (["python", "-X", "faulthandler", "-m", "hytrain", "train"], True),
+    (["/venv/bin/python", "/venv/bin/hytrain", "train", "--out", "x"], True),
+    (["python", "-m", "hytrain.job.torchrun", "--nproc-per-node", "2"], True),
+    (["python", "-m", "hytrain", "info"], False),
+    (["/venv/bin/python", "/venv/bin/hytrain", "export", "run"], False),
+    (["python", "-m", "pytest", "tests"], False),
+    (["python", "train.py", "train"], False),
+    (["python", "-c", "import hytrain"], False),
+])
+def test_only_a_jobs_processes_are_jobs(argv, job):
+    assert early_signals.is_job(argv) is job
+
+
+def _child(argv, body):
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from hytrain import early_signals
+        installed = early_signals.install({argv!r})
+        {body}
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_a_sigusr1_during_the_start_is_noted_not_fatal_and_taken_once():
+    r = _child(["python", "-m", "hytrain", "train"], """
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print(installed, early_signals.take(), early_signals.take())
+    """)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True", "False"]
+
+
+def test_elsewhere_the_default_action_and_a_programs_own_handler_stay():
+    r = _child(["python", "-m", "pytest"], "print(installed, signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)")
+    assert r.stdout.split() == ["False", "True"], r.stderr
+    r = _child(["python", "-m", "pytest"], """
+        mine = lambda *a: None
+        signal.signal(signal.SIGUSR1, mine)
+        print(early_signals.install(["python", "-m", "hytrain", "train"]), signal.getsignal(signal.SIGUSR1) is mine)
+    """)
+    assert r.stdout.split() == ["False", "True"], r.stderr
+
+
+def test_the_launcher_passes_an_early_note_to_the_ranks_it_starts(monkeypatch):
+    monkeypatch.delenv(early_signals.PASSED, raising=False)
+    early_signals.take()
+    os.environ.pop(early_signals.PASSED, None)
+    early_signals.pass_on()  # nothing noted: nothing passed
+    assert early_signals.PASSED not in os.environ
+    early_signals._note(signal.SIGUSR1, None)
+    early_signals.pass_on()
+    assert os.environ[early_signals.PASSED] == "1"
+    assert early_signals.take() is True  # (a rank: read once, and gone from its environment)
+    assert early_signals.PASSED not in os.environ and early_signals.take() is False
+
+
+def test_the_job_saves_at_its_first_step_for_a_sigusr1_noted_while_it_started(tmp_path):
+    # The job's process as it starts: the note made (as install's handler would), then the run.
+    code = textwrap.dedent(f"""
+        import sys
+        from hytrain import early_signals
+        from hytrain.__main__ import main
+        early_signals._note(10, None)
+        sys.exit(main(["train", "--out", {str(tmp_path / "run")!r}, "--steps", "2", "--model", "tiny",
+                       "--batch-size", "2", "--seq-len", "32", "--no-progress"]))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "SIGUSR1 (a scheduler's warning): saving at step 1" in r.stdout + r.stderr
+    assert (tmp_path / "run" / "checkpoints" / "step_00000001").is_dir()
