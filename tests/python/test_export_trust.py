@@ -248,3 +248,28 @@ def test_exports_of_a_live_run_saving_every_step_never_fail(corpus, tmp_path):
         proc.kill()
         proc.wait()
     assert not failed and done > 0, failed
+
+
+def test_config_and_summary_are_written_whole_or_not_at_all(run, tmp_path, monkeypatch):
+    # A disk that fills while config.json is rewritten (every run's start) leaves the earlier file as
+    # it was, not cut short: `hytrain export` and a resume read it. (summary.json is written the same way.)
+    from pathlib import Path
+
+    from hytrain.job import outputs
+
+    before = (run / "config.json").read_text()
+    real = Path.write_text
+
+    def half(self, text, *args, **kwargs):
+        if self.name.endswith(".tmp"):
+            real(self, text[: len(text) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", half)
+    with pytest.raises(OSError, match="No space left"):
+        outputs.write_whole(run / "config.json", json.dumps({"options": {}}))
+    monkeypatch.undo()
+    assert (run / "config.json").read_text() == before and _leftovers(run) == []
+    outputs.write_whole(run / "summary.json", '{"steps": 2}')
+    assert json.loads((run / "summary.json").read_text()) == {"steps": 2} and _leftovers(run) == []

@@ -34,8 +34,20 @@ def run_config(out: Path, plan, model, ranks) -> dict:
     and held by each checkpoint."""
     config = {"options": plan.options(), "model": model.config, "world_size": ranks.world}
     if ranks.main:
-        (out / "config.json").write_text(json.dumps(config, indent=1, default=str))
+        write_whole(out / "config.json", json.dumps(config, indent=1, default=str))
     return config
+
+
+def write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all: written beside it, then renamed over it, so that a run
+    killed (or a disk filling) mid-write leaves the file as it was, never cut short (``hytrain export``
+    and a resume read config.json; a scheduler reads summary.json)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def export_at_end(model, out, plan, keep: int, ranks, say) -> Path | ExportFailed | None:
@@ -140,7 +152,7 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
         summary["energy_j"] = energy
         summary["energy_per_token_j"] = energy / tokens
     try:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        write_whole(out / "summary.json", json.dumps(summary, indent=1))
     except OSError as e:
         raise ConfigError(f"{failed}; writing {out / 'summary.json'} failed too: {e}" if failed else
                           f"training finished and its checkpoint is saved, but writing {out / 'summary.json'} "
