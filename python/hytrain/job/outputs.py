@@ -143,9 +143,10 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
                    state_gpu_gb=placed["gpu_bytes"] / 1e9, shadows_host_gb=placed["shadow_bytes"] / 1e9,
                    peak_host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
     if window is not None:  # streamed weights: how many layers, and of them kept on the GPU after measuring
+        # (made_resident: layers the optimizer took back onto the GPU, their states there, the host too small)
         summary.update(streamed_layers=len(window.streamed), layers=len(window.layers),
-                       kept_layers=len(window.kept_layers), streamed_ends=window.ends,
-                       window_host_gb=window.host_bytes() / 1e9)
+                       kept_layers=len(window.kept_layers), made_resident=window.stats["made_resident"],
+                       streamed_ends=window.ends, window_host_gb=window.host_bytes() / 1e9)
     if torch.device(device).type == "cuda":
         summary["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
     if energy > 0:
