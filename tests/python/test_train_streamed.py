@@ -38,7 +38,8 @@ def test_a_streamed_run_and_its_resume_are_the_resident_run_bit_for_bit(tmp_path
     assert main(["--steps", "6", "--out", c, "--stream", "2", "--resume", "latest", *FAST]) == 0
     assert losses(a) == losses(b) == losses(c) and len(losses(a)) == 6
     summary = json.load(open(os.path.join(b, "summary.json")))
-    assert (summary["streamed_layers"], summary["layers"], summary["kept_layers"], summary["made_resident"]) == (2, 4, 0, 0)
+    assert (summary["streamed_layers"], summary["layers"], summary["kept_layers"],
+            summary["made_resident"]) == (2, 4, 0, 0)
     assert 0 < summary["window_host_gb"] * 1e9 < 2 * summary["params"]  # bf16 weights of 2 of 4 layers
     assert "streamed_layers" not in json.load(open(os.path.join(a, "summary.json")))
     # The checkpoint and the exported model hold the streamed layers' weights (their homes), equal
