@@ -16,6 +16,7 @@ weights on the GPU.
   3b    hidden 3200, 26 layers, 32 heads, intermediate  8640
   7b    hidden 4096, 32 layers, 32 heads, intermediate 11008
   13b   hidden 5120, 40 layers, 40 heads, intermediate 13824
+  16b   hidden 5120, 50 layers, 40 heads, intermediate 13824 (16.2 B)
   20b   hidden 6144, 44 layers, 48 heads, intermediate 16384
   24b   hidden 6144, 52 layers, 48 heads, intermediate 16384
   28b   hidden 6656, 52 layers, 52 heads, intermediate 17920
@@ -110,6 +111,7 @@ SIZES = {  # in increasing order
     "3b": dict(hidden_size=3200, num_layers=26, num_heads=32, intermediate_size=8640, vocab=VOCAB),
     "7b": dict(hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008, vocab=VOCAB),
     "13b": dict(hidden_size=5120, num_layers=40, num_heads=40, intermediate_size=13824, vocab=VOCAB),
+    "16b": dict(hidden_size=5120, num_layers=50, num_heads=40, intermediate_size=13824, vocab=VOCAB),
     "20b": dict(hidden_size=6144, num_layers=44, num_heads=48, intermediate_size=16384, vocab=VOCAB),
     "24b": dict(hidden_size=6144, num_layers=52, num_heads=48, intermediate_size=16384, vocab=VOCAB),
     "28b": dict(hidden_size=6656, num_layers=52, num_heads=52, intermediate_size=17920, vocab=VOCAB),
