@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from . import early_signals
+
 
 def _time(fn, repeats=3):
     fn()
@@ -192,7 +194,10 @@ def main(argv=None) -> int:
     if argv[:1] == ["train"]:
         from .job import main as train_main
 
-        return train_main(argv[1:])
+        try:
+            return train_main(argv[1:])
+        finally:
+            early_signals.after_run()
     args = ap.parse_args(argv)
     if getattr(args, "params", 1) <= 0:
         ap.error("--params must be > 0")

@@ -14,23 +14,35 @@ import sys
 import threading
 
 _noted = False
+_installed = False  # install() put the note in place (this process is a job's)
 PASSED = "HYTRAIN_USR1_BEFORE_START"  # the launcher's note to its ranks (pass_on)
 
 
-def _note(_signum, _frame) -> None:
+def note(_signum=signal.SIGUSR1, _frame=None) -> None:
+    """A SIGUSR1 came (the handler :func:`install` puts in place; the launcher's, before its ranks exist)."""
     global _noted
     _noted = True
 
 
 def is_job(argv) -> bool:
     """Whether ``argv`` (the interpreter's own, ``sys.orig_argv``) starts a hytrain job process:
-    ``python -m hytrain train``, the ``hytrain train`` script, or ``python -m hytrain.job.torchrun``."""
+    ``python -m hytrain train``, the ``hytrain train`` script, or ``python -m hytrain.job.torchrun``
+    (the interpreter's options before them read as the interpreter reads them)."""
     argv = list(argv)
-    if "-m" in argv[1:]:
-        at = argv.index("-m", 1)
-        module, rest = (argv[at + 1:at + 2] or [""])[0], argv[at + 2:at + 3]
-        return module == "hytrain.job.torchrun" or (module in ("hytrain", "hytrain.__main__") and rest == ["train"])
-    return len(argv) > 2 and os.path.basename(argv[1]) == "hytrain" and argv[2] == "train"
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m" or (arg.startswith("-m") and not arg.startswith("--")):
+            module = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:]
+            rest = argv[i + 2:i + 3] if arg == "-m" else argv[i + 1:i + 2]
+            return module == "hytrain.job.torchrun" or (module in ("hytrain", "hytrain.__main__") and rest == ["train"])
+        if arg in ("-X", "-W", "--check-hash-based-pycs"):
+            i += 2
+            continue
+        if arg == "-c" or arg == "-" or not arg.startswith("-"):  # a command, stdin or a script: what runs
+            return arg != "-c" and os.path.basename(arg) == "hytrain" and argv[i + 1:i + 2] == ["train"]
+        i += 1
+    return False
 
 
 def install(argv=None) -> bool:
@@ -41,8 +53,18 @@ def install(argv=None) -> bool:
         return False
     if signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL:
         return False
-    signal.signal(signal.SIGUSR1, _note)
+    global _installed
+    signal.signal(signal.SIGUSR1, note)
+    _installed = True
     return True
+
+
+def after_run() -> None:
+    """The run is over (its outputs written): a SIGUSR1 from now on is ignored. While the interpreter
+    exits it puts back the signal's default action, which would end a finished run with status 138
+    (torch's teardown takes seconds)."""
+    if _installed and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def take() -> bool:

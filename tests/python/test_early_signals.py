@@ -23,6 +23,11 @@ from hytrain import early_signals
     (["python", "-m", "pytest", "tests"], False),
     (["python", "train.py", "train"], False),
     (["python", "-c", "import hytrain"], False),
+    (["python", "-mhytrain", "train"], True),
+    (["python", "-X", "dev", "-W", "ignore", "-m", "hytrain", "train"], True),
+    (["python", "-W", "ignore", "/venv/bin/hytrain", "train"], True),
+    (["python", "myscript.py", "-m", "hytrain", "train"], False),
+    (["python", "-c", "pass", "-m", "hytrain", "train"], False),
 ])
 def test_only_a_jobs_processes_are_jobs(argv, job):
     assert early_signals.is_job(argv) is job
@@ -65,7 +70,7 @@ def test_the_launcher_passes_an_early_note_to_the_ranks_it_starts(monkeypatch):
     os.environ.pop(early_signals.PASSED, None)
     early_signals.pass_on()  # nothing noted: nothing passed
     assert early_signals.PASSED not in os.environ
-    early_signals._note(signal.SIGUSR1, None)
+    early_signals.note()
     early_signals.pass_on()
     assert os.environ[early_signals.PASSED] == "1"
     assert early_signals.take() is True  # (a rank: read once, and gone from its environment)
@@ -78,7 +83,7 @@ def test_the_job_saves_at_its_first_step_for_a_sigusr1_noted_while_it_started(tm
         import sys
         from hytrain import early_signals
         from hytrain.__main__ import main
-        early_signals._note(10, None)
+        early_signals.note()
         sys.exit(main(["train", "--out", {str(tmp_path / "run")!r}, "--steps", "2", "--model", "tiny",
                        "--batch-size", "2", "--seq-len", "32", "--no-progress"]))
     """)
@@ -87,3 +92,31 @@ def test_the_job_saves_at_its_first_step_for_a_sigusr1_noted_while_it_started(tm
     assert r.returncode == 0, r.stderr[-2000:]
     assert "SIGUSR1 (a scheduler's warning): saving at step 1" in r.stdout + r.stderr
     assert (tmp_path / "run" / "checkpoints" / "step_00000001").is_dir()
+
+
+def test_after_the_run_a_sigusr1_is_ignored_in_a_jobs_process_only():
+    # While the interpreter exits it puts back SIGUSR1's default action, which would end a finished
+    # run with status 138 during torch's teardown: a job's process ignores it once the run is over.
+    r = _child(["python", "-m", "hytrain", "train"], """
+        early_signals.after_run()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        print(signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN)
+    """)
+    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr
+    r = _child(["python", "-m", "pytest"],
+               "early_signals.after_run(); print(signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)")
+    assert r.stdout.split() == ["True"], r.stderr
+
+
+def test_the_launchers_agent_keeps_a_sigusr1_for_ranks_it_has_not_started_yet():
+    code = textwrap.dedent("""
+        import os
+        from hytrain import early_signals
+        from hytrain.job import torchrun
+        torchrun._pass_to_ranks(10, None)  # no rank yet (this process has no children)
+        print(os.environ.get(early_signals.PASSED))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop(early_signals.PASSED, None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.stdout.split() == ["1"], r.stderr

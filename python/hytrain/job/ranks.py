@@ -17,7 +17,7 @@ import uuid
 
 import torch
 
-from .. import cuda_available
+from .. import cuda_available, early_signals
 from ..blocks import repeated_layers
 from .options import ConfigError
 from .processes import stop_when_orphaned
@@ -188,6 +188,7 @@ def launch(process, batch_size: int, argv: list[str]) -> int:
     # A fresh rendezvous store for every round of the group (torch's documented opt-out of the agent's
     # shared one), so that a restarted group never reads what the dead round left in it: see
     # ``hytrain.distributed.init_process_group``.
+    early_signals.pass_on()  # a SIGUSR1 noted while this process started: to the agent, and on to the ranks
     env = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **os.environ,
            LAUNCHED: str(os.getpid())}  # named by the run lock
     child = subprocess.Popen(_torchrun_wrapper(cmd), env=env)

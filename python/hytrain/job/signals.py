@@ -1,7 +1,7 @@
 """The job's signals: what SIGTERM, SIGINT, SIGHUP (a scheduler's or a user's stop) and SIGUSR1 (Slurm's
 early warning, ``--signal=USR1@120``) do at each stage of a run.
 
-- Before the training loop (building the model): SIGTERM and SIGHUP end the run at once (:class:`Stopped`,
+- Before the training loop (building the model): SIGTERM, SIGHUP and SIGINT end the run at once (:class:`Stopped`,
   exit 128 + N, the lock released); a SIGUSR1 is kept for the first step (saved there), one that came
   while the process was still importing too (``hytrain.early_signals``).
 - In the training loop: the first stopping signal is acted on at the end of the step in progress, by
@@ -70,8 +70,9 @@ class Signals:
                 signal.signal(s, h)
 
     def outside(self):
-        """Around the whole run: SIGTERM and SIGHUP end it now; SIGUSR1 is kept for the first step (and
-        so is one that came while the process was starting: ``early_signals``)."""
+        """Around the whole run: SIGTERM, SIGHUP and SIGINT end it now (one line, not a traceback);
+        SIGUSR1 is kept for the first step (and so is one that came while the process was starting:
+        ``early_signals``)."""
         self.save = early_signals.take()
 
         def handler(signum, _frame):
@@ -80,7 +81,7 @@ class Signals:
             else:
                 raise Stopped(signum)
 
-        return self._handlers(handler, (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1))
+        return self._handlers(handler, (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGUSR1))
 
     def loop(self):
         """The training loop's handlers (see the module's docstring), installed now; returns what

@@ -58,7 +58,11 @@ def describe(rank: int, failure) -> tuple[str, int]:
 
 
 def _pass_to_ranks(signum, _frame):
-    for pid in children(os.getpid()):
+    ranks = children(os.getpid())
+    if not ranks:  # not started yet: they read it from the environment they start with
+        early_signals.note(signum)
+        early_signals.pass_on()
+    for pid in ranks:
         try:
             os.kill(pid, signum)
         except OSError:
@@ -79,6 +83,7 @@ def main(argv: list[str]) -> int:
     early_signals.pass_on()  # one that came while this process was starting: to the ranks it starts
     try:
         run(parse_args(argv))
+        early_signals.after_run()
     except ChildFailedError as e:
         # Every rank stopped by a signal after the checkpoint they saved together (rank 0 said so), or
         # was stopped by the agent once a peer had (a rank's "stopped" comes after the collective save):
