@@ -354,7 +354,8 @@ def run_one(args):
             init_params(list(model.parameters()))
             stream = {"auto": "auto", "all": len(layers)}.get(args.stream) or int(args.stream)
             ends = {"auto": "auto", "on": True, "off": False}[args.ends]
-            window = hytrain.stream_model(model, device, stream=stream, ends=ends)
+            window = hytrain.stream_model(model, device, stream=stream, ends=ends,
+                                          state_format=HYTRAIN_FORMATS[system])  # (as the job does)
             rec["streamed_layers"] = len(window.streamed)
             rec["streamed_ends"] = window.ends
             rec["window_host_gb"] = window.host_bytes() / 1e9

@@ -61,6 +61,16 @@ def memory_total_bytes() -> int:
     return total
 
 
+def host_margin(available) -> int:
+    """The host memory kept free beside the pinned state, where ``available`` bytes are: 1 GiB, and
+    5 % of that or a tenth of the memory the process may use in all, whichever is more. Pinned
+    pages cannot be swapped: the kernel, the page cache of the libraries the process runs, its own
+    growth and the pool's slack live in this margin, and a state that leaves less gets the process
+    killed by the kernel's OOM killer rather than refused (a 20 B state planned to within 1 GiB and
+    5 % of a 135 GB host was)."""
+    return (1 << 30) + max(available // 20, memory_total_bytes() // 10)
+
+
 def available_memory_bytes() -> int | None:
     """Host memory this process can still take without swapping or being killed: the system's
     ``MemAvailable``, less under a cgroup (v2 or v1) limit; None where neither can be read.

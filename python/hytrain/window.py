@@ -450,7 +450,7 @@ class _Call:
 
 
 def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2, reserve_bytes=None,
-                 pool: PinnedPool | None = None, ends="auto") -> WeightWindow:
+                 pool: PinnedPool | None = None, ends="auto", state_format=None) -> WeightWindow:
     """Places ``model`` on ``device`` (default: the current CUDA device, else the CPU) with its last
     repeated layers streamed from pinned host memory, and returns the window. The model may be on
     the CPU (it is moved layer by layer, each layer's CPU memory freed as it goes), already on the
@@ -465,10 +465,11 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
     leave half of the device free; else every layer that can, until the second training
     forward has been measured, after which the first streamed layers that fit beside its peak stay
     on the device for good (with ``reserve_bytes`` given: as few as :func:`plan_window` says, no
-    measurement). Where the host then cannot hold every streamed block's optimizer state, HybridAdamW
-    makes the first streamed layers resident at its first step and keeps their states on the GPU
-    (as many as the GPU holds; ``window.stats["made_resident"]``). ``depth``: streamed layers on the GPU at once (at least 1; 2 lets the next
-    layer's copy run beside the current one's compute). ``reserve_bytes``: GPU memory kept for
+    measurement). Where the host cannot hold every streamed block's optimizer state, HybridAdamW makes
+    the first streamed layers resident at its first step, their states on the GPU, as many as it holds
+    (``window.stats["made_resident"]``); given HybridAdamW's ``state_format``, auto also streams where the
+    host cannot hold that state for the whole model. ``depth``: streamed layers on the GPU at once (at least
+    1; 2 lets the next layer's copy run beside the current one's compute). ``reserve_bytes``: GPU memory kept for
     everything but the weights (activations, gradients in flight, the optimizer's GPU side; default
     measured, see ``stream``). ``ends``: whether the parameters outside the repeated layers stream
     too, each end one more unit of the window (``window.ends``): ``"auto"`` streams the head (final
@@ -494,7 +495,8 @@ def stream_model(model: nn.Module, device=None, *, stream="auto", depth: int = 2
                          "init_empty_weights(include_buffers=False)) or fill them first")
     layers, ok, layer_bytes, fixed = layout(inner)
     count, with_ends, measure = choose_streamed(inner, layers, ok, layer_bytes, fixed, device, stream=stream,
-                                                depth=depth, reserve_bytes=reserve_bytes, ends=ends)
+                                                depth=depth, reserve_bytes=reserve_bytes, ends=ends,
+                                                state_format=state_format)
     first = [u for u in with_ends if u.name == "embeddings"]
     last = [u for u in with_ends if u.name == "head"]
     units = first + list(layers) + last

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .blocks import repeated_layers
-from .pool import CapacityError, format_bytes
+from .pool import CapacityError, available_memory_bytes, format_bytes, host_margin
 
 _STREAMABLE = (torch.bfloat16, torch.float16)
 
@@ -67,11 +67,11 @@ def fits_resident(layer_bytes, fixed_bytes: int, free_bytes: int, total_bytes: i
         return False
 
 
-def streams_when_auto(model, device, depth: int = 2) -> bool:
-    """Whether ``stream_model(model, device)`` (``stream="auto"``) streams any layer, decided from
-    the model's shapes and the device's free memory before anything is allocated: a job builds the
-    model on the CPU (then streams it) or on the device from the answer. False off CUDA and for a
-    model without repeated bf16/fp16 layers."""
+def streams_when_auto(model, device, depth: int = 2, state_format=None) -> bool:
+    """Whether ``stream_model(model, device, state_format=state_format)`` (``stream="auto"``) streams
+    any layer, decided from the model's shapes, the device's free memory and the host's before
+    anything is allocated: a job builds the model on the CPU (then streams it) or on the device from
+    the answer. False off CUDA and for a model without repeated bf16/fp16 layers."""
     device = torch.device(device)
     if device.type != "cuda":
         return False
@@ -83,7 +83,8 @@ def streams_when_auto(model, device, depth: int = 2) -> bool:
         return False
     free, total = torch.cuda.mem_get_info(device)
     on_device = sum(p.numel() * p.element_size() for p in model.parameters() if p.device == device)
-    return not fits_resident(layer_bytes, fixed, free + on_device, total, depth=depth, streamable=ok)
+    return (not fits_resident(layer_bytes, fixed, free + on_device, total, depth=depth, streamable=ok)
+            or host_short(model, state_format))
 
 
 def streamable_layers(model, layers) -> list[bool]:
@@ -213,11 +214,29 @@ def plan_ends(model, layers, ok, layer_bytes, fixed_bytes, free_bytes, *, depth,
     raise error
 
 
-def choose_streamed(model, layers, ok, layer_bytes, fixed, device, *, stream, depth, reserve_bytes, ends):
+def host_short(model, state_format) -> bool:
+    """Whether the host cannot hold HybridAdamW's state in ``state_format`` (a name, or None: not
+    asked) for every parameter of ``model``: the fp32 master, m and v, and the bf16/fp16 staging (or
+    home), beside the host's margin. Then the optimizer keeps the first blocks' states on the GPU,
+    and streaming the other layers is what makes room for them there."""
+    if state_format is None:
+        return False
+    from .state_formats import get
+
+    room = available_memory_bytes()
+    if room is None:
+        return False
+    n = sum(p.numel() for p in model.parameters())
+    return n * (4 + get(state_format).bytes_per_parameter() + 2) > room - host_margin(room)
+
+
+def choose_streamed(model, layers, ok, layer_bytes, fixed, device, *, stream, depth, reserve_bytes, ends,
+                    state_format=None):
     """``stream_model``'s plan before anything moves: ``(count, [end units that stream], measure)``,
     ``count`` the last layers that stream and ``measure`` whether the window keeps the first ones on
     the device once the second forward has been measured (``stream="auto"`` without ``reserve_bytes``,
-    where the weights would not leave half of the device free)."""
+    where the weights would not leave half of the device free, or where the host is short of
+    ``state_format``'s state: :func:`host_short`)."""
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
     if not (isinstance(ends, bool) or (isinstance(ends, str) and ends == "auto")):
@@ -236,7 +255,8 @@ def choose_streamed(model, layers, ok, layer_bytes, fixed, device, *, stream, de
             free += sum(p.numel() * p.element_size() for p in model.parameters() if p.device == device)
             if reserve_bytes is not None:
                 count, with_ends = plan(free, int(reserve_bytes))
-            elif not fits_resident(layer_bytes, fixed, free, total, depth=depth, streamable=ok):
+            elif (not fits_resident(layer_bytes, fixed, free, total, depth=depth, streamable=ok)
+                  or host_short(model, state_format)):
                 # Every layer that can stream does, until the second forward has shown what the rest
                 # takes; then the first ones that fit beside it stay (_count_forward). Refused here
                 # only where even the window alone leaves no margin.

@@ -374,7 +374,9 @@ def test_a_state_the_host_cannot_hold_is_refused_before_anything_is_allocated(mo
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     # The host keeps a margin beside the state (1 GiB, and 5 % of what is available or a tenth of
     # the memory in all): exactly enough is need plus that.
-    monkeypatch.setattr(budgets, "memory_total_bytes", lambda: 40 << 30)
+    from hytrain import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "memory_total_bytes", lambda: 40 << 30)  # (host_margin lives in pool.py)
     assert budgets.host_margin(80 << 30) == (1 << 30) + (4 << 30) == budgets.host_margin(20 << 30)
     assert budgets.host_margin(200 << 30) == (1 << 30) + (10 << 30)
     enough = need + (5 << 30) - 2

@@ -185,3 +185,26 @@ def test_a_streamed_run_on_the_gpu_resumes_from_its_checkpoint(tmp_path):
     assert len(la) == len(lb) == 8 and max(abs(x - y) for x, y in zip(la, lb)) < 2e-2, (la, lb)
     summary = json.load(open(os.path.join(b, "summary.json")))
     assert summary["streamed_layers"] == 4 and ckpt.resolve(b, "latest").name == "step_00000008"
+
+
+def test_the_job_streams_where_the_host_cannot_hold_its_optimizers_state(monkeypatch):
+    # A model whose weights leave the GPU more than half free streams anyway where the host cannot
+    # hold the state in the run's format: the optimizer then keeps the first blocks' states on the GPU
+    # and the streamed layers make the room (decided from the shapes, before anything is allocated).
+    import torch
+
+    import hytrain.window_plan as wp
+    from hytrain.job import models
+    from hytrain.job.plan import ModelPlan
+
+    plan = ModelPlan(model="tiny", init="random", tokenizer=None, precision="bf16", stream="auto",
+                     activation_checkpointing=False, seq_len=64, seed=0)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(wp.torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+    monkeypatch.setattr(wp, "host_margin", lambda available: 0)
+    monkeypatch.setattr(wp, "available_memory_bytes", lambda: 64 << 30)
+    assert models.stream_plan(plan, cuda, torch.bfloat16, False, "fp32") is None
+    monkeypatch.setattr(wp, "available_memory_bytes", lambda: 1 << 20)  # less than the tiny model's state
+    assert models.stream_plan(plan, cuda, torch.bfloat16, False, "8bit") == "auto"
+    assert models.stream_plan(plan, cuda, torch.bfloat16, False, None) is None
+    assert models.stream_plan(plan, cuda, torch.bfloat16, True, "8bit") is None  # (--nproc: FSDP2 shards)

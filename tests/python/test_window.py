@@ -496,3 +496,30 @@ def test_a_layer_made_resident_mid_backward_trains_as_if_it_had_never_streamed()
     assert all(torch.equal(a[n], b[n]) for n in a)
     with pytest.raises(RuntimeError, match="only before that optimizer's first step"):
         window.make_resident(2)
+
+
+def test_auto_streams_where_the_host_cannot_hold_the_optimizers_state(monkeypatch):
+    # The GPU would hold the weights with half of it free (nothing would stream), but the host cannot
+    # hold the state of every parameter in the format asked: every layer streams (then the optimizer
+    # makes the first ones resident again, their states on the GPU, as many as the GPU holds).
+    import hytrain.window_plan as wp
+
+    m = model()
+    n = sum(p.numel() for p in m.parameters())
+    layers, ok, layer_bytes, fixed = wp.layout(m)
+    monkeypatch.setattr(wp.torch.cuda, "mem_get_info", lambda device=None: (80 * GiB, 80 * GiB))
+    cuda = torch.device("cuda", 0)
+    from hytrain import state_formats
+
+    for fmt in ("fp32", "bf16", "8bit"):  # master 4 + m and v + staging or home 2 bytes a parameter
+        need = int(n * (6 + state_formats.get(fmt).bytes_per_parameter()))
+        monkeypatch.setattr(wp, "host_margin", lambda available: 0)
+        monkeypatch.setattr(wp, "available_memory_bytes", lambda: need + 4096)
+        assert not wp.host_short(m, fmt) and not wp.host_short(m, None)
+        kw = dict(stream="auto", depth=2, reserve_bytes=None, ends="auto")
+        assert wp.choose_streamed(m, layers, ok, layer_bytes, fixed, cuda, state_format=fmt, **kw) == (0, [], False)
+        monkeypatch.setattr(wp, "available_memory_bytes", lambda: need - 4096)
+        assert wp.host_short(m, fmt) and not wp.host_short(m, None)
+        assert wp.choose_streamed(m, layers, ok, layer_bytes, fixed, cuda, state_format=fmt, **kw) == \
+            (CFG.num_layers, [], True)
+        assert wp.choose_streamed(m, layers, ok, layer_bytes, fixed, cuda, **kw) == (0, [], False)  # (not asked)

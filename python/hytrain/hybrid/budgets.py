@@ -12,7 +12,7 @@ import os
 import torch
 
 from ..distributed import process_cpus
-from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes, memory_total_bytes
+from ..pool import CapacityError, PinnedPool, available_memory_bytes, format_bytes, host_margin
 from .common import local
 
 _MORE_ROOM = ("leave the GPU more room (a smaller batch, activation checkpointing, a larger gpu_memory_limit), "
@@ -26,16 +26,6 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def host_margin(available) -> int:
-    """The host memory kept free beside the pinned state, where ``available`` bytes are: 1 GiB, and
-    5 % of that or a tenth of the memory the process may use in all, whichever is more. Pinned
-    pages cannot be swapped: the kernel, the page cache of the libraries the process runs, its own
-    growth and the pool's slack live in this margin, and a state that leaves less gets the process
-    killed by the kernel's OOM killer rather than refused (a 20 B state planned to within 1 GiB and
-    5 % of a 135 GB host was)."""
-    return (1 << 30) + max(available // 20, memory_total_bytes() // 10)
 
 
 # -- bytes ---------------------------------------------------------------------------------------------

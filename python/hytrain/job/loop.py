@@ -163,7 +163,8 @@ def _run(plan: RunPlan, ranks, say, out: Path, sig) -> int:
     data, val_batches = open_job_data(plan.model, plan.data, resume.cursor if resume is not None else None,
                                       say=lambda line: say(line, flush=True))
     startup = Startup()  # (how long each phase took to end, from the process's start: summary.json)
-    model = build_model(plan.model, device, dtype, ranks, weights=resumed_weights(resume, ranks))
+    model = build_model(plan.model, device, dtype, ranks, weights=resumed_weights(resume, ranks),
+                        state_format=plan.optimizer.state_format)
     startup.mark("model")
     updates = build_optimizer(plan.optimizer, plan.schedule, model, device, dtype, ranks)
     startup.mark("optimizer")

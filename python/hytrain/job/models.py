@@ -34,11 +34,12 @@ def model_path(plan):
                           f"model: {e}") from None
 
 
-def stream_plan(plan, device, dtype, distributed: bool):
+def stream_plan(plan, device, dtype, distributed: bool, state_format=None):
     """What of the model streams from host memory (``--stream``): None (nothing: the model is built
     on the device), else ``stream_model``'s ``stream`` ("auto" or the last N layers; the model is then
     built on the CPU and placed layer by layer). Auto streams where the weights, read from the shapes
-    before anything is allocated, would leave less than half of the GPU free."""
+    before anything is allocated, would leave less than half of the GPU free, or where the host cannot
+    hold the optimizer's state in ``state_format`` for the whole model (``window_plan.host_short``)."""
     if plan.stream == "off":
         return None
     streamable = dtype in (torch.bfloat16, torch.float16)
@@ -57,7 +58,7 @@ def stream_plan(plan, device, dtype, distributed: bool):
             probe = LlamaModel(LlamaConfig(**PRESETS[plan.model], max_seq_len=max(plan.seq_len, 256))).to(dtype)
     else:
         probe = meta_causal_lm(str(model_path(plan)), dtype)
-    return "auto" if streams_when_auto(probe, device) else None
+    return "auto" if streams_when_auto(probe, device, state_format=state_format) else None
 
 
 @dataclass
@@ -72,18 +73,18 @@ class JobModel:
     window: object = None
 
 
-def build_model(plan, device, dtype, ranks, weights=None) -> JobModel:
+def build_model(plan, device, dtype, ranks, weights=None, state_format=None) -> JobModel:
     """The load-model phase (``plan``: a ModelPlan). A transformers model's weights come from its
     checkpoint (``--init pretrained``), read straight into ``dtype`` shard by shard: on ``device``,
     or, where they stream (:func:`stream_plan`), straight into their places (:func:`_streamed`: never
     whole on the GPU, nor in pageable host memory); sharded (FSDP2 over ``ranks``) before they are
     read, each rank reading its own part only. ``weights``: a checkpoint directory whose weights
     replace the model's own (a resumed run's), read before the model is placed (a streamed parameter
-    takes no load_state_dict afterwards)."""
-    stream = stream_plan(plan, device, dtype, ranks.distributed)
+    takes no load_state_dict afterwards). ``state_format``: the optimizer's, for the host's share."""
+    stream = stream_plan(plan, device, dtype, ranks.distributed, state_format)
     where = device if stream is None else torch.device("cpu")
     if stream is not None and plan.model not in PRESETS and (plan.init == "pretrained" or weights is not None):
-        return _streamed(plan, device, dtype, stream, weights)
+        return _streamed(plan, device, dtype, stream, weights, state_format)
     if plan.model in PRESETS:
         model, n, cfg = _preset(plan, where, dtype)
         sharded = False
@@ -102,21 +103,21 @@ def build_model(plan, device, dtype, ranks, weights=None) -> JobModel:
         weights = None
     if weights is not None:
         ckpt.load_weights(weights, model)
-    window = _stream(plan, model, device, stream) if stream is not None else None
+    window = _stream(plan, model, device, stream, state_format) if stream is not None else None
     return JobModel(model, n, cfg, sharded, window)
 
 
-def _stream(plan, model, device, stream):
+def _stream(plan, model, device, stream, state_format=None):
     """``stream_model``, its refusals as one-line ConfigErrors."""
     try:
-        return stream_model(model, device, stream=stream)
+        return stream_model(model, device, stream=stream, state_format=state_format)
     except CapacityError as e:
         raise ConfigError(f"{plan.model} does not fit this GPU even streamed: {e}") from None
     except ValueError as e:
         raise ConfigError(f"--stream {stream}: {e}") from None
 
 
-def _streamed(plan, device, dtype, stream, weights) -> JobModel:
+def _streamed(plan, device, dtype, stream, weights, state_format=None) -> JobModel:
     """A transformers model whose layers stream, built on the meta device and placed by
     ``stream_model`` before any weight is read: then each streamed layer's weights are read from the
     files straight into its pinned home, the rest straight onto the device (reads.py), from the
@@ -127,7 +128,7 @@ def _streamed(plan, device, dtype, stream, weights) -> JobModel:
         if plan.activation_checkpointing:
             inner.gradient_checkpointing_enable()
         made["model"] = model = CausalLM(inner)
-        made["window"] = window = _stream(plan, model, device, stream)
+        made["window"] = window = _stream(plan, model, device, stream, state_format)
         return lambda t: window.home(t) if window.streams(t) else t.data
 
     files = None if weights is None else [weights / "model.safetensors"]
