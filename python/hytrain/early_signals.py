@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 _noted = False
 _installed = False  # install() put the note in place (this process is a job's)
@@ -55,8 +56,46 @@ def install(argv=None) -> bool:
         return False
     global _installed
     signal.signal(signal.SIGUSR1, note)
+    # The launcher starts its child with SIGUSR1 blocked (held pending, not acted on) until now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
     _installed = True
     return True
+
+
+def _ready_for(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` would not die of ``signum`` now: it catches, blocks or ignores it (or
+    /proc cannot tell)."""
+    bit = 1 << (signum - 1)
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = {k: int(v, 16) for k, v in (line.split(":", 1) for line in f)
+                     if k in ("SigCgt", "SigBlk", "SigIgn")}
+    except (OSError, ValueError):
+        return True
+    return any(m & bit for m in masks.values())
+
+
+def send_when_ready(pid: int, signum: int = signal.SIGUSR1, wait_s: float = 60.0) -> None:
+    """``signum`` to process ``pid`` (a launcher's child), once it has its handler in place: a process
+    just started dies of SIGUSR1 until ``import hytrain`` has run :func:`install` (tens of ms). Waits
+    on a thread of its own where it must (every 5 ms, at most ``wait_s``)."""
+    def send():
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+    if _ready_for(pid, signum):
+        send()
+        return
+
+    def later():
+        deadline = time.monotonic() + wait_s
+        while not _ready_for(pid, signum) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        send()
+
+    threading.Thread(target=later, name="hytrain-usr1", daemon=True).start()
 
 
 def after_run() -> None:

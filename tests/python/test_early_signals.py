@@ -120,3 +120,37 @@ def test_the_launchers_agent_keeps_a_sigusr1_for_ranks_it_has_not_started_yet():
     env.pop(early_signals.PASSED, None)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.stdout.split() == ["1"], r.stderr
+
+
+def test_a_sigusr1_for_a_child_still_starting_waits_for_its_handler():
+    # What the launcher and torchrun's agent do for the processes they start: a SIGUSR1 sent in the
+    # child's first moments (before `import hytrain`) would end it; it is sent once the child catches it.
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import signal, time
+        time.sleep(0.5)  # (the child still starting)
+        got = []
+        signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("noted" if got else "never came", flush=True)
+    """)], stdout=subprocess.PIPE, text=True)
+    early_signals.send_when_ready(child.pid, signal.SIGUSR1)
+    out, _ = child.communicate(timeout=60)
+    assert child.returncode == 0 and out.split() == ["noted"]
+
+
+def test_a_child_started_with_sigusr1_held_notes_it_once_its_handler_is_in():
+    # The launcher starts torchrun's agent with SIGUSR1 blocked (pending, not acted on); install()
+    # unblocks it once the note is in place, and one sent meanwhile is noted, not fatal.
+    code = textwrap.dedent("""
+        import os, signal
+        os.kill(os.getpid(), signal.SIGUSR1)  # (held: blocked since before exec)
+        from hytrain import early_signals
+        print(early_signals.install(["python", "-m", "hytrain.job.torchrun"]), early_signals.take(),
+              signal.SIGUSR1 in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                       preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1}))
+    assert r.returncode == 0 and r.stdout.split() == ["True", "True", "False"], r.stderr

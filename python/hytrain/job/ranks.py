@@ -191,18 +191,28 @@ def launch(process, batch_size: int, argv: list[str]) -> int:
     early_signals.pass_on()  # a SIGUSR1 noted while this process started: to the agent, and on to the ranks
     env = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **os.environ,
            LAUNCHED: str(os.getpid())}  # named by the run lock
-    child = subprocess.Popen(_torchrun_wrapper(cmd), env=env)
+    # SIGUSR1 held pending from here until forward() is in place (the child starts with it held too,
+    # until its own handler is: early_signals.install), so that none is lost or kills the agent.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        child = subprocess.Popen(_torchrun_wrapper(cmd), env=env)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+        raise
     forwarded = []
 
     def forward(signum, _frame):  # a scheduler signals the launcher: every rank must hear it
-        if signum != signal.SIGUSR1:
-            forwarded.append(signum)  # (SIGUSR1 saves and goes on: not a stop)
+        if signum == signal.SIGUSR1:  # (saves and goes on: not a stop)
+            early_signals.send_when_ready(child.pid, signum)
+            return
+        forwarded.append(signum)
         try:
             child.send_signal(signum)  # torchrun passes it to the ranks and waits for them
         except OSError:
             pass
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
     try:
         while True:
             try:

@@ -63,10 +63,7 @@ def _pass_to_ranks(signum, _frame):
         early_signals.note(signum)
         early_signals.pass_on()
     for pid in ranks:
-        try:
-            os.kill(pid, signum)
-        except OSError:
-            pass
+        early_signals.send_when_ready(pid, signum)  # (a rank just started would die of it)
 
 
 def main(argv: list[str]) -> int:
