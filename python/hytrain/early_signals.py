@@ -36,7 +36,8 @@ def is_job(argv) -> bool:
         if arg == "-m" or (arg.startswith("-m") and not arg.startswith("--")):
             module = argv[i + 1] if arg == "-m" and i + 1 < len(argv) else arg[2:]
             rest = argv[i + 2:i + 3] if arg == "-m" else argv[i + 1:i + 2]
-            return module == "hytrain.job.torchrun" or (module in ("hytrain", "hytrain.__main__") and rest == ["train"])
+            return (module == "hytrain.job.torchrun"
+                    or (module in ("hytrain", "hytrain.__main__") and rest == ["train"]))
         if arg in ("-X", "-W", "--check-hash-based-pycs"):
             i += 2
             continue
@@ -110,7 +111,8 @@ def take() -> bool:
     """Whether a SIGUSR1 was noted since the last call, or passed on by the launcher that started this
     process (:func:`pass_on`); the note is cleared."""
     global _noted
-    noted, _noted = _noted or os.environ.pop(PASSED, None) == "1", False
+    passed = os.environ.pop(PASSED, None) == "1"  # (read once: not handed on to this process's own children)
+    noted, _noted = _noted or passed, False
     return noted
 
 
