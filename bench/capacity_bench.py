@@ -67,7 +67,8 @@ Per run, one JSON line: trains, micro_batch, params, build_s (model construction
 materialisation), first_step_s (from the start of the optimizer's construction to the end of the first
 iteration), iter_s (median of --iters timed iterations after --warmup untimed ones), tokens_per_s,
 peak_gpu_reserved_gb / peak_gpu_allocated_gb (torch.cuda.max_memory_*: the caching allocator's peak;
-NCCL's and DeepSpeed's own allocations outside it are not included, gpu_used_at_end_gb includes them),
+NCCL's and DeepSpeed's own allocations outside it are not included, gpu_used_at_end_gb includes them;
+under --gpu-gb the ballast, ballast_gb, is taken out of all three),
 peak_host_gb (the child's peak resident set, pinned memory included), k and blocks for hytrain, and for
 a failure the reason, its kind and the stage it happened in. Iterations end when the compute stream
 has drained (as in train_bench.py: not torch.cuda.synchronize(), which would also wait for hytrain's
@@ -112,6 +113,7 @@ SIZES = {  # in increasing order
     "7b": dict(hidden_size=4096, num_layers=32, num_heads=32, intermediate_size=11008, vocab=VOCAB),
     "13b": dict(hidden_size=5120, num_layers=40, num_heads=40, intermediate_size=13824, vocab=VOCAB),
     "16b": dict(hidden_size=5120, num_layers=50, num_heads=40, intermediate_size=13824, vocab=VOCAB),
+    "18b": dict(hidden_size=5120, num_layers=56, num_heads=40, intermediate_size=13824, vocab=VOCAB),
     "20b": dict(hidden_size=6144, num_layers=44, num_heads=48, intermediate_size=16384, vocab=VOCAB),
     "24b": dict(hidden_size=6144, num_layers=52, num_heads=48, intermediate_size=16384, vocab=VOCAB),
     "28b": dict(hidden_size=6656, num_layers=52, num_heads=52, intermediate_size=17920, vocab=VOCAB),
@@ -331,6 +333,7 @@ def run_one(args):
                 if ballast > 0:
                     state["ballast"] = torch.empty(ballast, dtype=torch.uint8, device="cuda")
                 rec["gpu_gb"] = args.gpu_gb
+                rec["ballast_gb"] = max(ballast, 0) / 1e9  # left out of the peaks below
         if system == "fsdp2_offload":
             import torch.distributed as dist
 
@@ -469,13 +472,14 @@ def run_one(args):
     except Exception as exc:  # noqa: BLE001 -- MemoryError, torch.OutOfMemoryError and the rest: reported
         traceback.print_exc()
         rec.update(trains=False, reason=one_line(exc), failure=failure_kind(exc), stage=state["stage"])
-    rec.update(peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 if cuda else None,
-               peak_gpu_allocated_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+    ballast_gb = rec.get("ballast_gb", 0.0)
+    rec.update(peak_gpu_reserved_gb=torch.cuda.max_memory_reserved() / 1e9 - ballast_gb if cuda else None,
+               peak_gpu_allocated_gb=torch.cuda.max_memory_allocated() / 1e9 - ballast_gb if cuda else None,
                peak_host_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
     if cuda:
         with contextlib.suppress(Exception):
             free, total = torch.cuda.mem_get_info()
-            rec["gpu_used_at_end_gb"] = (total - free) / 1e9
+            rec["gpu_used_at_end_gb"] = (total - free) / 1e9 - ballast_gb
     print("RESULT " + json.dumps(rec), flush=True)
     if dist_up and rec["trains"]:
         with contextlib.suppress(Exception):
