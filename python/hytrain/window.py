@@ -199,7 +199,7 @@ class WeightWindow:
             del table[i]
         self._keep.discard(i)
         self._kept.discard(i)
-        self.stats["made_resident"] += 1
+        self.stats.update(made_resident=self.stats["made_resident"] + 1, kept=len(self._kept))
         self.pool.trim()  # its slabs back to the system where nothing else is in them
 
     # -- placement ------------------------------------------------------------------------------------

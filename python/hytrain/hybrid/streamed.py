@@ -30,8 +30,9 @@ def bind(ref, plan, store, planner, *, sharded) -> None:
         raise ValueError(f"the model's weight window is on {window.device}, its parameters on {store.device}")
     if sharded:
         raise ValueError("streamed weights (stream_model) are not supported with FSDP2-sharded parameters")
-    # The GPU's room for weights made resident and states, as it was before any move.
-    moved, room = 0, planner.gpu_room() if store.cuda and window.adjustable and store.bound is None else 0
+    # The GPU's room for weights made resident and states, as it was before any move (None: nothing
+    # may move: the window was not planned, it is not on a GPU, or the state is made already).
+    moved, room = 0, planner.gpu_room() if store.cuda and window.adjustable and store.bound is None else None
     while True:
         layers = _layers(window, plan)  # streamed layer -> its blocks
         blocks = {b for bs in layers.values() for b in bs}
@@ -82,9 +83,9 @@ def _made_room(window, layers, plan, store, planner, moved, room) -> int:
     streamed layer becomes resident, its home given back, so that its blocks' states may live on the
     GPU (k); the bytes of its weights where one was (0 where none), for the caller to look again. A
     layer moves only where the GPU's ``room`` (``planner.gpu_room``: beside this iteration's peak so
-    far) holds its weights, those ``moved`` before it and the states of every block below the host's
-    floor; else CapacityError, naming the bytes on each side."""
-    if planner.max_k is None or not window.adjustable or not store.cuda or store.bound is not None:
+    far; None where nothing may move) holds its weights, those ``moved`` before it and the states of
+    every block below the host's floor; else CapacityError, naming the bytes on each side."""
+    if room is None or planner.max_k is None:
         return 0
     floor = store.host_floor()
     if floor <= planner.max_k:
