@@ -37,7 +37,10 @@ def line(rec, ref_tps):
             + (f"; update threads {upd} cores" if upd is not None else "")
             + f"\n    iterations {[round(t, 3) for t in its]}"
             + (f"\n    step() {rec['step_call_s']}" if rec.get("step_call_s") else "")
-            + (f"\n    shadows made (blocks, s) {rec['shadow_allocations']}" if rec.get("shadow_allocations") else ""))
+            + (f"\n    shadows made (blocks, s) {rec['shadow_allocations']}" if rec.get("shadow_allocations") else "")
+            + (f"\n    speculation from {rec['speculative_from_per_iteration']}"
+               f"\n    shadow allocations so far {rec['shadow_allocations_per_iteration']}"
+               if rec.get("speculative_from_per_iteration") else ""))
 
 
 def main(paths):

@@ -279,8 +279,11 @@ def run_mode(args):
         if mode.startswith("hytrain"):
             ks.append(opt.gpu_blocks)
             norms.append(opt.last_grad_norm)
-            plans.append((opt.gpu_blocks, opt.schedule_stats().get("speculative_from")))
-            if i + 1 == warmup and warmup < args.warmup + SETTLE_MAX and len(set(plans[-SETTLE:])) > 1:
+            sched_stats = opt.schedule_stats()
+            # (k, where speculation starts, shadow allocations so far): what settles, per iteration
+            plans.append((opt.gpu_blocks, sched_stats.get("speculative_from"),
+                          len(sched_stats.get("shadow_allocations") or ())))
+            if i + 1 == warmup and warmup < args.warmup + SETTLE_MAX and len({p[:2] for p in plans[-SETTLE:]}) > 1:
                 warmup += 1
         i += 1
     cpu_after = thread_cpu()
@@ -310,6 +313,8 @@ def run_mode(args):
         stats = opt.schedule_stats()
         rec.update(speculative_from=stats.get("speculative_from"), speculation=dict(opt.speculation_counts),
                    first_k=stats.get("first_k"), shadow_allocations=stats.get("shadow_allocations"),
+                   speculative_from_per_iteration=[p[1] for p in plans],
+                   shadow_allocations_per_iteration=[p[2] for p in plans],
                    step_call_s=[round(t, 4) for t in step_calls[:len(times)]])
         rec.update(k=stats["k"], k_per_iteration=ks, grad_norms=[round(v, 4) for v in norms if v is not None], predicted_iter_s=stats.get("predicted_iter_s"),
                    predicted_gpu_idle_s=stats.get("predicted_gpu_idle_s"), gpu_wait_frac=stats.get("gpu_wait_frac"),
