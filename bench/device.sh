@@ -8,7 +8,8 @@
 #   wallclock  train_bench L3B, DeepSpeed ZeRO-Offload against hytrain held to DeepSpeed's GPU memory
 #           ($WALL_MODES), wall-clock tokens/s over the timed window
 #   practical  train_bench L3B, torch all-GPU against hytrain k = 0 at $ACCUMS micro-batches of 4 K
-#           tokens a step (1 4 16: 4 K, 16 K, 64 K tokens)
+#           tokens a step (1 4 16: 4 K, 16 K, 64 K tokens); PRACTICAL_WORKLOAD=l7b
+#           PRACTICAL_MODES=torch_gpu,hytrain_auto: L7B, hytrain held to 75 GB (torch needs an H200)
 # Streamed weights on one GPU (a machine kind with a large host: nvidia-h100-x2 has 270 GB):
 #   tests   test_window_cuda.py (streamed against resident, bit for bit), test_window.py, and
 #           test_hybrid_adam_cuda.py (the resident pipeline the streamed blocks share)
@@ -55,7 +56,8 @@ for stage in "$@"; do
       python3 bench/summarise_runs.py "$out/wallclock.log" ;;
     practical)
       for accum in ${ACCUMS:-1 4 16}; do
-        python3 bench/train_bench.py --workloads l3b --modes torch_gpu,hytrain_k0 --accum "$accum" --no-profile \
+        python3 bench/train_bench.py --workloads "${PRACTICAL_WORKLOAD:-l3b}" \
+          --modes "${PRACTICAL_MODES:-torch_gpu,hytrain_k0}" --accum "$accum" --no-profile \
           --warmup "${PRACTICAL_WARMUP:-4}" --iters "${PRACTICAL_ITERS:-6}" > "$out/practical_$accum.log" 2>&1
         python3 bench/summarise_runs.py "$out/practical_$accum.log"
       done ;;
