@@ -114,6 +114,25 @@ def test_under_several_processes_a_signal_after_the_check_names_both_steps_it_ma
         assert "SIGTERM: step 5 (running for" in said[1], said
 
 
+def test_a_signal_after_the_last_steps_check_does_not_announce_a_step_after_it():
+    # After the last step's check the run ends as planned: no step N + 1 finishes (the notice said one
+    # would), at any number of processes.
+    from hytrain.job.signals import Signals
+
+    for world in (1, 2):
+        said = []
+        sig = Signals(lambda text, **_: said.append(text), world)
+        sig.step_begins(7, last=True)
+        sig.stop_flag()
+        sig._in_loop(signal.SIGINT, None)
+        assert "SIGINT: the last step (7) has ended; the run writes its outputs and ends" in said[0], said
+        assert "step 8" not in said[0]
+        before_check = Signals(lambda text, **_: said.append(text), world)
+        before_check.step_begins(7, last=True)
+        before_check._in_loop(signal.SIGINT, None)  # during the last step: it finishes, is saved, and stops
+        assert "SIGINT: step 7 (running for" in said[1], said
+
+
 def test_a_signal_during_the_end_of_run_outputs_waits_for_the_summary(tmp_path, monkeypatch, capsys, fast):
     real = plots.write_all
 

@@ -265,7 +265,7 @@ class Training:
         opt, scaler, sig, ranks = self.opt, self.scaler, self.sig, self.ranks
         t0 = time.perf_counter()
         _at["step"] = step
-        sig.step_begins(step + 1)
+        sig.step_begins(step + 1, last=step + 1 == self.schedule.steps)
         waited = self.data.wait_seconds
         tokens, mask = self.data.batch(step)
         waited = self.data.wait_seconds - waited

@@ -54,7 +54,7 @@ class Signals:
         self.save = False  # SIGUSR1: save at the end of the step
         self.late = None  # a stopping signal held during the end-of-run outputs
         self._first_at = None  # when the first stopping signal came
-        self._step, self._began, self._last_s = 0, None, None
+        self._step, self._began, self._last_s, self._is_last = 0, None, None, False
         self._told = False  # this step's stop flag has gone to the ranks' exchange (stop_flag)
 
     @contextlib.contextmanager
@@ -90,12 +90,13 @@ class Signals:
         handlers.__enter__()
         return lambda: handlers.__exit__(None, None, None)
 
-    def step_begins(self, step) -> None:
-        """Step ``step`` (1-based) starts now; the one before it, if any, has ended."""
+    def step_begins(self, step, last=False) -> None:
+        """Step ``step`` (1-based) starts now; the one before it, if any, has ended (``last``: it is
+        the run's last step)."""
         now = time.perf_counter()
         if self._began is not None:
             self._last_s = now - self._began
-        self._step, self._began, self._told = step, now, False
+        self._step, self._began, self._told, self._is_last = step, now, False, last
 
     def stop_flag(self) -> float:
         """What this rank tells the others at the end of the step (the signal to stop at, or 0): a
@@ -114,6 +115,10 @@ class Signals:
         self.signal, self._first_at = signum, time.monotonic()
         running = time.perf_counter() - self._began if self._began is not None else 0.0
         last = f"; the last one took {self._last_s:.0f} s" if self._last_s is not None else ""
+        if self._told and self._is_last:  # no step after it: the run ends as planned
+            self.say(f"\nhytrain train: {name(signum)}: the last step ({self._step}) has ended; the run writes its "
+                     "outputs and ends; send it again to stop at once", flush=True)
+            return
         if not self._told:
             which = f"step {self._step} (running for {running:.0f} s{last})"
         elif self.world == 1:
