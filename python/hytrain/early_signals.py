@@ -59,8 +59,22 @@ def install(argv=None) -> bool:
     signal.signal(signal.SIGUSR1, note)
     # The launcher starts its child with SIGUSR1 blocked (held pending, not acted on) until now.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _interrupted_while_starting
     _installed = True
     return True
+
+
+def _interrupted_while_starting(kind, value, tb) -> None:
+    """A Ctrl-C (SIGINT) that reaches a job's process before the job's own handlers are in (importing
+    torch, reading the command line) ends it, as Python's does, in one line rather than a traceback
+    of whatever import it interrupted: nothing has been trained, so nothing is lost. The interpreter
+    still exits as a process ended by SIGINT (status 130 to a shell)."""
+    if issubclass(kind, KeyboardInterrupt):
+        print("hytrain train: SIGINT while starting: stopped before training began (nothing to save)",
+              file=sys.stderr, flush=True)
+        return
+    sys.__excepthook__(kind, value, tb)
 
 
 def _ready_for(pid: int, signum: int) -> bool:

@@ -53,6 +53,23 @@ def test_a_sigusr1_during_the_start_is_noted_not_fatal_and_taken_once():
     assert r.stdout.split() == ["True", "True", "False"]
 
 
+def test_a_ctrl_c_while_a_job_starts_ends_it_in_one_line_and_elsewhere_pythons_traceback_stays():
+    # A SIGINT before the job's handlers are in raises KeyboardInterrupt wherever the process is (an
+    # import of torch, most of the time): a job's process ends as Python's does, by SIGINT, but says
+    # so in one line instead of the interrupted import's traceback.
+    body = """
+        os.kill(os.getpid(), signal.SIGINT)
+        import time
+        time.sleep(30)
+    """
+    r = _child(["python", "-m", "hytrain", "train"], body)
+    assert r.returncode == -signal.SIGINT, (r.returncode, r.stderr)
+    assert r.stderr.strip() == ("hytrain train: SIGINT while starting: stopped before training began "
+                                "(nothing to save)"), r.stderr
+    r = _child(["python", "-m", "pytest"], body)
+    assert r.returncode == -signal.SIGINT and "Traceback" in r.stderr and "KeyboardInterrupt" in r.stderr
+
+
 def test_elsewhere_the_default_action_and_a_programs_own_handler_stay():
     r = _child(["python", "-m", "pytest"], "print(installed, signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)")
     assert r.stdout.split() == ["False", "True"], r.stderr
