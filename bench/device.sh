@@ -2,7 +2,9 @@
 # The GPU machine's measurements in stages (one call or several, the machine kept warm):
 #   build   installs this tree
 #   deepspeed  DeepSpeed from .whl/ (carry it), for the stages that compare with it
-#   gputests  every GPU test file (pytest -m gpu), the log in $OUT/gpu_tests.log
+#   gputests  the GPU tests (pytest -m gpu) of $GPU_TESTS (default: every test file), the log in
+#           $OUT/gpu_tests.log; e.g. GPU_TESTS="tests/python/test_script_paths_cuda.py
+#           tests/python/test_torch_contract_cuda.py" for what scripts do to the optimizer
 #   settle  train_bench L3B at 27.13 GB, hytrain k = 0 with fp32, bf16 and 8-bit states ($SETTLE_MODES):
 #           every iteration from the first (the settling phase) and the timed window's figures
 #   wallclock  train_bench L3B, DeepSpeed ZeRO-Offload against hytrain held to DeepSpeed's GPU memory
@@ -17,12 +19,15 @@
 #           streamed (hytrain_stream_8bit --stream all), $BATCH x 1024 tokens a step (16: 16 K tokens)
 #   cap     capacity_bench.py --sizes $SIZES (24b,30b) --systems $SYSTEMS (hytrain_stream_8bit), the
 #           window planned by itself (--stream auto, --ends $ENDS: auto), $BATCH x 1024 tokens a step;
-#           GPU_GB=24 holds each run to 24 GB of the GPU (a smaller card)
+#           GPU_GB=24 holds each run to 24 GB of the GPU (a smaller card); resident systems too
+#           (SIZES=20b SYSTEMS=hytrain_8bit BATCH=4: the first step's GPU memory, 4 K tokens)
 #   job     bench/finetune_bench.py: `hytrain train --model DIR` of a $JOB_SIZE (32b) checkpoint written on the
 #           host (kept for the next call: --reuse), $JOB_FORMAT (8bit) states, $JOB_BATCH x 1024 tokens a
 #           step, timed from the command to its first step (the job's startup_s: model, optimizer, first
 #           step); JOB_COLD=1 drops the page cache first (where the machine lets it), so the weights
 #           come from the disk
+#   ft      bench/finetune_bench.py --sizes $FT_SIZES --formats $FT_FORMATS (defaults: 7b, fp32) $FT_ARGS:
+#           `hytrain train --model DIR` of checkpoints of those sizes, written on the host
 #   probe   bench/reserve_probe.py: the state's host memory made alone and beside what a training
 #           process adds (page-locked homes, CUDA, a busy GPU, busy cores), $PROBE_GB (128) GB each time
 #   host    the host's CPUs and NUMA nodes, `hytrain info`, and bench/cpu_adam.py: one process's update
@@ -43,7 +48,8 @@ for stage in "$@"; do
     build) install_tree ;;
     deepspeed) install_deepspeed ;;
     gputests)
-      timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/python \
+      # shellcheck disable=SC2086
+      timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -m gpu -p no:cacheprovider -rs ${GPU_TESTS:-tests/python} \
         > "$out/gpu_tests.log" 2>&1
       grep -E "^FAILED|^ERROR|passed|failed" "$out/gpu_tests.log" | cut -c1-240 | head -40 ;;
     settle)
@@ -82,6 +88,11 @@ for stage in "$@"; do
         --batch-size "${JOB_BATCH:-16}" --shards 2 --docs-per-shard 2000 --reuse 2>&1 | tee -a "$out/job.log" \
         | grep -v "Writing model shards" | tail -4
       free -g | head -2 ;;
+    ft)
+      # shellcheck disable=SC2086
+      python3 bench/finetune_bench.py --sizes "${FT_SIZES:-7b}" --formats "${FT_FORMATS:-fp32}" ${FT_ARGS:-} 2>&1 \
+        | tee -a "$out/finetune.log" | grep -v "Writing model shards" | tail -8
+      free -g | head -2; df -h /tmp | tail -1 ;;
     probe)
       python3 bench/reserve_probe.py --gb "${PROBE_GB:-128}" 2>&1 | tee "$out/reserve_probe.log" | cut -c1-600 ;;
     host)
