@@ -55,6 +55,25 @@ def test_embedded_default_learns(tmp_path):
     assert set(made) == {"reserve", "fill"} and 0 <= made["reserve"] and 0 < made["fill"] < start["first_step"]
 
 
+def test_a_model_the_host_cannot_hold_on_the_cpu_is_refused_before_it_is_built(tmp_path, fast, capsys,
+                                                                                  monkeypatch):
+    # l3b on a 24 GB machine grew to 17 GB before anything refused it: its weights, gradients and state
+    # (16 bytes a parameter with fp32 states, 10.03 with 8-bit) are known from the shapes alone.
+    from hytrain.job import models
+
+    monkeypatch.setattr(models, "available_memory_bytes", lambda: 10 << 20)  # 10 MiB
+    out = str(tmp_path / "run")
+    assert main(["--steps", "1", "--model", "small", "--out", out, *fast]) == 2
+    err = capsys.readouterr().err
+    assert "small (" in err and "does not fit this host on the CPU" in err and "16.00 bytes a parameter" in err, err
+    assert "--state-format 8bit" in err and len(err.strip().splitlines()) == 1, err
+    assert main(["--steps", "1", "--model", "small", "--out", out, "--state-format", "8bit", *fast]) == 2
+    err = capsys.readouterr().err
+    assert "8bit optimizer state" in err and "--state-format 8bit" not in err, err
+    monkeypatch.setattr(models, "available_memory_bytes", lambda: 64 << 30)
+    assert main(["--steps", "1", "--model", "tiny", "--eval-every", "0", "--out", str(tmp_path / "ok"), *fast]) == 0
+
+
 def test_resume_is_bit_identical_on_cpu(tmp_path, fast):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert main(["--steps", "12", "--eval-every", "0", "--out", a, *fast]) == 0

@@ -14,7 +14,8 @@ import torch
 from .. import checkpoint as ckpt
 from ..models import LlamaConfig, LlamaModel
 from ..models.presets import PRESETS, CausalLM
-from ..pool import CapacityError
+from ..pool import CapacityError, available_memory_bytes, format_bytes
+from ..state_formats import FORMATS
 from ..window import stream_model
 from ..window_plan import streams_when_auto
 from .tokenizers import ByteTokenizer, HFTokenizer
@@ -83,6 +84,8 @@ def build_model(plan, device, dtype, ranks, weights=None, state_format=None) -> 
     takes no load_state_dict afterwards). ``state_format``: the optimizer's, for the host's share."""
     stream = stream_plan(plan, device, dtype, ranks.distributed, state_format)
     where = device if stream is None else torch.device("cpu")
+    if where.type == "cpu" and device.type == "cpu" and not ranks.distributed:
+        check_host_fit(plan, dtype, state_format)
     if stream is not None and plan.model not in PRESETS and (plan.init == "pretrained" or weights is not None):
         return _streamed(plan, device, dtype, stream, weights, state_format)
     if plan.model in PRESETS:
@@ -146,6 +149,30 @@ def _preset(plan, where, dtype):
     n = sum(p.numel() for p in probe.parameters())
     model = LlamaModel(cfg, checkpointing=plan.activation_checkpointing).to(device=where, dtype=dtype)
     return model, n, dataclasses.asdict(cfg)
+
+
+def check_host_fit(plan, dtype, state_format=None, available=None) -> None:
+    """A model trained on the CPU keeps its weights, gradients and optimizer state in host memory:
+    where those alone (activations not counted) exceed what the host has available, refused in one
+    line before anything is built (the parameter count from the meta device)."""
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return
+    if plan.model in PRESETS:
+        with torch.device("meta"):
+            probe = LlamaModel(LlamaConfig(**PRESETS[plan.model], max_seq_len=max(plan.seq_len, 256)))
+    else:
+        probe = meta_causal_lm(str(model_path(plan)), dtype)
+    n = sum(p.numel() for p in probe.parameters())
+    fmt = FORMATS[state_format or "fp32"]
+    per = 2 * dtype.itemsize + fmt.bytes_per_parameter() + (4 if dtype != torch.float32 else 0)
+    need = int(n * per)
+    if need > available:
+        smaller = "" if fmt.name == "8bit" else ", --state-format 8bit"
+        raise ConfigError(
+            f"{plan.model} ({n / 1e6:.1f} M parameters) does not fit this host on the CPU: its weights, gradients "
+            f"and {fmt.name} optimizer state need {format_bytes(need)} ({per:.2f} bytes a parameter, activations "
+            f"not counted), and {format_bytes(available)} is available: a smaller --model{smaller}, or a GPU")
 
 
 def check_fit(plan, tokenizer) -> None:
