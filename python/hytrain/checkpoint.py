@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from .files import fsync, save_safetensors
+
 from .distributed import process_cpus
 from .state_formats import DEFAULT, get as state_format
 
@@ -90,14 +92,6 @@ def write_meta(path: Path, meta: dict) -> None:
     fsync(Path(path) / "meta.json")
 
 
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _rng_state() -> dict:
     out = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -152,8 +146,6 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
          since: int | None = None) -> Path:
     """Writes ``<out>/checkpoints/step_<step>`` atomically, then keeps the newest ``keep``. ``since``: the
     step of the run's previous checkpoint (saved or resumed from), when it resumed: see :func:`publish`."""
-    from safetensors.torch import save_file
-
     root = Path(out) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:08d}"
@@ -166,7 +158,7 @@ def save(out: str | os.PathLike, step: int, model, opt, sched, config: dict, kee
         own = getattr(model, "saved_module", model)  # a wrapper saves what it wraps, under its names
         opt.synchronize()  # the last step's updates may still be landing (they overlap the next forward)
         weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in own.state_dict().items()}
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"step": str(step)})
+        save_safetensors(weights, tmp / "model.safetensors", metadata={"step": str(step)})
         torch.save(opt.state_dict(), tmp / "optimizer.pt")
         torch.save({"scheduler": sched.state_dict() if sched is not None else None, "rng": _rng_state()},
                    tmp / "trainer.pt")
@@ -419,9 +411,16 @@ def resolve(out: str | os.PathLike, spec: str) -> Path:
             if not found else f"--resume latest: no complete checkpoint under {root} "
             f"({len(found)} incomplete: check them with hytrain verify)")
     path = Path(spec)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    return path
+    if path.is_dir():
+        return path
+    root = Path(out) / "checkpoints"
+    # A name in the run whose step is not zero-padded (step_20 for step_00000020).
+    if spec == path.name and spec.startswith("step_") and _step_of(path) >= 0:
+        named = [p for p in _step_dirs(root) if _step_of(p) == _step_of(path)]
+        if named:
+            return named[-1]
+    there = ", ".join(p.name for p in _step_dirs(root)) or "none"
+    raise CheckpointError(f"checkpoint {path} does not exist (the checkpoints under {root}: {there})")
 
 
 def read_meta(path: Path) -> dict:

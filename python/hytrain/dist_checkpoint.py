@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from .checkpoint import SHARDED_FORMAT as FORMAT
-from .checkpoint import (CheckpointError, failed_save, fsync, read_meta, check_files, check_room, digests, publish,
+from .checkpoint import (CheckpointError, failed_save, read_meta, check_files, check_room, digests, publish,
                          state_bytes, write_meta)
+from .files import fsync, save_safetensors
 from . import state_formats
 
 
@@ -270,15 +271,13 @@ def _verify_shared(path: Path) -> None:
 def export_safetensors(path, model) -> None:
     """The full weights under the model's parameter names, one safetensors file written by rank 0
     (every rank calls it: sharded weights are gathered)."""
-    from safetensors.torch import save_file
-
     full = {}
     for k, v in model.state_dict().items():
         t = v.full_tensor() if hasattr(v, "full_tensor") else v
         full[k] = t.detach().to("cpu").contiguous().clone()
     if _rank() == 0:
         tmp = Path(str(path) + ".tmp")
-        save_file(full, str(tmp))
+        save_safetensors(full, tmp)
         fsync(tmp)
         os.replace(tmp, path)
     _barrier()

@@ -6,6 +6,7 @@ LlamaForCausalLM too); ``hytrain export`` writes a run's checkpoint (single-proc
 model directory; every bad input is one line."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -432,7 +433,14 @@ def test_hytrain_export_refuses_a_damaged_checkpoint_in_one_line(run, tmp_path, 
     code, err = export(str(tmp_path / "nowhere"), "--to", str(tmp_path / "out"))
     assert (code, err) == (2, f"hytrain export: error: {tmp_path / 'nowhere'} is not a run directory (no config.json)")
     code, err = export(str(copy), "--to", str(tmp_path / "out"), "--checkpoint", "step_00000009")
-    assert code == 2 and "step_00000009 does not exist" in err
+    assert code == 2 and "step_00000009 does not exist" in err and "step_00000001" in err  # (those there)
+    # A checkpoint's name as --help writes it (step_N), and the weights readable as the umask says
+    # (safetensors creates its files readable by their owner only).
+    code = main(["export", str(copy), "--to", str(tmp_path / "one"), "--checkpoint", "step_1"])
+    capsys.readouterr()
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert code == 0 and (tmp_path / "one" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
     code, err = export(str(copy), "--to", str(copy), "--checkpoint", "step_00000001")
     assert code == 2 and "exists and is not an empty directory" in err
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint import fsync
+from ..files import fsync, save_safetensors
 from .options import ConfigError, first_line
 from .reads import header, read_into, read_placed
 
@@ -362,8 +362,6 @@ def _write_weights(own, tmp: Path | None, rename, skipped: set, dtype, max_shard
     """The weights in safetensors files of at most ``max_shard_bytes`` each (a larger tensor alone), with
     their index when there are several; ``tmp`` None: a rank other than 0, or rank 0 after a failed write,
     which only takes part in the gathers. Returns (the floating-point weights' dtype, the failure)."""
-    from safetensors.torch import save_file
-
     state = {k: v for k, v in own.state_dict().items() if k not in skipped}
     cast = {k: dtype if dtype is not None and v.is_floating_point() else v.dtype for k, v in state.items()}
     groups, size = [[]], 0
@@ -383,7 +381,7 @@ def _write_weights(own, tmp: Path | None, rename, skipped: set, dtype, max_shard
                 part[rename(k)] = t.detach().to(device="cpu", dtype=cast[k]).contiguous()
         try:
             if tmp is not None:
-                save_file(part, str(tmp / file), metadata={"format": "pt"})
+                save_safetensors(part, tmp / file, metadata={"format": "pt"})
         except Exception as e:  # noqa: BLE001 -- OSError, SafetensorError (a full disk, an I/O error)
             tmp, failed = None, e
     if tmp is not None and n > 1:
