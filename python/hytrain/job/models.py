@@ -15,7 +15,7 @@ from .. import checkpoint as ckpt
 from ..models import LlamaConfig, LlamaModel
 from ..models.presets import PRESETS, CausalLM
 from ..pool import CapacityError, available_memory_bytes, format_bytes
-from ..state_formats import FORMATS
+from ..state_formats import DEFAULT, FORMATS
 from ..window import stream_model
 from ..window_plan import streams_when_auto
 from .tokenizers import ByteTokenizer, HFTokenizer
@@ -164,7 +164,7 @@ def check_host_fit(plan, dtype, state_format=None, available=None) -> None:
     else:
         probe = meta_causal_lm(str(model_path(plan)), dtype)
     n = sum(p.numel() for p in probe.parameters())
-    fmt = FORMATS[state_format or "fp32"]
+    fmt = FORMATS[state_format or DEFAULT]
     per = 2 * dtype.itemsize + fmt.bytes_per_parameter() + (4 if dtype != torch.float32 else 0)
     need = int(n * per)
     if need > available:
