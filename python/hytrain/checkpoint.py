@@ -413,9 +413,10 @@ def resolve(out: str | os.PathLike, spec: str) -> Path:
     path = Path(spec)
     if path.is_dir():
         return path
-    root = Path(out) / "checkpoints"
-    # A name in the run whose step is not zero-padded (step_20 for step_00000020).
-    if spec == path.name and spec.startswith("step_") and _step_of(path) >= 0:
+    # A checkpoint whose step is not zero-padded (step_20 for step_00000020): a name in the run, or a
+    # path into another run's checkpoints.
+    root = path.parent if spec != path.name else Path(out) / "checkpoints"
+    if path.name.startswith("step_") and _step_of(path) >= 0:
         named = [p for p in _step_dirs(root) if _step_of(p) == _step_of(path)]
         if named:
             return named[-1]

@@ -441,6 +441,12 @@ def test_hytrain_export_refuses_a_damaged_checkpoint_in_one_line(run, tmp_path, 
     mask = os.umask(0o022)
     os.umask(mask)
     assert code == 0 and (tmp_path / "one" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
+    # A path into a run's checkpoints, its step not zero-padded, and a missing one listing that run's.
+    from hytrain import checkpoint as ckpt
+    assert ckpt.resolve(tmp_path / "elsewhere", str(copy / "checkpoints" / "step_1")) == copy / "checkpoints" / \
+        "step_00000001"
+    with pytest.raises(ckpt.CheckpointError, match=r"under .*run/checkpoints: step_00000001, step_00000002\)"):
+        ckpt.resolve(tmp_path / "elsewhere", str(copy / "checkpoints" / "step_7"))
     code, err = export(str(copy), "--to", str(copy), "--checkpoint", "step_00000001")
     assert code == 2 and "exists and is not an empty directory" in err
 
