@@ -6,7 +6,8 @@
 #           $OUT/gpu_tests.log; e.g. GPU_TESTS="tests/python/test_script_paths_cuda.py
 #           tests/python/test_torch_contract_cuda.py" for what scripts do to the optimizer
 #   settle  train_bench L3B at 27.13 GB, hytrain k = 0 with fp32, bf16 and 8-bit states ($SETTLE_MODES):
-#           every iteration from the first (the settling phase) and the timed window's figures
+#           every iteration from the first (the settling phase) and the timed window's figures;
+#           SETTLE_TREE=before runs the earlier version that `before_after.sh build` installed instead
 #   wallclock  train_bench L3B, DeepSpeed ZeRO-Offload against hytrain held to DeepSpeed's GPU memory
 #           ($WALL_MODES), wall-clock tokens/s over the timed window
 #   practical  train_bench L3B, torch all-GPU against hytrain k = 0 at $ACCUMS micro-batches of 4 K
@@ -53,9 +54,12 @@ for stage in "$@"; do
         > "$out/gpu_tests.log" 2>&1
       grep -E "^FAILED|^ERROR|passed|failed" "$out/gpu_tests.log" | cut -c1-240 | head -40 ;;
     settle)
-      python3 bench/train_bench.py --workloads l3b --modes "${SETTLE_MODES:-hytrain_k0,hytrain_k0_bf16,hytrain_k0_8bit}" \
-        --cap-gb 27.13 --skip-nocap --no-profile --warmup 5 --iters "${ITERS_TIMED:-10}" > "$out/settle.log" 2>&1
-      python3 bench/summarise_runs.py "$out/settle.log" ;;
+      # SETTLE_TREE=before: the earlier version that `before_after.sh build` installed in /tmp/before
+      tree=${SETTLE_TREE:-after}
+      PYTHONPATH=$( [ "$tree" = before ] && echo /tmp/before || echo "${PYTHONPATH:-}" ) \
+        python3 bench/train_bench.py --workloads l3b --modes "${SETTLE_MODES:-hytrain_k0,hytrain_k0_bf16,hytrain_k0_8bit}" \
+        --cap-gb 27.13 --skip-nocap --no-profile --warmup 5 --iters "${ITERS_TIMED:-10}" >> "$out/settle_$tree.log" 2>&1
+      python3 bench/summarise_runs.py "$out/settle_$tree.log" ;;
     wallclock)
       python3 bench/train_bench.py --workloads l3b --modes "${WALL_MODES:-deepspeed_offload,hytrain_k0,hytrain_k0_bf16}" \
         --cap-gb deepspeed --skip-nocap --no-profile --warmup 5 --iters "${ITERS_TIMED:-10}" > "$out/wallclock.log" 2>&1

@@ -40,7 +40,10 @@ def line(rec, ref_tps):
             + (f"\n    shadows made (blocks, s) {rec['shadow_allocations']}" if rec.get("shadow_allocations") else "")
             + (f"\n    speculation from {rec['speculative_from_per_iteration']}"
                f"\n    shadow allocations so far {rec['shadow_allocations_per_iteration']}"
-               if rec.get("speculative_from_per_iteration") else ""))
+               if rec.get("speculative_from_per_iteration") else "")
+            + (f"\n    shadows locked at the first step (blocks, s) {rec['shadows_ahead']}" if rec.get("shadows_ahead") else "")
+            + (f"\n    shadow pool work per iteration (s) {rec['shadow_pool_work_per_iteration']}"
+               if any(rec.get("shadow_pool_work_per_iteration") or ()) else ""))
 
 
 def main(paths):

@@ -62,6 +62,20 @@ FORMATS = {"_bf16": "bf16", "_8bit": "8bit"}  # a hytrain mode with this suffix 
 FP16 = "_fp16"  # a hytrain mode ending with this trains fp16 weights under a GradScaler (after any format suffix)
 
 
+def work_per_iteration(work, spans):
+    """Per iteration, {kind: seconds} of the shadows' pool work ((kind, start, end, bytes), the
+    planner's ``shadow_pool_work``) that overlapped it: page-locking ("ahead", "lock") or giving
+    memory back ("trim"), set beside the iteration's time and its step() call."""
+    out = []
+    for a, b in spans:
+        row = {}
+        for kind, start, end, _ in work:
+            overlap = min(b, end) - max(a, start)
+            if overlap > 0:
+                row[kind] = round(row.get(kind, 0.0) + overlap, 4)
+        out.append(row)
+    return out
+
 def split_mode(mode):
     """(the hytrain mode without its state-format suffix, the state format)."""
     for suffix, fmt in FORMATS.items():
@@ -261,7 +275,7 @@ def run_mode(args):
     # held for SETTLE iterations (at most SETTLE_MAX more): moving states and page-locking new shadow
     # memory are one-time costs of a decision, not the iteration's. Every time is in iter_times_s.
     stream = torch.cuda.current_stream()
-    times, ks, norms, plans = [], [], [], []
+    times, ks, norms, plans, spans = [], [], [], [], []
     torch.cuda.synchronize()
     warmup = args.warmup
     i = 0
@@ -276,6 +290,7 @@ def run_mode(args):
         iteration()
         stream.synchronize()
         times.append(time.perf_counter() - t0)
+        spans.append((t0, t0 + times[-1]))
         if mode.startswith("hytrain"):
             ks.append(opt.gpu_blocks)
             norms.append(opt.last_grad_norm)
@@ -315,7 +330,9 @@ def run_mode(args):
                    first_k=stats.get("first_k"), shadow_allocations=stats.get("shadow_allocations"),
                    speculative_from_per_iteration=[p[1] for p in plans],
                    shadow_allocations_per_iteration=[p[2] for p in plans],
-                   step_call_s=[round(t, 4) for t in step_calls[:len(times)]])
+                   step_call_s=[round(t, 4) for t in step_calls[:len(times)]],
+                   shadows_ahead=stats.get("shadows_ahead"),
+                   shadow_pool_work_per_iteration=work_per_iteration(stats.get("shadow_pool_work") or (), spans))
         rec.update(k=stats["k"], k_per_iteration=ks, grad_norms=[round(v, 4) for v in norms if v is not None], predicted_iter_s=stats.get("predicted_iter_s"),
                    predicted_gpu_idle_s=stats.get("predicted_gpu_idle_s"), gpu_wait_frac=stats.get("gpu_wait_frac"),
                    state_budget_gb=stats.get("state_budget_bytes", 0) / 1e9)

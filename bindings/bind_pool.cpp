@@ -84,7 +84,7 @@ void bind_pool(py::module_& m) {
           },
           py::arg("nbytes"))
       .def("stats", [](const PinnedPool& p) { return stats_dict(p.stats()); })
-      .def("trim", &PinnedPool::trim)
+      .def("trim", &PinnedPool::trim, py::call_guard<py::gil_scoped_release>())
       .def("reserve", &PinnedPool::reserve, py::arg("slab_sizes"), py::arg("threads"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("kind", &PinnedPool::kind)

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <exception>
+#include <iterator>
 #include <thread>
 
 #include "hytrain/error.h"
@@ -174,8 +175,25 @@ std::size_t PinnedPool::trim_locked() {
 }
 
 std::size_t PinnedPool::trim() {
+  // The empty slabs leave the pool under the lock (nothing can carve them from then on), but are
+  // given back to the system outside it: unlocking and unmapping gigabytes takes a while, and
+  // allocations on other threads should not wait for it. They count as reserved until they are gone.
+  std::vector<std::unique_ptr<Slab>> empty;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto keep = std::stable_partition(slabs_.begin(), slabs_.end(),
+                                      [](const std::unique_ptr<Slab>& s) { return s->used != 0; });
+    std::move(keep, slabs_.end(), std::back_inserter(empty));
+    slabs_.erase(keep, slabs_.end());
+  }
+  std::size_t released = 0;
+  for (auto& s : empty) {
+    allocator_->deallocate(s->base, s->bytes);
+    released += s->bytes;
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  return trim_locked();
+  reserved_ -= released;
+  return released;
 }
 
 std::size_t PinnedPool::reserve(const std::vector<std::size_t>& slab_sizes, int threads) {

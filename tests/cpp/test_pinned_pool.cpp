@@ -3,8 +3,10 @@
 // checks blocks never overlap and fragmentation stays bounded.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <future>
 #include <memory>
 #include <random>
 #include <string>
@@ -116,6 +118,53 @@ TEST(reserve_makes_slabs_on_threads_that_allocations_then_use) {
   }
   CHECK(thrown);
   CHECK(pool.stats().reserved == 0);  // the empty slab was released trying to make room; nothing new
+}
+
+namespace {
+// Ordinary memory whose release waits until the test opens the gate: a slow unlock and unmap.
+class GatedAllocator final : public HostAllocator {
+ public:
+  std::atomic<bool> open{false};
+  std::atomic<int> releasing{0};
+  void* allocate(std::size_t bytes) override { return inner_->allocate(bytes); }
+  void deallocate(void* p, std::size_t bytes) noexcept override {
+    ++releasing;
+    while (!open) std::this_thread::yield();
+    inner_->deallocate(p, bytes);
+  }
+  std::string kind() const override { return "gated"; }
+  bool page_locked() const override { return false; }
+  bool zeroed() const override { return true; }
+
+ private:
+  std::unique_ptr<HostAllocator> inner_ = make_page_aligned_allocator();
+};
+}  // namespace
+
+TEST(trim_releases_slabs_while_other_threads_allocate) {
+  auto owned = std::make_unique<GatedAllocator>();
+  GatedAllocator* gate = owned.get();
+  PinnedPool pool(std::move(owned), 64 * MiB, 8 * MiB);
+  void* kept = pool.allocate(MiB);       // its slab stays
+  void* gone = pool.allocate(12 * MiB);  // a slab of its own, emptied below
+  pool.free(gone);
+  std::size_t released = 0;
+  std::thread trimmer([&] { released = pool.trim(); });
+  while (gate->releasing == 0) std::this_thread::yield();
+  // Mid-release: the pool serves other threads, never from the slab being released, which still
+  // counts as reserved until it is gone.
+  auto allocated = std::async(std::launch::async, [&] { return pool.allocate(MiB); });
+  const bool went_on = allocated.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  CHECK(went_on);  // (an allocation behind the release would wait for the gate)
+  if (went_on) CHECK(pool.stats().reserved == 20 * MiB && pool.stats().slabs == 1);
+  gate->open = true;
+  void* meanwhile = allocated.get();
+  CHECK(meanwhile != nullptr && meanwhile != gone);
+  trimmer.join();
+  CHECK(released == 12 * MiB);
+  CHECK(pool.stats().reserved == 8 * MiB && pool.stats().in_use == 2 * MiB);
+  pool.free(kept);
+  pool.free(meanwhile);
 }
 
 TEST(memory_handed_out_for_the_first_time_is_known_zero) {

@@ -50,3 +50,13 @@ def test_summarise_runs_reads_records_and_ratios(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "wall 2500 tok/s (2.50x)" in out and "update threads 14.3 cores" in out
     assert "step() [0.01, 0.02]" in out and "hytrain_auto: timed out after 400 s" in out
+
+
+def test_the_shadows_pool_work_is_set_beside_the_iterations_it_overlapped():
+    import train_bench
+    spans = [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0)]
+    work = [("ahead", -0.5, 0.25, 1 << 30), ("lock", 0.75, 1.5, 1 << 28), ("trim", 2.9, 3.4, 1 << 28),
+            ("lock", 1.25, 1.5, 1 << 28)]
+    assert train_bench.work_per_iteration(work, spans) == [
+        {"ahead": 0.25, "lock": 0.25}, {"lock": 0.75}, {"trim": 0.1}]
+    assert train_bench.work_per_iteration([], spans) == [{}, {}, {}]

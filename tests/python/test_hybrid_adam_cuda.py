@@ -272,6 +272,43 @@ def test_cuda_speculation_is_exact_whether_clipping_fires_or_not(k_changes):
     assert counts["adopted"] > 0 and counts["redone"] > 0, counts
 
 
+def test_cuda_shadows_are_locked_at_the_first_step_and_what_they_leave_given_back_in_the_background():
+    # bf16 states speculate with copies of the state: the first step page-locks the shadows of the
+    # last half of the blocks beside the state ("ahead"); the speculation carves its shadows there;
+    # once it has held for QUIET_STEPS steps (on this small model the scheduler may start it nowhere),
+    # the slabs left wholly free go back to the system on the background thread ("trim"), never on
+    # the training thread.
+    import math
+    import threading
+    from hytrain.hybrid.planner import QUIET_STEPS
+    model, _ = pair()
+    opt = hytrain.HybridAdamW(model.parameters(), lr=1e-3, max_grad_norm=1e9, model=model, gpu_blocks=0,
+                              workers=2, state_format="bf16")
+    released_on = []
+    pool_trim = None
+    for i, (x,) in enumerate(cuda_batches(4 * QUIET_STEPS + 4)):
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 0:
+            store = opt._engine.store
+            stats = opt.schedule_stats()
+            assert stats["shadows_ahead"][0] == math.ceil(len(opt.blocks) / 2)
+            (kind, _, _, locked), = stats["shadow_pool_work"]
+            assert kind == "ahead" and locked > 0
+            pool_trim = store.pool.trim
+
+            def trim():
+                released_on.append(threading.current_thread().name)
+                return pool_trim()
+            store.pool.trim = trim
+    opt.synchronize()
+    assert store.shadows.pool_idle()
+    kinds = [w[0] for w in opt.schedule_stats()["shadow_pool_work"]]
+    assert kinds[0] == "ahead" and "trim" in kinds, kinds
+    assert released_on and set(released_on) == {"hytrain-shadows"}, released_on
+
+
 @pytest.mark.parametrize("capacity", ["default", 0])
 def test_cuda_speculation_in_place_with_undo_records(capacity, monkeypatch):
     # fp32 states speculate in place with undo records (about 5 bytes a parameter, not a copy of the

@@ -235,6 +235,7 @@ class _RecordedMeter:
 
 class _Store:
     cuda, device, made_s = True, torch.device("cpu"), None
+    shadows = type("NoShadows", (), {"work_log": ()})()
 
     def __init__(self):
         self.moves = []
@@ -266,10 +267,11 @@ def test_the_planner_from_recorded_costs():
 
 class _PagedShadows:
     """Shadows in a page-locking pool: ``free`` bytes locked and unused; a background reservation
-    locks what is short, and is done when the test says (``finish``)."""
+    locks what is short, and is done when the test says (``finish``); so is a background trim."""
 
     def __init__(self, sizes, free):
         self.sizes, self.free, self.made, self.in_flight, self.started = sizes, free, set(), 0, 0
+        self.trims, self.trimming, self.ahead = 0, False, None
 
     def has(self, b):
         return b in self.made
@@ -280,18 +282,32 @@ class _PagedShadows:
     def free_room(self):
         return self.free
 
+    def reserve_ahead(self, blocks):
+        self.ahead = list(blocks)
+        short = sum(self.need(b) for b in blocks) - self.free
+        self.free += max(0, short)
+        return max(0, short)
+
     def reserve_in_background(self, blocks):
-        if self.in_flight:
+        if self.in_flight or self.trimming:
             return False
         self.in_flight = sum(self.need(b) for b in blocks) - self.free
         self.started += 1
         return self.in_flight > 0
 
-    def locking_done(self):
-        return not self.in_flight
+    def trim_in_background(self):
+        if self.in_flight or self.trimming:
+            return False
+        self.trims, self.trimming = self.trims + 1, True
+        return True
+
+    def pool_idle(self):
+        return not self.in_flight and not self.trimming
 
     def finish(self):
         self.free, self.in_flight = self.free + self.in_flight, 0
+        if self.trimming:
+            self.free, self.trimming = 0, False  # the wholly free slabs go
 
     def allocate(self, b):
         assert not self.in_flight and self.sizes[b] <= self.free  # never beyond what is locked
@@ -301,14 +317,19 @@ class _PagedShadows:
 
 
 class _ShadowStore:
-    def __init__(self, shadows):
-        self.shadows, self.trims = shadows, 0
+    def __init__(self, shadows, L=None):
+        self.shadows, self.cuda = shadows, True
+        self.pool = type("Pool", (), {"page_locked": True})()
+        self.on_gpu = 0
 
     def shadow_plan(self, start):
-        return list(range(len(self.shadows.sizes) - 1, start - 1, -1))
+        return list(range(len(self.shadows.sizes) - 1, max(start, self.on_gpu) - 1, -1))
 
-    def trimmed(self):
-        self.trims += 1
+
+def _shadow_planner(L, shadows, **kw):
+    plan = BlockPlan(groups_of([nn.Parameter(torch.zeros(10)) for _ in range(L)]), bucket_elements=1)
+    store = _ShadowStore(shadows)
+    return Planner(plan, make_settings(speculate="auto", **kw), native().BlockRuntime([1] * L, 1), store), store
 
 
 def test_speculation_shadows_wait_for_page_locking_in_the_background():
@@ -317,20 +338,52 @@ def test_speculation_shadows_wait_for_page_locking_in_the_background():
     (the step does not wait), speculation starts at 6 until that is done, then comes down to 0."""
     L, GB = 8, 1 << 30
     shadows = _PagedShadows([GB] * L, free=2 * GB + GB // 2)
-    store = _ShadowStore(shadows)
-    plan = BlockPlan(groups_of([nn.Parameter(torch.zeros(10)) for _ in range(L)]), bucket_elements=1)
-    planner = Planner(plan, make_settings(speculate="auto"), native().BlockRuntime([1] * L, 1), store)
+    planner, _ = _shadow_planner(L, shadows)
     planner.speculate_from(0, True)
-    assert planner.spec_from == 6 and shadows.in_flight == 6 * GB - GB // 2 and store.trims == 0
+    assert planner.spec_from == 6 and shadows.in_flight == 6 * GB - GB // 2 and shadows.trims == 0
     planner.speculate_from(0, True)  # still locking: nothing more, no second reservation
     assert planner.spec_from == 6 and shadows.started == 1
     shadows.finish()
     planner.speculate_from(0, True)
-    assert planner.spec_from == 0 and store.trims == 1 and shadows.started == 1
+    assert planner.spec_from == 0 and shadows.started == 1
     assert [n for n, _ in planner.shadow_allocations] == [2, 6]
     planner.speculate_from(None, True)
     assert planner.spec_from is None
 
+
+def test_what_the_shadows_leave_is_given_back_in_the_background_once_the_speculation_holds():
+    """The first step locks the shadows of the last half of the offloaded blocks; speculation takes
+    fewer; the locked memory they leave stays while the start may still move (a move within it
+    costs no locking) and goes, on the background thread, after QUIET_STEPS steps without shadow
+    allocations -- once, and never from a pool the caller gave."""
+    from hytrain.hybrid.planner import QUIET_STEPS
+    L, GB = 8, 1 << 30
+    shadows = _PagedShadows([GB] * L, free=0)
+    planner, store = _shadow_planner(L, shadows, gpu_blocks=2)
+    planner.reserve_shadows_ahead()
+    assert shadows.ahead == [7, 6, 5] and shadows.free == 3 * GB  # 6 offloaded blocks: the last 3
+    planner.speculate_from(7, True)
+    planner.speculate_from(6, True)  # within what was locked ahead: carved at once, nothing locked
+    assert planner.spec_from == 6 and shadows.started == 0 and shadows.free == GB
+    for _ in range(QUIET_STEPS):
+        planner.speculate_from(6, True)
+        assert shadows.trims == 0
+    planner.speculate_from(6, True)
+    assert shadows.trims == 1 and planner.spec_from == 6
+    shadows.finish()
+    assert shadows.free == 0
+    for _ in range(2 * QUIET_STEPS):
+        planner.speculate_from(6, True)
+    assert shadows.trims == 1  # nothing left since
+
+    given = _PagedShadows([GB] * L, free=0)
+    planner, _ = _shadow_planner(L, given, gpu_blocks=2, pool=hytrain.PinnedPool(1 << 20))
+    planner.reserve_shadows_ahead()
+    assert given.ahead is None  # the caller's pool: nothing locked ahead
+    for _ in range(3 * QUIET_STEPS):
+        planner.speculate_from(7, True)
+        given.finish()
+    assert given.trims == 0 and planner.spec_from == 7
 
 def test_the_planner_gives_way_where_the_allocator_retried():
     """A slow CPU: every block the budget holds goes to the GPU (5 of 8). An iteration in which the

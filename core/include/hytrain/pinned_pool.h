@@ -64,7 +64,8 @@ class PinnedPool {
   void* allocate(std::size_t bytes, bool* zeroed = nullptr);
   // Returns memory to the pool; throws on a pointer the pool did not hand out.
   void free(void* p);
-  // Releases slabs with nothing allocated in them; returns the bytes released.
+  // Releases slabs with nothing allocated in them; returns the bytes released. The release itself
+  // (unlocking, unmapping) runs outside the pool's lock: allocations on other threads go on meanwhile.
   std::size_t trim();
 
   // Reserves slabs of these sizes (each rounded up to a page) ahead of the allocations that will

@@ -5,6 +5,7 @@ in the next backward -- and the shadows that speculation needs, taken from the s
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -17,7 +18,12 @@ from ..pool import CapacityError, format_bytes
 from . import collectives
 from .common import local
 
-
+# The first step page-locks the shadows of this share of the offloaded blocks (from the last down,
+# within the host's headroom) beside the state's own: where speculation starts once measured (7-11
+# of L3B's 28 blocks, by format), so that its first starts carve memory already locked. What they
+# leave is given back once the speculation has held for QUIET_STEPS steps.
+AHEAD_SHARE = 0.5
+QUIET_STEPS = 4
 
 def fit(sizes, room) -> int:
     """How many leading blocks of these sizes fit in ``room`` bytes."""
@@ -70,6 +76,9 @@ class Planner:
         self.scheduler = None
         self.spec_from = None  # blocks >= this (offloaded, with shadows) speculate in the next backward
         self.shadow_allocations = []  # (blocks, seconds) of each step that made shadows
+        self.shadows_ahead = None  # (blocks, seconds) of the first step's page-locking for them
+        self._quiet = 0  # steps since shadows were last allocated or page-locked
+        self._trim_due = False  # the pool holds locked memory the shadows may have left unused
         self.prediction = None  # the scheduler's simulated iteration for the k in use
         self.summary = {}  # the last measured iteration's figures
         self.gpu_memory_limit = None
@@ -259,8 +268,9 @@ class Planner:
     def start(self, *, measured, pipeline) -> None:
         """At the state's creation: on CUDA with per-layer forward hooks (``measured``) the meter
         and the scheduler (with accumulation, an iteration is measured as one micro-batch: the
-        others add the same time to every k)."""
+        others add the same time to every k). And the shadows' memory locked ahead."""
         store, s = self.store, self.settings
+        self.reserve_shadows_ahead()
         if not (store.cuda and measured):
             return
         # Iterations are numbered from the first, which ran before the state existed.
@@ -390,15 +400,39 @@ class Planner:
         plan = self.store.shadow_plan(0 if speculate == "auto" else speculate)
         return plan[-1] if plan else None
 
+    def reserve_shadows_ahead(self) -> None:
+        """At the state's creation (on CUDA, speculating, in a pool of our own that page-locks): the
+        shadows of the last ``AHEAD_SHARE`` of the offloaded blocks (from a fixed start: those from
+        it), within the host's headroom, page-locked now on the state's threads -- the first step
+        is making pool memory anyway, where later steps would wait or share the host with it."""
+        store, s = self.store, self.settings
+        if not (store.cuda and s.overlap and s.speculate is not False and s.pool is None
+                and store.pool.page_locked):
+            return
+        L = len(self.plan)
+        start = L - math.ceil((L - s.gpu_blocks) * AHEAD_SHARE) if s.speculate == "auto" else s.speculate
+        blocks = [b for b in store.shadow_plan(start) if not store.shadows.has(b)]
+        began = time.perf_counter()
+        if store.shadows.reserve_ahead(blocks):
+            self._trim_due = True  # (our own pool: a pool given is the caller's to trim)
+        self.shadows_ahead = (len(blocks), round(time.perf_counter() - began, 3))
+
     def speculate_from(self, start, allowed) -> None:
         """Blocks >= start speculate in the next backward. Their shadows are allocated from the last
         block down, within the host headroom (where that ends, the start rises) and, in a pool that
-        page-locks, within the memory it has locked already: what more they need is page-locked on
-        a thread of its own (seconds for some GB), and the start comes down to the planned one in
-        the step after that has finished. No step waits for page-locking."""
+        page-locks, within the memory it has locked already (the first step locked some ahead,
+        :meth:`reserve_shadows_ahead`): what more they need is page-locked on a thread of its own,
+        and the start comes down to the planned one in the step after that has finished. What the
+        shadows leave of the locked memory is given back on that thread too, once no shadows have
+        been allocated or locked for ``QUIET_STEPS`` steps. No step waits for either."""
         self.spec_from = None
-        if start is None or not allowed:
-            return
+        self._quiet += 1
+        if start is not None and allowed:
+            self._speculate(start)
+        if self._trim_due and self._quiet > QUIET_STEPS and self.store.shadows.pool_idle():
+            self._trim_due = not self.store.shadows.trim_in_background()
+
+    def _speculate(self, start) -> None:
         store = self.store
         began = time.perf_counter()
         plan = store.shadow_plan(start)
@@ -411,18 +445,19 @@ class Planner:
                 break  # its shadows wait for the memory being locked: speculation starts above it
             self.spec_from = b
         rest = [b for b in missing if not store.shadows.has(b)]
-        if rest and store.shadows.reserve_in_background(rest) and self.meter is not None:
-            self.meter.pending = None  # page-locking beside the updates: not a measurement
+        if rest and store.shadows.reserve_in_background(rest):
+            self._quiet, self._trim_due = 0, self.settings.pool is None
+            if self.meter is not None:
+                self.meter.pending = None  # page-locking beside the updates: not a measurement
         if now:
-            if not rest:
-                store.trimmed()  # what the shadows left of the locked memory
+            self._quiet, self._trim_due = 0, self.settings.pool is None
             self.shadow_allocations.append((len(now), round(time.perf_counter() - began, 4)))
 
     def _within_locked(self, missing):
         """The leading blocks of ``missing`` (from the last block down) whose shadows fit in what the
         pool has page-locked and not handed out; every one where the pool does not page-lock."""
         shadows = self.store.shadows
-        if not missing or not shadows.locking_done():
+        if not missing or not shadows.pool_idle():
             return [] if missing and shadows.free_room() is not None else missing
         room = shadows.free_room()
         if room is None:
@@ -437,7 +472,11 @@ class Planner:
 
     def stats(self) -> dict:
         out = {"k": self.settings.gpu_blocks, "speculative_from": self.spec_from, **self.summary,
-               "shadow_allocations": list(self.shadow_allocations)}
+               "shadow_allocations": list(self.shadow_allocations),
+               # the shadows' pool work: (kind, start, end, bytes) in time.perf_counter() seconds
+               "shadow_pool_work": list(self.store.shadows.work_log)}
+        if self.shadows_ahead is not None:
+            out["shadows_ahead"] = self.shadows_ahead
         if self.first_k is not None:
             out["first_k"] = self.first_k  # (made at once, made in the first step as room came)
         if self.store.made_s is not None:  # the state's making, in the first step: page-locking, filling

@@ -4,7 +4,15 @@ native ``ParamTable`` as its shadow slots -- adopted by swapping it with the sta
 states without amsgrad, an undo record (3 bytes a parameter of distances, an escape list and two
 counters, see the native adamw.h) of a pass that updates the state in place. Shadows are taken from
 the pinned pool within the host's headroom, from the last block down, and given back when a block
-goes to the GPU or the host needs the room for states coming back."""
+goes to the GPU or the host needs the room for states coming back.
+
+Page-locking their memory is slow (seconds for some GB on a host whose memory is touched for the
+first time), and so is giving it back: neither runs on the training thread after the first step.
+The first step locks the room that speculation is likely to take beside the state's own
+(:meth:`Shadows.reserve_ahead`); what more a later start needs is locked on a thread of its own
+(:meth:`Shadows.reserve_in_background`), and what the shadows leave is given back there too, once
+the speculation has held (:meth:`Shadows.trim_in_background`). ``work_log`` times that work, for
+the benchmarks' timelines."""
 
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from .common import STATE_KEYS, like, local
 
 STATE_AND_MASTER = ("master", *STATE_KEYS)
 BACKGROUND_LOCK_THREADS = 4  # page-locking threads beside the training: the update workers keep the rest
+WORK_LOG = 64  # the pool work kept in ``Shadows.work_log`` (the most recent)
 
 
 def undo_capacity(n) -> int:
@@ -38,8 +47,11 @@ class Shadows:
         self.streams = streams  # whether a block streams its weights (window.py)
         self.entries = {}
         self.lock_rate = None  # bytes/s at which the pool page-locked new slabs, at the last reserve
-        self._locking = None  # the thread of a background reservation in flight
+        self._work = None  # the thread of the pool's background work in flight (locking or giving back)
         self.lock_error = None  # why the last background reservation failed, if it did
+        # (kind, start, end, bytes) of the pool work done for shadows, time.perf_counter() seconds:
+        # "ahead" (the first step), "lock" and "trim" (in the background)
+        self.work_log = []
 
     def rebind(self, state) -> None:
         """``optimizer.state`` is another dict now (see ``StateStore.rebind``)."""
@@ -118,14 +130,29 @@ class Shadows:
             for p in self.plan.blocks[b]:
                 self.drop(p)
 
+    def reserve_ahead(self, blocks, threads=None) -> int:
+        """Page-locks now what these blocks' shadows need beyond the pool's free room, on as many
+        threads as the state's own reservation: at the first step, where the pool is making memory
+        anyway, so that speculation's first starts find their memory locked. Returns the bytes
+        locked (0 where nothing is short, or where the pool or the system has no room: the shadows
+        are then locked when asked for, as without this)."""
+        short = self._short(blocks)
+        if short <= 0:
+            return 0
+        try:
+            return self._lock(short, threads=threads, kind="ahead")
+        except (MemoryError, RuntimeError) as e:
+            self.lock_error = str(e)
+            return 0
+
     def reserve_in_background(self, blocks) -> bool:
         """Starts page-locking what these blocks' shadows need beyond the pool's free room (slabs of
         the pool's size, into which the shadows are carved) on a thread of its own (a few
         page-locking threads), so that no step waits for it; the blocks take their shadows from
-        that room once it is there (:meth:`locking_done`), and ``StateStore.trimmed`` gives back what
-        they leave. Returns whether a reservation started (not while one is in flight, nor where
-        nothing is short)."""
-        if self._locking is not None:
+        that room once it is there (:meth:`pool_idle`), and :meth:`trim_in_background` gives back
+        what they leave. Returns whether a reservation started (not while pool work is in flight,
+        nor where nothing is short)."""
+        if self._work is not None:
             return False
         short = self._short(blocks)
         if short <= 0:
@@ -133,21 +160,39 @@ class Shadows:
 
         def lock():
             try:
-                self._lock(short, threads=BACKGROUND_LOCK_THREADS)
+                self._lock(short, threads=BACKGROUND_LOCK_THREADS, kind="lock")
             except (MemoryError, RuntimeError) as e:  # the pool's capacity, the system's memory:
                 self.lock_error = str(e)  # the shadows then fit where they can (allocate says so)
 
-        self._locking = threading.Thread(target=lock, name="hytrain-shadows")
-        self._locking.start()
+        self._start(lock)
         return True
 
-    def locking_done(self) -> bool:
-        """Whether no background reservation is in flight (one that has finished is joined)."""
-        if self._locking is not None:
-            if self._locking.is_alive():
+    def trim_in_background(self) -> bool:
+        """Starts giving the pool's wholly free slabs back to the system (unlocking and unmapping
+        them, tens of ms a GB) on a thread of its own. Returns whether it started (not while pool
+        work is in flight)."""
+        if self._work is not None:
+            return False
+
+        def trim():
+            began = time.perf_counter()
+            released = self.pool.trim()
+            self._log("trim", began, released)
+
+        self._start(trim)
+        return True
+
+    def _start(self, fn) -> None:
+        self._work = threading.Thread(target=fn, name="hytrain-shadows")
+        self._work.start()
+
+    def pool_idle(self) -> bool:
+        """Whether no background pool work is in flight (work that has finished is joined)."""
+        if self._work is not None:
+            if self._work.is_alive():
                 return False
-            self._locking.join()
-            self._locking = None
+            self._work.join()
+            self._work = None
         return True
 
     def _short(self, blocks) -> int:
@@ -156,13 +201,17 @@ class Shadows:
         stats = self.pool.stats()
         return sum(n for b in blocks for n in self._tensor_bytes(b)) - (stats["reserved"] - stats["in_use"])
 
-    def _lock(self, short, threads) -> int:
+    def _lock(self, short, threads, kind) -> int:
         slab = self.pool.slab_bytes
         slabs = -(-short // slab)
         start = time.perf_counter()
         self.pool.reserve_for([slab] * slabs, threads=threads)
         self.lock_rate = slabs * slab / max(time.perf_counter() - start, 1e-6)
+        self._log(kind, start, slabs * slab)
         return slabs * slab
+
+    def _log(self, kind, began, nbytes) -> None:
+        self.work_log = [*self.work_log[-(WORK_LOG - 1):], (kind, began, time.perf_counter(), int(nbytes))]
 
     def allocate(self, b) -> bool:
         """Block b's own shadows from the pool; False (and none) where its capacity is reached."""
