@@ -164,7 +164,11 @@ class HybridAdamW(torch.optim.Optimizer):
     def schedule_stats(self) -> dict:
         """What the scheduler saw and predicts: k, the predicted iteration (``predicted_iter_s``,
         ``predicted_gpu_idle_s``), the measured compute-stream iteration and the share of it spent
-        waiting for updated weights (``gpu_wait_frac``), and the memory budget for resident states."""
+        waiting for updated weights (``gpu_wait_frac``), and the memory budget for resident states;
+        where speculation starts (``speculative_from``), the shadows made (``shadow_allocations``:
+        blocks, seconds, per step that made some), locked at the first step (``shadows_ahead``), and
+        the page-locking and giving back done for them (``shadow_pool_work``: kind, start, end in
+        ``time.perf_counter()`` seconds, bytes)."""
         return self._engine.planner.stats()
 
     def set_gpu_blocks(self, k: int, *, wait: bool = True) -> None:
