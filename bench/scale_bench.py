@@ -111,13 +111,18 @@ def worker(args):
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     x = batch(args, cfg, rank)
+    plans = []  # hytrain, per iteration from the first: (step() seconds, k, where speculation starts)
 
     def iteration():
         loss = model(x, x)
         loss.backward()
         if args.mode not in (*STATE_FORMATS, "fsdp2_cpu_offload_hybrid"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        t = time.perf_counter()
         opt.step()
+        if args.mode in STATE_FORMATS:
+            plans.append((round(time.perf_counter() - t, 4), opt.gpu_blocks,
+                          opt.schedule_stats().get("speculative_from")))
         opt.zero_grad()
 
     times = timed(iteration, args)
@@ -128,7 +133,12 @@ def worker(args):
         extra = dict(gpu_wait_frac=stats.get("gpu_wait_frac"), k=stats.get("k"), cap_gb=args.cap_gb,
                      cpu_params=sum(n for b, n in enumerate(local) if b not in set(placed["gpu"])),
                      blocks=len(local), state_host_gb=placed["host_bytes"] / 1e9,
-                     workers=args.workers or hytrain.distributed.default_workers())
+                     workers=args.workers or hytrain.distributed.default_workers(),
+                     # the settling, rank by rank: every iteration from the first
+                     per_iteration={"step_call_s": [p[0] for p in plans], "k": [p[1] for p in plans],
+                                    "speculative_from": [p[2] for p in plans],
+                                    "shadow_allocations": stats.get("shadow_allocations"),
+                                    "shadows_ahead": stats.get("shadows_ahead")})
     report(args, model, times, rank, world, extra)
 
 
@@ -212,9 +222,9 @@ def batch(args, cfg, rank):
     return torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=args.device, generator=g)
 
 
-def timed(iteration, args) -> tuple[float, list[float]]:
-    """The first iteration's wall time (page-locking, the first plan) and those of the iterations
-    after the warm-up, each between two device synchronisations."""
+def timed(iteration, args) -> tuple[float, list[float], list[float]]:
+    """The first iteration's wall time (page-locking, the first plan), those of the iterations after
+    the warm-up, and every iteration's, each between two device synchronisations."""
     import torch
 
     cuda = args.device == "cuda"
@@ -228,15 +238,17 @@ def timed(iteration, args) -> tuple[float, list[float]]:
         iteration()
         sync()
         times.append(time.perf_counter() - t0)
-    return times[0], times[args.warmup:]
+    return times[0], times[args.warmup:], times
 
 
 def report(args, model, timing, rank, world, extra):
     import torch
     import torch.distributed as dist
 
-    first, times = timing
+    first, times, every = timing
     cuda = args.device == "cuda"
+    if "per_iteration" in extra:
+        extra["per_iteration"]["iter_s"] = [round(t, 4) for t in every]
     mine = {"first_step_s": first, "peak_gpu_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
             "peak_gpu_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if cuda else None,
             "peak_host_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
@@ -258,6 +270,8 @@ def report(args, model, timing, rank, world, extra):
                "peak_host_gb_per_rank": max(r["peak_host_gb"] for r in everyone),
                "gpu_wait_frac": [r.get("gpu_wait_frac") for r in everyone],
                "k": [r.get("k") for r in everyone], "iter_times_s": [round(t, 4) for t in times]}
+        if everyone[0].get("per_iteration"):  # hytrain: each rank's iterations from the first
+            out["per_rank_iterations"] = [r["per_iteration"] for r in everyone]
         if "cpu_params" in everyone[0]:  # hytrain: what the node's CPUs update each step, all ranks together
             out.update(blocks=everyone[0]["blocks"], cpu_params=sum(r["cpu_params"] for r in everyone),
                        state_host_gb_per_rank=max(r["state_host_gb"] for r in everyone))

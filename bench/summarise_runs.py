@@ -43,7 +43,10 @@ def line(rec, ref_tps):
                if rec.get("speculative_from_per_iteration") else "")
             + (f"\n    shadows locked at the first step (blocks, s) {rec['shadows_ahead']}" if rec.get("shadows_ahead") else "")
             + (f"\n    shadow pool work per iteration (s) {rec['shadow_pool_work_per_iteration']}"
-               if any(rec.get("shadow_pool_work_per_iteration") or ()) else ""))
+               if any(rec.get("shadow_pool_work_per_iteration") or ()) else "")
+            + "".join(f"\n    rank {i}: iterations {r.get('iter_s')}\n      step() {r.get('step_call_s')}"
+                      f"\n      k {r.get('k')}\n      speculation from {r.get('speculative_from')}"
+                      for i, r in enumerate(rec.get("per_rank_iterations") or ())))
 
 
 def main(paths):

@@ -44,6 +44,10 @@ def test_the_harness_on_cpu_ranks():
         assert r["iter_s_max"] >= r["iter_s_p90"] >= r["iter_s_median"] > 0 and r["window_iterations"] == 2
         assert len(r["k"]) == n and r["peak_host_gb_per_rank"] > 0 and r["peak_gpu_gb"] is None
     assert runs[("hytrain", 2)]["k"] == [0, 0]  # CPU parameters: every block updated by the CPU workers
+    for rank in runs[("hytrain", 2)]["per_rank_iterations"]:  # each rank's iterations from the first
+        assert len(rank["iter_s"]) == len(rank["step_call_s"]) == len(rank["k"]) == 3 and rank["k"] == [0] * 3
+        assert 0 < max(rank["step_call_s"]) <= max(rank["iter_s"]) and rank["iter_s"][1:] != [0, 0]
+    assert "per_rank_iterations" not in runs[("fsdp2_cpu_offload", 2)]
     for fmt, mode in ((28, "hytrain"), (16, "hytrain_8bit")):
         for n in (1, 2):
             r = runs[(mode, n)]
