@@ -111,7 +111,7 @@ def worker(args):
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     x = batch(args, cfg, rank)
-    plans = []  # hytrain, per iteration from the first: (step() seconds, k, where speculation starts)
+    plans = []  # hytrain, per iteration from the first: (step() seconds, k, speculation's start, grad norm)
 
     def iteration():
         loss = model(x, x)
@@ -121,8 +121,9 @@ def worker(args):
         t = time.perf_counter()
         opt.step()
         if args.mode in STATE_FORMATS:
+            norm = opt.last_grad_norm  # (a step that clips does not let the next backward speculate)
             plans.append((round(time.perf_counter() - t, 4), opt.gpu_blocks,
-                          opt.schedule_stats().get("speculative_from")))
+                          opt.schedule_stats().get("speculative_from"), None if norm is None else round(norm, 3)))
         opt.zero_grad()
 
     times = timed(iteration, args)
@@ -137,6 +138,7 @@ def worker(args):
                      # the settling, rank by rank: every iteration from the first
                      per_iteration={"step_call_s": [p[0] for p in plans], "k": [p[1] for p in plans],
                                     "speculative_from": [p[2] for p in plans],
+                                    "grad_norm": [p[3] for p in plans],
                                     "shadow_allocations": stats.get("shadow_allocations"),
                                     "shadows_ahead": stats.get("shadows_ahead")})
     report(args, model, times, rank, world, extra)

@@ -46,6 +46,7 @@ def line(rec, ref_tps):
                if any(rec.get("shadow_pool_work_per_iteration") or ()) else "")
             + "".join(f"\n    rank {i}: iterations {r.get('iter_s')}\n      step() {r.get('step_call_s')}"
                       f"\n      k {r.get('k')}\n      speculation from {r.get('speculative_from')}"
+                      f"\n      gradient norm {r.get('grad_norm')}"
                       for i, r in enumerate(rec.get("per_rank_iterations") or ())))
 
 

@@ -45,7 +45,8 @@ def test_the_harness_on_cpu_ranks():
         assert len(r["k"]) == n and r["peak_host_gb_per_rank"] > 0 and r["peak_gpu_gb"] is None
     assert runs[("hytrain", 2)]["k"] == [0, 0]  # CPU parameters: every block updated by the CPU workers
     for rank in runs[("hytrain", 2)]["per_rank_iterations"]:  # each rank's iterations from the first
-        assert len(rank["iter_s"]) == len(rank["step_call_s"]) == len(rank["k"]) == 3 and rank["k"] == [0] * 3
+        assert len(rank["iter_s"]) == len(rank["step_call_s"]) == len(rank["k"]) == len(rank["grad_norm"]) == 3
+        assert rank["k"] == [0] * 3 and all(n > 0 for n in rank["grad_norm"])
         assert 0 < max(rank["step_call_s"]) <= max(rank["iter_s"]) and rank["iter_s"][1:] != [0, 0]
     assert "per_rank_iterations" not in runs[("fsdp2_cpu_offload", 2)]
     for fmt, mode in ((28, "hytrain"), (16, "hytrain_8bit")):
