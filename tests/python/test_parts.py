@@ -235,7 +235,7 @@ class _RecordedMeter:
 
 class _Store:
     cuda, device, made_s = True, torch.device("cpu"), None
-    shadows = type("NoShadows", (), {"work_log": ()})()
+    shadows = type("NoShadows", (), {"work_log": (), "trim_due": False})()
 
     def __init__(self):
         self.moves = []
@@ -271,7 +271,10 @@ class _PagedShadows:
 
     def __init__(self, sizes, free):
         self.sizes, self.free, self.made, self.in_flight, self.started = sizes, free, set(), 0, 0
-        self.trims, self.trimming, self.ahead = 0, False, None
+        self.trims, self.trimming, self.ahead, self.trim_due, self.given = 0, False, None, False, False
+
+    def trim_later(self):
+        self.trim_due = not self.given  # (a pool the caller gave is not trimmed)
 
     def has(self, b):
         return b in self.made
@@ -360,30 +363,42 @@ def test_what_the_shadows_leave_is_given_back_in_the_background_once_the_specula
     L, GB = 8, 1 << 30
     shadows = _PagedShadows([GB] * L, free=0)
     planner, store = _shadow_planner(L, shadows, gpu_blocks=2)
+
+    def step(start):
+        planner.speculate_from(start, True)
+        planner.give_back_when_quiet()
+
     planner.reserve_shadows_ahead()
     assert shadows.ahead == [7, 6, 5] and shadows.free == 3 * GB  # 6 offloaded blocks: the last 3
-    planner.speculate_from(7, True)
-    planner.speculate_from(6, True)  # within what was locked ahead: carved at once, nothing locked
+    step(7)
+    step(6)  # within what was locked ahead: carved at once, nothing locked
     assert planner.spec_from == 6 and shadows.started == 0 and shadows.free == GB
     for _ in range(QUIET_STEPS):
-        planner.speculate_from(6, True)
+        step(6)
         assert shadows.trims == 0
-    planner.speculate_from(6, True)
+    step(6)
     assert shadows.trims == 1 and planner.spec_from == 6
     shadows.finish()
     assert shadows.free == 0
     for _ in range(2 * QUIET_STEPS):
-        planner.speculate_from(6, True)
+        step(6)
     assert shadows.trims == 1  # nothing left since
+    shadows.trim_later()  # e.g. the host memory of states that went to the GPU: given back once quiet
+    for _ in range(QUIET_STEPS + 1):
+        step(6)
+    assert shadows.trims == 2
 
     given = _PagedShadows([GB] * L, free=0)
+    given.given = True
     planner, _ = _shadow_planner(L, given, gpu_blocks=2, pool=hytrain.PinnedPool(1 << 20))
     planner.reserve_shadows_ahead()
     assert given.ahead is None  # the caller's pool: nothing locked ahead
     for _ in range(3 * QUIET_STEPS):
         planner.speculate_from(7, True)
+        planner.give_back_when_quiet()
         given.finish()
     assert given.trims == 0 and planner.spec_from == 7
+
 
 def test_the_planner_gives_way_where_the_allocator_retried():
     """A slow CPU: every block the budget holds goes to the GPU (5 of 8). An iteration in which the

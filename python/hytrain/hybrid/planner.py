@@ -78,7 +78,6 @@ class Planner:
         self.shadow_allocations = []  # (blocks, seconds) of each step that made shadows
         self.shadows_ahead = None  # (blocks, seconds) of the first step's page-locking for them
         self._quiet = 0  # steps since shadows were last allocated or page-locked
-        self._trim_due = False  # the pool holds locked memory the shadows may have left unused
         self.prediction = None  # the scheduler's simulated iteration for the k in use
         self.summary = {}  # the last measured iteration's figures
         self.gpu_memory_limit = None
@@ -332,6 +331,8 @@ class Planner:
             self._schedule(self.meter.end_iteration(), early_copies, speculation_allowed)
         if self.scheduler is None or self.settings.speculate != "auto":
             self.speculate_from(self.speculation_floor(speculation_allowed), speculation_allowed)
+        if self.store.cuda:
+            self.give_back_when_quiet()
 
     def _schedule(self, record, early_copies, allowed):
         s, sched = self.settings, self.scheduler
@@ -414,7 +415,7 @@ class Planner:
         blocks = [b for b in store.shadow_plan(start) if not store.shadows.has(b)]
         began = time.perf_counter()
         if store.shadows.reserve_ahead(blocks):
-            self._trim_due = True  # (our own pool: a pool given is the caller's to trim)
+            store.shadows.trim_later()
         self.shadows_ahead = (len(blocks), round(time.perf_counter() - began, 3))
 
     def speculate_from(self, start, allowed) -> None:
@@ -423,14 +424,20 @@ class Planner:
         page-locks, within the memory it has locked already (the first step locked some ahead,
         :meth:`reserve_shadows_ahead`): what more they need is page-locked on a thread of its own,
         and the start comes down to the planned one in the step after that has finished. What the
-        shadows leave of the locked memory is given back on that thread too, once no shadows have
-        been allocated or locked for ``QUIET_STEPS`` steps. No step waits for either."""
+        shadows leave of the locked memory is given back on that thread too
+        (:meth:`give_back_when_quiet`). No step waits for either."""
         self.spec_from = None
-        self._quiet += 1
         if start is not None and allowed:
             self._speculate(start)
-        if self._trim_due and self._quiet > QUIET_STEPS and self.store.shadows.pool_idle():
-            self._trim_due = not self.store.shadows.trim_in_background()
+
+    def give_back_when_quiet(self) -> None:
+        """Each step: once no shadows have been made or page-locked for ``QUIET_STEPS`` steps, the
+        pool's wholly free slabs (what the shadows left, the host memory of states that went to the
+        GPU) go back to the system on the background thread, where some are due."""
+        shadows = self.store.shadows
+        if shadows.trim_due and self._quiet > QUIET_STEPS and shadows.pool_idle() and shadows.trim_in_background():
+            shadows.trim_due = False
+        self._quiet += 1
 
     def _speculate(self, start) -> None:
         store = self.store
@@ -446,11 +453,13 @@ class Planner:
             self.spec_from = b
         rest = [b for b in missing if not store.shadows.has(b)]
         if rest and store.shadows.reserve_in_background(rest):
-            self._quiet, self._trim_due = 0, self.settings.pool is None
+            self._quiet = 0
+            store.shadows.trim_later()
             if self.meter is not None:
                 self.meter.pending = None  # page-locking beside the updates: not a measurement
         if now:
-            self._quiet, self._trim_due = 0, self.settings.pool is None
+            self._quiet = 0
+            store.shadows.trim_later()
             self.shadow_allocations.append((len(now), round(time.perf_counter() - began, 4)))
 
     def _within_locked(self, missing):

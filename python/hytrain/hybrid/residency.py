@@ -19,8 +19,9 @@ class Residency:
     (GPU-resident blocks; read only here and by the launcher); ``moves``: block -> CUDA event: its
     states' move to the host has completed. ``pool``: where host tensors leaving go back."""
 
-    def __init__(self, plan, settings, rt, device, pool):
+    def __init__(self, plan, settings, rt, device, pool, trim_later=lambda: None):
         self.plan, self.settings, self.rt, self.device, self.pool = plan, settings, rt, device, pool
+        self.trim_later = trim_later  # the pool's free slabs to go back off the training thread (shadows.py)
         self.dev = {}
         self.moves = {}
         self._leaving = {}  # block -> (event, host tensors) freed once its move to the GPU has read them
@@ -111,8 +112,10 @@ class Residency:
 
     def free_left(self, wait=False) -> bool:
         """The host memory of states that moved to the GPU, once their copies have read it: back to
-        the pool, and the pool's wholly free slabs back to the system (a pool of our own). Returns
-        whether some is still waiting for its copies."""
+        the pool, and the pool's wholly free slabs back to the system (a pool of our own) -- at once
+        where the moves are waited for (``wait``), else on the background thread once the plan has
+        held (``trim_later``): unlocking GBs would hold the training thread, and the slabs may be
+        the shadows' next. Returns whether some is still waiting for its copies."""
         freed = False
         for b, (ev, _) in list(self._leaving.items()):
             if wait:
@@ -120,8 +123,10 @@ class Residency:
             if wait or ev.query():
                 del self._leaving[b]
                 freed = True
-        if freed:
+        if freed and wait:
             budgets.trim(self.pool, self.settings)
+        elif freed:
+            self.trim_later()
         return bool(self._leaving)
 
     def moving(self) -> list:

@@ -52,6 +52,10 @@ class Shadows:
         # (kind, start, end, bytes) of the pool work done for shadows, time.perf_counter() seconds:
         # "ahead" (the first step), "lock" and "trim" (in the background)
         self.work_log = []
+        # The pool (our own) may hold wholly free slabs to give back, in the background, once the
+        # plan has held (the planner's give_back_when_quiet): slabs locked ahead or for shadows that
+        # were not all taken, or the host memory of states that went to the GPU.
+        self.trim_due = False
 
     def rebind(self, state) -> None:
         """``optimizer.state`` is another dict now (see ``StateStore.rebind``)."""
@@ -166,6 +170,11 @@ class Shadows:
 
         self._start(lock)
         return True
+
+    def trim_later(self) -> None:
+        """The pool's wholly free slabs are to go back to the system, off the training thread, once
+        the plan has held (a pool of our own; one given is its owner's to trim)."""
+        self.trim_due = self.settings.pool is None
 
     def trim_in_background(self) -> bool:
         """Starts giving the pool's wholly free slabs back to the system (unlocking and unmapping

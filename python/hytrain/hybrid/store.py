@@ -67,9 +67,10 @@ class StateStore:
     def _new_parts(self) -> None:
         """The residency and the shadows over the device, pool and table of now (none before
         :meth:`create`)."""
-        self.residency = Residency(self.plan, self.settings, self.rt, self.device, self.pool)
         self.shadows = Shadows(self.plan, self.settings, self.rt, self.state, self.pool, self.table,
                                streams=self.streams)
+        self.residency = Residency(self.plan, self.settings, self.rt, self.device, self.pool,
+                                   trim_later=self.shadows.trim_later)
 
     # -- streamed weights -----------------------------------------------------------------------------
 
