@@ -117,6 +117,9 @@ def cmd_verify(args) -> int:
                 raise ckpt.CheckpointError(f"{path} is a run directory without checkpoints (no {path / 'checkpoints'})")
             elif not any(path.iterdir()):
                 raise ckpt.CheckpointError(f"{path} is empty: neither a checkpoint nor a run directory")
+            elif not _checkpoint_like(path):  # (a checkpoint without meta.json: verify says it is incomplete)
+                raise ckpt.CheckpointError(f"{path} is neither a checkpoint (no meta.json) nor a run directory (no "
+                                           "checkpoints/): pass a checkpoint directory (step_N) or a run's --out")
         t0 = time.perf_counter()
         meta = ckpt.verify(path)
     except ckpt.CheckpointError as e:
@@ -126,9 +129,19 @@ def cmd_verify(args) -> int:
     secs = time.perf_counter() - t0
     total = sum(f["bytes"] for f in meta["files"].values())
     kind = "sharded" if meta["format"] != ckpt.FORMAT and str(meta["format"]).startswith("dcp") else "single-process"
-    print(f"{path}: OK, {kind} checkpoint of step {meta['step']}, {len(meta['files'])} files, "
+    n = len(meta["files"])
+    print(f"{path}: OK, {kind} checkpoint of step {meta['step']}, {n} file{'' if n == 1 else 's'}, "
           f"{total / 1e9:.3f} GB verified in {secs:.2f} s")
     return 0
+
+
+def _checkpoint_like(path) -> bool:
+    """Whether a directory without meta.json is a checkpoint still: named as one (step_N), or holding
+    a checkpoint's files (single-process, or sharded: .metadata and .distcp shards)."""
+    from . import checkpoint as ckpt
+
+    return (path.name.startswith("step_") or any((path / f).exists() for f in (*ckpt.FILES, ".metadata"))
+            or any(path.glob("*.distcp")))
 
 
 def cmd_export(args) -> int:
@@ -147,6 +160,23 @@ def cmd_export(args) -> int:
     return 0
 
 
+_SUFFIXES = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def count(text: str) -> int:
+    """A count such as ``--params``': a number, or one with K, M or G in powers of 2 (``16M`` is
+    16 * 2**20, ``1.5K`` 1536); a fraction of one is refused."""
+    import argparse
+    import re
+
+    m = re.fullmatch(r"\s*([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*([KMG]?)\s*", text, re.IGNORECASE)
+    value = float(m.group(1)) * _SUFFIXES[m.group(2).upper()] if m else None
+    if value is None or value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a whole number, optionally with K, M or G (powers of 2: 16M is "
+                                         f"16*2**20), got {text!r}")
+    return int(value)
+
+
 def main(argv=None) -> int:
     from .job.options import Parser  # (bad flags in one line, as the job's)
 
@@ -157,8 +187,9 @@ def main(argv=None) -> int:
                             "SIMD paths, OpenMP), the devices torch sees, and a quick measurement of the CPU "
                             "AdamW rate, host memory bandwidth and, with a usable GPU, the host-device copy "
                             "bandwidth from pinned memory.")
-    p_info.add_argument("--params", type=int, default=16 * 2**20,
-                        help="parameters in the quick AdamW measurement (default 16M)")
+    p_info.add_argument("--params", type=count, default=16 * 2**20,
+                        help="parameters in the quick AdamW measurement: a number, or one with K, M or G, in "
+                        "powers of 2 (1K = 1024, 1M = 2**20, 1G = 2**30); default 16M")
     p_info.add_argument("--threads", type=int, default=0,
                         help="threads (default: the optimizer's default update workers here)")
     p_info.add_argument("--no-measure", action="store_true", help="skip the measurements")

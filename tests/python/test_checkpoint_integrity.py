@@ -224,3 +224,22 @@ def test_hytrain_verify(tmp_path):
         got = subprocess.run([sys.executable, "-m", "hytrain", "verify", str(tmp_path / where)], capture_output=True,
                              text=True, timeout=120)
         assert got.returncode == 2 and got.stderr.count("\n") == 1 and says in got.stderr, got.stderr
+
+
+def test_verify_of_a_directory_that_is_no_checkpoint_says_so_not_incomplete(tmp_path, capsys):
+    from hytrain.__main__ import main
+
+    other = tmp_path / "photos"  # (as `hytrain verify /tmp`: a directory of other things)
+    other.mkdir()
+    (other / "cat.jpg").write_bytes(b"\xff\xd8")
+    assert main(["verify", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"hytrain verify: {other} is neither a checkpoint (no meta.json) nor a run directory (no " \
+                  "checkpoints/): pass a checkpoint directory (step_N) or a run's --out\n", err
+    # A checkpoint whose save was cut before its meta.json is still one: incomplete.
+    for cut, name in ((tmp_path / "step_00000007", "x.bin"), (tmp_path / "copied", "model.safetensors")):
+        cut.mkdir()
+        (cut / name).write_bytes(b"\0")
+        assert main(["verify", str(cut)]) == 2
+        err = capsys.readouterr().err
+        assert f"{cut} is incomplete: meta.json is missing" in err and err.count("\n") == 1, err

@@ -30,3 +30,25 @@ def test_a_bad_flag_or_value_is_one_line():
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, (argv, r.stderr)
         assert lines[0].startswith("hytrain") and ": error: " in lines[0] and "--help" in lines[0], argv
+
+
+def test_info_params_take_k_m_g_in_powers_of_2_as_the_16m_default_does(capsys):
+    import pytest
+
+    from hytrain.__main__ import count, main
+
+    assert [count(v) for v in ("1000", "1K", "64k", "1M", "16M", "1.5K", "2G")] == \
+        [1000, 1024, 65536, 2**20, 16 * 2**20, 1536, 2 * 2**30]
+    assert main(["info", "--json", "--params", "64K"]) == 0
+    assert json.loads(capsys.readouterr().out)["measured"]["cpu_adamw_gparams_per_s"] > 0
+    with pytest.raises(SystemExit):
+        main(["info", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "K, M or G, in powers of 2 (1K = 1024, 1M = 2**20, 1G = 2**30); default 16M" in said, said
+    for bad in ("1.5", "1Q", "16 MB", "1e6"):
+        with pytest.raises(SystemExit) as e:
+            main(["info", "--params", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1, (bad, err)
+        assert err.startswith("hytrain info: error: argument --params: expected a whole number, optionally with K, "
+                              f"M or G (powers of 2: 16M is 16*2**20), got {bad!r}"), err

@@ -165,3 +165,64 @@ def test_a_command_refused_under_nproc_says_one_line(tmp_path, verbose):
         assert len(proc.stdout.splitlines()) == 1
     else:
         assert proc.stdout == ""
+
+
+def test_the_rdzv_id_help_says_what_the_launcher_does_with_it(capsys, monkeypatch):
+    from hytrain.job.plan import RunPlan
+    from hytrain.job.ranks import torchrun_command
+
+    entry = " ".join(_entries(_help(train_main, ["--help"], capsys, monkeypatch))["--rdzv-id"].split())
+    assert "with --rdzv-endpoint, the same on every node (default: hytrain)" in entry, entry
+    assert "without --rdzv-endpoint (one node) it is not used: each launch draws an id of its own" in entry, entry
+
+    def rdzv_id(argv):
+        cmd = torchrun_command(RunPlan.from_options(vars(_options(argv))).process, argv, 2)
+        return cmd[cmd.index("--rdzv-id") + 1]
+
+    assert rdzv_id(["--rdzv-endpoint", "node0:29400"]) == "hytrain"  # the default, with an endpoint
+    assert rdzv_id(["--rdzv-endpoint", "node0:29400", "--rdzv-id", "job7"]) == "job7"
+    one, again = rdzv_id([]), rdzv_id(["--rdzv-id", "job7"])  # one node: a fresh id each launch, the flag unused
+    assert re.fullmatch(r"[0-9a-f]{32}", one) and re.fullmatch(r"[0-9a-f]{32}", again) and one != again
+
+
+@pytest.mark.parametrize("gpu, cuda, argv, refused", [
+    (False, None, ["--gpu-blocks", "2"], "no usable GPU, or hytrain built without CUDA"),  # auto: the CPU
+    (True, None, ["--gpu-blocks", "2"], "no usable GPU, or hytrain built without CUDA"),  # a CPU-only build
+    (True, "12.4", ["--gpu-blocks", "2", "--device", "cpu"], "--device cpu"),
+    (True, "12.4", ["--gpu-blocks", "2"], None),  # a GPU it can use
+    (False, None, ["--gpu-blocks", "0"], None),
+    (False, None, ["--gpu-blocks", "auto"], None),
+])
+def test_gpu_blocks_above_0_without_cuda_is_refused_before_anything_is_built(monkeypatch, gpu, cuda, argv, refused):
+    from hytrain.job.options import ConfigError
+
+    _gpu_and_build(monkeypatch, gpu, cuda)
+    monkeypatch.setattr(hytrain, "cuda_available", lambda: cuda is not None)
+    if refused is None:
+        _options(argv)
+        return
+    with pytest.raises(ConfigError) as e:
+        _options(argv)
+    assert str(e.value) == (f"--gpu-blocks 2 needs CUDA (the blocks it updates on a GPU), and this run trains on the "
+                            f"CPU ({refused}): leave --gpu-blocks out, or pass --gpu-blocks 0")
+
+
+def test_gpu_blocks_a_checkpoint_carries_is_kept_on_the_cpu_not_refused():
+    # A GPU run's checkpoint records --gpu-blocks 2; its resume on a CPU machine, which does not give
+    # --gpu-blocks, takes it (unused there) rather than being refused.
+    from hytrain.job.options import check_options
+
+    args = _options(["--device", "cpu"])
+    args.gpu_blocks = 2  # (as the resumed plan's, from the checkpoint)
+    check_options(args)
+    args.given = [*args.given, "gpu_blocks"]
+    with pytest.raises(Exception, match="--gpu-blocks 2 needs CUDA"):
+        check_options(args)
+
+
+def test_counts_of_one_are_singular():
+    from hytrain.job.options import counted
+
+    assert [counted(1, "process", "processes"), counted(2, "process", "processes"), counted(1, "held-out file"),
+            counted(3, "held-out file"), counted(0, "row")] == \
+        ["1 process", "2 processes", "1 held-out file", "3 held-out files", "0 rows"]

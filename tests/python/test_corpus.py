@@ -327,6 +327,39 @@ def test_missing_tokenizer_and_small_validation_are_config_errors(tmp_path):
         c.validation(4)
 
 
+def test_too_small_for_a_validation_split_names_val_data_and_eval_every_0(tmp_path):
+    c = open_corpus(str(write_jsonl(tmp_path / "a.jsonl", text_records(5))), ByteTokenizer(), seq_len=8)
+    with pytest.raises(ConfigError, match="too small for a validation split") as e:
+        c.validation(4)
+    assert "--val-data" in str(e.value) and "--eval-every 0" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_corpus_without_a_validation_split_trains_on_every_document(tmp_path):
+    records = text_records(60)
+    path = str(write_jsonl(tmp_path / "a.jsonl", records))
+    everything = "".join(r["text"] for r in records).encode()   # (the byte tokenizer: no EOS between them)
+    n = len(everything) // 9
+    split = open_corpus(path, ByteTokenizer(), seq_len=8, val_every=3)   # about a third held out
+    assert split.has_split() and split.validation(1000)
+    held_back = bytes(take_then_close(split.train_stream(), n // 2)[0].flatten().tolist())
+    assert not everything.startswith(held_back)   # (the held-out documents are skipped)
+    c = open_corpus(path, ByteTokenizer(), seq_len=8, val_every=3)
+    c.drop_validation("no validation wanted")
+    assert not c.has_split() and c.held_out(1000) == []
+    assert c.description.endswith("validation: none (no validation wanted)")
+    rows = take_then_close(c.train_stream(), n)[0]
+    assert bytes(rows.flatten().tolist()) == everything[:9 * n]   # every document, in order, none held out
+
+
+def test_the_description_counts_one_file_and_one_held_out_file_in_the_singular(tmp_path):
+    train = str(write_jsonl(tmp_path / "a.jsonl", text_records(20)))
+    c = open_corpus(train, ByteTokenizer(), seq_len=8, val_spec=held_out_val(tmp_path))
+    assert f"{train}: 1 file (1 jsonl)" in c.description and c.description.endswith("validation: 1 held-out file")
+    write_jsonl(tmp_path / "b.jsonl", text_records(20))
+    assert ": 2 files (2 jsonl)" in open_corpus(str(tmp_path / "a.jsonl") + "," + str(tmp_path / "b.jsonl"),
+                                                ByteTokenizer(), seq_len=8).description
+
+
 def test_close_stops_the_reader_and_waits_are_counted(tmp_path):
     c = open_corpus(str(write_jsonl(tmp_path / "a.jsonl", text_records(50))), ByteTokenizer(), seq_len=8,
                     val_every=3, read_ahead=1)

@@ -298,3 +298,61 @@ def test_the_default_corpus_walks_the_standard_library_only_and_skips_what_vanis
     files = data.stdlib_files()
     assert [p.relative_to(root).as_posix() for p in files] == ["a.py", "json/b.py"]
     assert "site-packages" not in walked and "pkg" not in walked and "gone" in walked
+
+
+# ---- data too small for a validation split
+
+def test_small_instruction_data_trains_with_eval_every_0_and_is_otherwise_refused_naming_the_flags(tmp_path, capsys):
+    path = tmp_path / "inst.jsonl"
+    path.write_text("".join(json.dumps({"instruction": words(6, i), "output": words(8, -i)}) + "\n" for i in range(12)))
+    argv = ["--model", "tiny", "--data", str(path), "--steps", "2", *FAST]
+    assert main([*argv, "--eval-every", "5", "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "too small for a validation split" in err and "\n" not in err, err
+    assert "--val-data" in err and "--eval-every 0" in err, err
+    assert not (tmp_path / "refused").exists()   # (made by the refused run, and left empty: removed)
+    # --eval-every 0: no validation needed, none made; every document trains.
+    out = tmp_path / "trained"
+    assert main([*argv, "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "prompt data; validation: none (every 100th document held out: less than a batch; --eval-every 0 " \
+           "needs none: training uses every document)" in said, said
+    assert not [r for r in map(json.loads, open(out / "metrics.jsonl")) if "val_loss" in r]
+    assert json.load(open(out / "summary.json"))["final_val_loss"] is None
+
+
+def test_small_plain_text_with_eval_every_0_trains_on_every_byte(tmp_path):
+    import re
+
+    text = tmp_path / "small.txt"
+    text.write_bytes(b"".join(b"%05d " % i for i in range(840)))   # 5040 bytes: the last 5% (252) held out
+    with pytest.raises(ConfigError, match="the validation split has 252") as e:
+        open_data(data_args(text, seq_len=300), ByteTokenizer())
+    assert "--val-data" in str(e.value) and "--eval-every 0" in str(e.value) and "\n" not in str(e.value)
+    data = open_data(data_args(text, seq_len=300), ByteTokenizer(), optional_validation=True)
+    assert data.validation(4) == [] and data.description == f"{text} (no validation: too small for a split, and " \
+                                                           "--eval-every 0 needs none)"
+    seen = b"".join(bytes(row.tolist()) for step in range(50) for row in data.batch(step)[0])
+    assert max(map(int, re.findall(rb"\d{5}", seen))) >= 800   # the held-out tail (from 00798) is trained on
+    # A directory whose held-out files (one in 20, by name) are too few: the same.
+    (tmp_path / "dir").mkdir()
+    for i in range(3):
+        (tmp_path / "dir" / f"f{i}.txt").write_bytes(b"the quick brown fox jumps over the lazy dog\n" * 40)
+    with pytest.raises(ConfigError, match="too small .* for a validation split.*--val-data.*--eval-every 0"):
+        open_data(data_args(tmp_path / "dir"), ByteTokenizer())
+    data = open_data(data_args(tmp_path / "dir"), ByteTokenizer(), optional_validation=True)
+    assert data.validation(4) == [] and "(3 files, 0.0 MB train, no validation" in data.description
+
+
+def test_max_data_bytes_too_small_for_the_data_is_named(tmp_path):
+    text = tmp_path / "big.txt"
+    text.write_bytes(b"the cat sat on the mat. " * 1000)
+    with pytest.raises(ConfigError, match=r"has 100 bytes \(its first --max-data-bytes 100: raise it\)"):
+        open_data(data_args(text, max_data_bytes=100), ByteTokenizer())
+    with pytest.raises(ConfigError, match="--max-data-bytes 5000.*raise --max-data-bytes or lower --seq-len"):
+        open_data(data_args(text, max_data_bytes=5000, seq_len=300), ByteTokenizer())
+    (tmp_path / "dir").mkdir()
+    for i in range(4):
+        (tmp_path / "dir" / f"f{i}.txt").write_bytes(b"x" * 3000)
+    with pytest.raises(ConfigError, match="--max-data-bytes 2000 stopped the reading; raise it"):
+        open_data(data_args(tmp_path / "dir", max_data_bytes=2000), ByteTokenizer())

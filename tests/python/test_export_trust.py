@@ -89,6 +89,14 @@ def test_export_on_a_full_disk_is_one_line_and_leaves_the_target_as_it_was(run, 
     assert not (tmp_path / "new").exists() and _leftovers(tmp_path) == []
 
 
+def test_export_of_a_path_that_is_no_run_directory_says_what_it_is(run, tmp_path, capsys):
+    for where, says in ((tmp_path / "no-such-run", "does not exist"), (run / "metrics.jsonl", "is a file, not a "
+                        "run directory"), (run / "checkpoints", "is not a run directory (no config.json)")):
+        code, out, err = _export(capsys, str(where), "--to", str(tmp_path / "model"))
+        assert (code, out) == (2, "") and err == f"hytrain export: error: {where} {says}\n", err
+        assert not (tmp_path / "model").exists()
+
+
 def test_export_under_a_file_size_limit_is_one_line_exit_2(run, tmp_path):
     """A real failed write: the export's process may write no file over 1 MB (ulimit -f, with SIGXFSZ
     ignored so that the write fails with EFBIG instead of killing it); the model is 3 MB."""

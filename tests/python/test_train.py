@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -637,6 +638,11 @@ def test_a_closed_stdout_does_not_stop_training(tmp_path, fast):
     ([], "out = 5", "out must be a string, got 5"),
     ([], "resume = 5", "resume must be a string, got 5"),
     ([], "steps = true", "steps must be an integer, got True"),
+    (["--gpu-blocks", "2"], None, "--gpu-blocks 2 needs CUDA (the blocks it updates on a GPU), and this run trains "
+                                  "on the CPU (--device cpu): leave --gpu-blocks out, or pass --gpu-blocks 0"),
+    ([], "gpu-blocks = 3", "--gpu-blocks 3 needs CUDA"),
+    (["--max-data-bytes", "0"], None, "--max-data-bytes must be an integer >= 1, got 0"),
+    (["--max-data-bytes", "1000"], None, "--max-data-bytes 1000 stopped the reading; raise it"),
 ])
 def test_user_errors_are_one_line_with_exit_2(tmp_path, capsys, extra, toml, message):
     args = ["--out", str(tmp_path / "x"), *FAST, *extra]
@@ -750,7 +756,51 @@ def test_a_full_disk_leaves_no_write_probe(tmp_path, capsys, monkeypatch):
     out = tmp_path / "full"
     assert main(["--out", str(out), *FAST]) == 2
     assert "cannot write to the output directory" in capsys.readouterr().err
-    assert list(out.iterdir()) == []
+    assert not out.exists()  # no write probe left in it: made by the run and left empty, it is removed
+    out.mkdir()
+    assert main(["--out", str(out), *FAST]) == 2
+    assert list(out.iterdir()) == []  # (one the run did not make stays)
+
+
+def test_a_refused_run_leaves_no_out_directory_it_made_empty(tmp_path, capsys):
+    made = tmp_path / "new" / "run"
+    assert main(["--data", str(tmp_path / "missing.txt"), "--out", str(made), *FAST]) == 2
+    assert "missing.txt" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # nor the parent made for it
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    assert main(["--data", str(tmp_path / "missing.txt"), "--out", str(mine), *FAST]) == 2
+    assert mine.is_dir() and list(mine.iterdir()) == []  # an --out that was there stays
+
+
+def test_out_naming_a_file_is_refused_in_one_line(tmp_path, capsys):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine")
+    assert main(["--out", str(blocker), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err == f"hytrain train: error: --out {blocker} names a file, not a directory: give --out a directory " \
+                  "(new, or a run's)\n", err
+    assert blocker.read_text() == "mine"
+
+
+def test_the_progress_and_the_summary_say_which_tokens_per_s_they_are(tmp_path, capsys, fast):
+    out = tmp_path / "run"
+    assert main(["--steps", "4", "--eval-every", "2", "--no-export", "--out", str(out), *fast]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[1].startswith("step 2: loss ") and said[1].endswith(" tokens/s in this step"), said
+    summary = json.load(open(out / "summary.json"))
+    steps = [r["tokens_per_s"] for r in metrics(str(out))]
+    assert summary["tokens_per_s"] == pytest.approx(summary["tokens"] / summary["train_loop_s"])
+    assert summary["step_tokens_per_s"] == pytest.approx(statistics.median(steps))
+    line = next(ln for ln in said if ln.startswith("hytrain train: ") and "over the run" in ln)
+    assert line.startswith(f"hytrain train: {summary['tokens_per_s']:.0f} tokens/s over the run (1024 tokens in "), line
+    assert "first step to last: the first step's set-up, validation and saves included" in line, line
+    assert f"; {summary['step_tokens_per_s']:.0f} tokens/s in a step alone (the median step_tok_s)" in line, line
+    assert said[-1] == json.dumps(summary)
+    bar = [a for a in fast if a != "--no-progress"]  # the progress bar's figure is the step's own
+    assert main(["--steps", "2", "--eval-every", "0", "--no-export", "--out", str(tmp_path / "bar"), *bar]) == 0
+    err = capsys.readouterr().err
+    assert "step_tok_s=" in err and "tok_s=" not in err.replace("step_tok_s=", ""), err
 
 
 def test_resume_auto_starts_fresh_then_continues(tmp_path, capsys, fast):

@@ -34,11 +34,14 @@ from itertools import islice
 
 import torch
 
-from .options import ConfigError
+from .options import ConfigError, counted
 from .records import Source, checked, detect_kind, find_sources, fingerprint, payload, piece_bounds
 from .tokenizers import ByteTokenizer
 
 KINDS = ("auto", "text", "prompt", "chat")
+# What lifts a validation split the data is too small for (the corpus's, and data.py's in-memory one).
+TOO_SMALL_FIX = ("pass --val-data FILE (validation data of its own), or --eval-every 0 (then no validation where "
+                 "the data has no room for it: training uses every document)")
 TOKENIZE_BATCH = 64       # records per encode_batch call
 CHUNK_TOKENS = 1 << 15    # tokens per read-ahead chunk of rows
 
@@ -58,6 +61,7 @@ class Corpus:
         self.kind = kind
         self._sources = sources
         self._held = held or None   # None: documents are held out by hash
+        self._split = True          # False: no validation split (drop_validation), every document trains
         self._tok = tokenizer
         self._encode = getattr(tokenizer, "encode_batch", None) or (lambda texts: [tokenizer.encode(t) for t in texts])
         self._seq_len = seq_len
@@ -91,17 +95,34 @@ class Corpus:
     def validation(self, n_sequences: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The first ``n_sequences`` held-out rows as (tokens [seq_len + 1], loss_mask [seq_len]); fewer
         where the held-out data has fewer. Computed once, so every evaluation sees the same rows."""
-        if n_sequences > len(self._val_rows) and not self._val_complete:
+        if not self.held_out(n_sequences):
+            raise ConfigError(f"the corpus is too small for a validation split ({self.split_name()}): no row of "
+                              f"{self._seq_len + 1} tokens; {TOO_SMALL_FIX}")
+        return self._val_rows[:n_sequences]
+
+    def held_out(self, n_sequences: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`validation`'s rows, none (no error) where the held-out data has no whole row."""
+        if self._split and n_sequences > len(self._val_rows) and not self._val_complete:
             rows = list(islice(self._rows(None, train=False), n_sequences))
             self._val_complete = len(rows) < n_sequences
             if rows:
                 tokens, mask, _ = self._tensors(rows)
                 self._val_rows = list(zip(tokens, mask))
-        if not self._val_rows:
-            held = "the held-out split" if self._held else f"every {self._val_every}th document, held out,"
-            raise ConfigError(f"the corpus is too small for a validation split: {held} gives no row of "
-                              f"{self._seq_len + 1} tokens; pass --val-data")
-        return self._val_rows[:n_sequences]
+        return self._val_rows[:n_sequences] if self._split else []
+
+    def has_split(self) -> bool:
+        """Whether there is a validation split (not dropped: :meth:`drop_validation`)."""
+        return self._split
+
+    def split_name(self) -> str:
+        return "the held-out files" if self._held else f"every {self._val_every}th document held out"
+
+    def drop_validation(self, why: str) -> None:
+        """No validation split (a run that does not need one, whose data is too small for it): the
+        train stream reads every document, none held out; :meth:`validation` has no rows. Before the
+        first ``train_stream``."""
+        self._split, self._held, self._val_rows = False, None, []
+        self.description = self.description.rsplit("; validation: ", 1)[0] + f"; validation: none ({why})"
 
     def _order(self, epoch: int) -> list[Source]:
         if epoch == 0:
@@ -113,7 +134,7 @@ class Corpus:
     def _records(self, start: dict | None, train: bool):
         """(epoch, source, index, payload) from ``start`` (None: the first record), forever when ``train``
         (the train documents), else one pass over the validation documents."""
-        by_hash = self._held is None
+        by_hash = self._held is None and self._split
         epoch, file, record = (start["epoch"], start["file"], start["record"]) if start else (0, None, 0)
         while True:
             order = self._order(epoch) if train else self._held or self._sources
@@ -338,8 +359,8 @@ def open_corpus(spec: str, tokenizer, *, seq_len: int, text_field: str = "text",
         raise ConfigError(f"{first.path} holds chat data (messages), which needs a tokenizer with a chat template; "
                           f"{'the byte tokenizer' if isinstance(tokenizer, ByteTokenizer) else 'this one'} has none")
     formats = Counter(s.fmt for s in sources)
-    val = (f"{len(held)} held-out files" if held else f"every {val_every}th document held out")
-    description = (f"{spec}: {len(sources)} files ({', '.join(f'{n} {f}' for f, n in formats.items())}), "
+    val = (counted(len(held), "held-out file") if held else f"every {val_every}th document held out")
+    description = (f"{spec}: {counted(len(sources), 'file')} ({', '.join(f'{n} {f}' for f, n in formats.items())}), "
                    f"{kind} data{f' (field {text_field!r})' if kind == 'text' else ''}; validation: {val}")
     return Corpus(sources, held, tokenizer, seq_len=seq_len, kind=kind, text_field=text_field,
                   val_every=val_every, seed=seed, read_ahead=read_ahead, description=description)

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .corpus import formats, open_corpus
+from .corpus import TOO_SMALL_FIX, formats, open_corpus
 from .models import check_fit, job_tokenizer
 from .records import changed_files
 from .tokenizers import ByteTokenizer, with_eos
-from .options import ConfigError
+from .options import ConfigError, counted
 
 
 _NOT_STDLIB = {"site-packages", "dist-packages", "test", "__pycache__"}
@@ -36,20 +36,24 @@ def stdlib_files() -> list[Path]:
     return sorted(found)
 
 
-def load_corpus(spec: str, max_bytes: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(train bytes, validation bytes, description). Files are split by a hash of their name, so
-    the split does not depend on the order or the number of files."""
+def load_corpus(spec: str, max_bytes: int, optional: bool = False):
+    """(train bytes, validation bytes, the number of files (None: one file, cut 19:1), whether
+    ``max_bytes`` cut the reading short). Files are split by a hash of their name, so the split does
+    not depend on the order or the number of files. ``optional``: a validation split too small to use
+    is none (validation None), its bytes trained on, rather than an error."""
     if spec == "stdlib":
         files, root = stdlib_files(), Path(sysconfig.get_paths()["stdlib"])
     else:
         root = Path(spec)
         if root.is_file():
             data = root.read_bytes()[:max_bytes]
+            capped = len(data) == max_bytes
             if len(data) < 4096:
-                raise ConfigError(f"{root} has {len(data)} bytes; at least 4096 are needed")
+                hint = f" (its first --max-data-bytes {max_bytes}: raise it)" if capped else ""
+                raise ConfigError(f"{root} has {counted(len(data), 'byte')}{hint}; at least 4096 are needed")
             cut = len(data) * 19 // 20
             return (torch.frombuffer(bytearray(data[:cut]), dtype=torch.uint8),
-                    torch.frombuffer(bytearray(data[cut:]), dtype=torch.uint8), str(root))
+                    torch.frombuffer(bytearray(data[cut:]), dtype=torch.uint8), None, capped)
         if not root.is_dir():
             raise ConfigError(f"--data {spec!r} is neither 'stdlib', a file nor a directory")
         files = sorted(p for p in root.rglob("*") if p.is_file())
@@ -64,11 +68,28 @@ def load_corpus(spec: str, max_bytes: int) -> tuple[torch.Tensor, torch.Tensor, 
         total += len(data)
         if total >= max_bytes:
             break
-    if len(train) < 4096 or len(val) < 1024:
-        raise ConfigError(f"the corpus {spec!r} is too small ({len(train)} train / {len(val)} validation bytes)")
-    desc = f"{spec} ({len(files)} files, {len(train) / 1e6:.1f} MB train, {len(val) / 1e6:.2f} MB validation)"
-    return (torch.frombuffer(train, dtype=torch.uint8).clone(), torch.frombuffer(val, dtype=torch.uint8).clone(),
-            desc)
+    capped = total >= max_bytes
+    if optional and (len(val) < 1024 or len(train) < 4096):
+        train, val = train + val, None
+    if len(train) < 4096 or (val is not None and len(val) < 1024):
+        small = f"the corpus {spec!r} is too small ({len(train)} train / {len(val or b'')} validation bytes)"
+        if capped:
+            raise ConfigError(f"{small}: --max-data-bytes {max_bytes} stopped the reading; raise it")
+        if len(train) + len(val or b"") < 4096:
+            raise ConfigError(f"{small}: at least 4096 bytes of text are needed")
+        raise ConfigError(f"{small} for a validation split (about one file in 20 held out: at least 1024 bytes, "
+                          f"and 4096 left to train on); {TOO_SMALL_FIX}")
+    return (torch.frombuffer(train, dtype=torch.uint8).clone(),
+            torch.frombuffer(val, dtype=torch.uint8).clone() if val is not None else None, len(files), capped)
+
+
+def _description(spec, n_files, train: int, val) -> str:
+    """The in-memory corpus in a few words (``n_files`` None: one file; ``val`` None: no validation)."""
+    none = "no validation: too small for a split, and --eval-every 0 needs none"
+    if n_files is None:
+        return str(spec) if val is not None else f"{spec} ({none})"
+    return (f"{spec} ({counted(n_files, 'file')}, {train / 1e6:.1f} MB train, "
+            + (f"{val / 1e6:.2f} MB validation)" if val is not None else f"{none})"))
 
 
 def batch_at(data: torch.Tensor, step: int, batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -93,20 +114,30 @@ class InMemory:
     kind = "text"
     wait_seconds = 0.0
 
-    def __init__(self, spec, tokenizer, *, batch, seq_len, seed, max_bytes):
-        train, val, self.description = load_corpus(spec, max_bytes)
-        self._train, self._val = _as_tokens(train, tokenizer), _as_tokens(val, tokenizer)
+    def __init__(self, spec, tokenizer, *, batch, seq_len, seed, max_bytes, optional=False):
+        train, val, n_files, capped = load_corpus(spec, max_bytes, optional)
+        self._train = _as_tokens(train, tokenizer)
+        self._val = _as_tokens(val, tokenizer) if val is not None else None
+        sizes = (len(train), None if val is None else len(val))
+        if optional and self._val is not None and len(self._val) < seq_len + 1:  # no room for a sequence
+            self._train, self._val, sizes = torch.cat([self._train, self._val]), None, (sum(sizes), None)
+        self.description = _description(spec, n_files, *sizes)
         self._batch, self._seq, self._seed = batch, seq_len, seed
-        shortest = min(len(self._train), len(self._val))
+        splits = [("training", len(self._train))] + ([("validation", len(self._val))] if self._val is not None else [])
+        which, shortest = min(splits, key=lambda s: s[1])
         if seq_len + 1 > shortest:
+            fix = ("raise --max-data-bytes or lower --seq-len" if capped else
+                   f"lower --seq-len, or {TOO_SMALL_FIX}" if which == "validation" else "lower --seq-len")
             raise ConfigError(f"--seq-len {seq_len} is longer than the data allows: a sequence needs {seq_len + 1} "
-                              f"tokens, the {'validation' if len(self._val) < len(self._train) else 'training'} split "
-                              f"has {shortest} (--data {spec}, --max-data-bytes {max_bytes})")
+                              f"tokens, the {which} split has {shortest} (--data {spec}, --max-data-bytes "
+                              f"{max_bytes}); {fix}")
 
     def batch(self, step):
         return batch_at(self._train, step, self._batch, self._seq, self._seed), None
 
     def validation(self, n):
+        if self._val is None:  # (none needed, and the data too small for it)
+            return []
         return [(batch_at(self._val, i, self._batch, self._seq, seed=12345), None) for i in range(n)]
 
     def cursor(self):
@@ -137,10 +168,12 @@ class Streamed:
         return self._stream.take(self._batch)
 
     def validation(self, n):
+        if not self.corpus.has_split():  # (none needed, and the data too small for it)
+            return []
         rows = self.corpus.validation(n * self._batch)
         if len(rows) < self._batch:
-            raise ConfigError(f"the validation split gives {len(rows)} rows of {rows[0][0].numel()} tokens, fewer "
-                              f"than one batch (--batch-size {self._batch}): pass --val-data with more data")
+            raise ConfigError(f"the validation split gives {counted(len(rows), 'row')} of {rows[0][0].numel()} "
+                              f"tokens, fewer than one batch (--batch-size {self._batch}); {TOO_SMALL_FIX}")
         return [(torch.stack([r[0] for r in rows[i:i + self._batch]]), torch.stack([r[1] for r in rows[i:i + self._batch]]))
                 for i in range(0, len(rows) - self._batch + 1, self._batch)]
 
@@ -160,10 +193,11 @@ def _say(line):
             pass
 
 
-def open_data(plan, tokenizer, cursor=None, say=None):
+def open_data(plan, tokenizer, cursor=None, say=None, optional_validation=False):
     """The job's data (``plan``: a DataPlan): the embedded corpus and plain text in memory; JSON lines,
     gzip shards, Parquet, Arrow and saved datasets streamed (``--data-kind``, ``--text-field``,
-    ``--val-data``).
+    ``--val-data``). ``optional_validation`` (``--eval-every 0``): data too small for a validation
+    split has none (``validation()`` is empty), every document trained on, rather than an error.
 
     Streamed documents and responses end with the tokenizer's EOS (``--eos-token`` gives one): a
     tokenizer without one is refused rather than packing documents with nothing between them (the
@@ -176,7 +210,7 @@ def open_data(plan, tokenizer, cursor=None, say=None):
                                           or formats(plan.data) != {"text"})
     if not streamed:
         return InMemory(plan.data, tokenizer, batch=plan.batch_size, seq_len=plan.seq_len, seed=plan.seed,
-                        max_bytes=plan.max_data_bytes)
+                        max_bytes=plan.max_data_bytes, optional=optional_validation)
     corpus = open_corpus(plan.data, tokenizer, seq_len=plan.seq_len, text_field=plan.text_field, kind=plan.data_kind,
                          val_spec=plan.val_data, seed=plan.seed)
     # (A chat's template ends its turns itself; the byte alphabet has no token to spare: documents
@@ -184,6 +218,9 @@ def open_data(plan, tokenizer, cursor=None, say=None):
     if corpus.kind != "chat" and tokenizer.eos_id is None and not isinstance(tokenizer, ByteTokenizer):
         raise ConfigError(f"the tokenizer has no EOS token to end each {'document' if corpus.kind == 'text' else 'response'} "
                           f"of {plan.data} with: pass --eos-token TEXT, a text that is one token of it")
+    if optional_validation and len(corpus.held_out(plan.eval_batches * plan.batch_size)) < plan.batch_size:
+        corpus.drop_validation(f"{corpus.split_name()}: less than a batch; --eval-every 0 needs none: training "
+                               "uses every document")
     files = corpus.fingerprint()
     saved = cursor.get("files") if isinstance(cursor, dict) else None
     changed = changed_files(saved, files) if isinstance(saved, dict) else None   # (None: an older checkpoint's)
@@ -194,14 +231,15 @@ def open_data(plan, tokenizer, cursor=None, say=None):
     return Streamed(corpus, batch=plan.batch_size, cursor=cursor, files=files)
 
 
-def open_job_data(model, plan, cursor, say):
+def open_job_data(model, plan, cursor, say, eval_every=1):
     """The open-data phase: the tokenizer (``model``, a ModelPlan: ``--tokenizer``, else the model's
     own), checked against the model before anything is read; the data read with it from ``cursor``
-    (a resumed run's, or None) by ``plan`` (a DataPlan); and the validation batches. Returns (data,
-    validation batches)."""
+    (a resumed run's, or None) by ``plan`` (a DataPlan); and the validation batches (none where
+    ``eval_every`` is 0 and the data is too small for a validation split). Returns (data, validation
+    batches)."""
     tokenizer = job_tokenizer(model)
     check_fit(model, tokenizer)
-    data = open_data(plan, tokenizer, cursor, say=say)
+    data = open_data(plan, tokenizer, cursor, say=say, optional_validation=eval_every == 0)
     return data, data.validation(plan.eval_batches)
 
 

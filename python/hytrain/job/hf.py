@@ -412,8 +412,9 @@ def export_run(run_dir, to, *, checkpoint: str = "latest", attempts: int = 5, wi
     try:
         config = json.loads((run / "config.json").read_text())
         opts, model_cfg, name = config["options"], config["model"], config["options"]["model"]
-    except FileNotFoundError:
-        raise ConfigError(f"{run} is not a run directory (no config.json)") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise ConfigError(f"{run} does not exist" if not run.exists() else f"{run} is a file, not a run directory"
+                          if not run.is_dir() else f"{run} is not a run directory (no config.json)") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{run / 'config.json'} cannot be read: {type(e).__name__}: {first_line(e)}") from None
     for attempt in range(1, attempts + 1):

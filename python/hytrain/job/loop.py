@@ -36,7 +36,7 @@ from .models import build_model
 from .optimizer import build_optimizer
 from .outputs import export_at_end, finish, run_config
 from .lock import RunLock
-from .options import ConfigError, Parser, add_arguments, resolve_options
+from .options import ConfigError, Parser, add_arguments, counted, resolve_options
 from .plan import RunPlan
 from .signals import Signals, Stopped, name
 from .ranks import (LAUNCHED, PeerFailure, as_peer_failure, launch, place, report_failure, set_up, tell_launcher,
@@ -100,10 +100,25 @@ _at = {"step": 0}  # the last step the loop finished (a hung peer is reported wi
 
 def run(plan: RunPlan) -> int:
     """The run of ``plan`` in this process: its output directory checked and locked (one run per
-    --out), its signals handled (signals.py: what each does at each stage), then :func:`_run`."""
+    --out), its signals handled (signals.py: what each does at each stage), then :func:`_run`. A run
+    that fails leaves no --out it made and left empty (nor the parents it made for it)."""
     ranks = set_up(plan.process)  # the set-up-ranks phase (ranks.py)
-    say = _Say() if ranks.main else (lambda *a, **k: None)
     out = Path(plan.output.out)
+    made = [d for d in (out, *out.parents) if not d.exists()] if ranks.main else []  # innermost first
+    try:
+        return _run_in(plan, ranks, out)
+    except BaseException:
+        for d in made:
+            try:
+                d.rmdir()  # (only an empty one: a run's files, or another run's lock, keep it)
+            except OSError:
+                break
+        raise
+
+
+def _run_in(plan: RunPlan, ranks, out: Path) -> int:
+    """:func:`run` once its ranks are set up: --out made, checked and locked, the signals handled."""
+    say = _Say() if ranks.main else (lambda *a, **k: None)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / f".write-test.{ranks.rank}"
@@ -161,7 +176,7 @@ def _run(plan: RunPlan, ranks, say, out: Path, sig) -> int:
     for line, warning in plan.notes():  # (a GPU the build cannot use; the fine-tuning --lr)
         say(line, file=sys.stderr if warning else sys.stdout, flush=True)
     data, val_batches = open_job_data(plan.model, plan.data, resume.cursor if resume is not None else None,
-                                      say=lambda line: say(line, flush=True))
+                                      say=lambda line: say(line, flush=True), eval_every=plan.schedule.eval_every)
     startup = Startup()  # (how long each phase took to end, from the process's start: summary.json)
     model = build_model(plan.model, device, dtype, ranks, weights=resumed_weights(resume, ranks),
                         state_format=plan.optimizer.state_format)
@@ -174,7 +189,8 @@ def _run(plan: RunPlan, ranks, say, out: Path, sig) -> int:
     if resume is not None:
         startup.mark("resume")
     config = run_config(out, plan, model, ranks)
-    where = f"{ranks.world} processes ({device.type}, FSDP2)" if ranks.distributed else str(device)
+    where = (f"{counted(ranks.world, 'process', 'processes')} ({device.type}, FSDP2)" if ranks.distributed
+             else str(device))
     if model.window is not None and model.window.streamed:
         w = model.window
         ends = f" (the {' and the '.join(w.ends)} among them)" if w.ends else ""
@@ -316,20 +332,21 @@ class Training:
         every, last = self.schedule.eval_every, self.schedule.steps
         if step % every == 0 if every else False:
             rec["val_loss"] = evaluate(self.model, self.val_batches, self.device, self.ranks)
-        if step == last and "val_loss" not in rec:
+        if step == last and "val_loss" not in rec and self.val_batches:  # (none: --eval-every 0, data too small)
             rec["val_loss"] = evaluate(self.model, self.val_batches, self.device, self.ranks)
         if self.metrics is not None:
             self.metrics.write(rec)
         self.history.append(rec)
         if self.bar is not None:
             self.bar.update(1)
-            post = dict(loss=f"{loss_v:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", k=rec["k"])
+            # (this step's own tokens/s: its forward, backward and update; summary.json's is the whole run's)
+            post = dict(loss=f"{loss_v:.3f}", step_tok_s=f"{rec['tokens_per_s']:.0f}", k=rec["k"])
             if "gpu_wait_frac" in rec:
                 post["gpu_idle"] = f"{rec['gpu_wait_frac']:.0%}"
             self.bar.set_postfix(**post)
         elif "val_loss" in rec:
-            self.say(f"step {step}: loss {loss_v:.4f} val {rec['val_loss']:.4f} "
-                     f"{rec['tokens_per_s']:.0f} tokens/s", flush=True)
+            self.say(f"step {step}: loss {loss_v:.4f} val {rec['val_loss']:.4f}, "
+                     f"{rec['tokens_per_s']:.0f} tokens/s in this step", flush=True)
 
     def _save(self, step: int, stopping: bool, asked: bool) -> None:
         """A checkpoint where one is due: every ``--save-every`` steps, at the last, on a signal."""
@@ -360,6 +377,11 @@ def _finish(plan, output, keep: int, model, opt, trained: Trained, device, ranks
                     if output.export and (trained.done or (stopped and not keep)) else None)
         summary = finish(out, opt, trained.history, model.n_params, trained.tokens_per_step, trained.elapsed,
                          trained.energy, device, ranks, exported, model.window, trained.startup)
+        if summary is not None and None not in (summary["tokens_per_s"], summary["step_tokens_per_s"]):
+            say(f"hytrain train: {summary['tokens_per_s']:.0f} tokens/s over the run ({summary['tokens']} tokens in "
+                f"{summary['train_loop_s']:.1f} s, first step to last: the first step's set-up, validation and saves "
+                f"included); {summary['step_tokens_per_s']:.0f} tokens/s in a step alone (the median step_tok_s)",
+                flush=True)
         say(json.dumps(summary), flush=True)
     if sig.late and not stopped:
         stopped = sig.late

@@ -28,6 +28,11 @@ def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
+def counted(n: int, noun: str, nouns: str | None = None) -> str:
+    """``n`` and the noun, singular for one: "1 file", "2 files"; ``nouns``: the plural where it is not
+    the noun and an s ("processes")."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
 
 # --lr's default: a pre-training rate for a model that starts from random weights, a fine-tuning rate
 # for a pretrained checkpoint (a transformers model directory, or a name in the Hugging Face cache).
@@ -129,7 +134,9 @@ def _training_options(a) -> None:
     a("--device", default="auto", help="auto, cpu or cuda[:N]")
     a("--workers", type=int, default=0,
       help="CPU update threads (0: this process's share of the cores less one, at most 32 a NUMA node)")
-    a("--eval-every", type=int, default=100, help="validation every N steps (and at the end)")
+    a("--eval-every", type=int, default=100,
+      help="validation every N steps and at the end (0: at the end only, and none where the data is too small "
+           "for a validation split: training then uses every document)")
     a("--eval-batches", type=int, default=8, help="batches of held-out data in each validation")
     a("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end and on signals)")
     a("--keep", type=int, default=2,
@@ -152,7 +159,9 @@ def _process_options(g) -> None:
     g.add_argument("--nnodes", default="1", help="torchrun --nnodes (e.g. 2 or 1:4), with --rdzv-endpoint")
     g.add_argument("--rdzv-endpoint", default=None, help="torchrun's c10d rendezvous HOST:PORT (several nodes; "
                    "default: a free port on this node)")
-    g.add_argument("--rdzv-id", default="hytrain", help="torchrun's rendezvous id (the same on every node)")
+    g.add_argument("--rdzv-id", default="hytrain",
+                   help="torchrun's rendezvous id with --rdzv-endpoint, the same on every node (default: hytrain); "
+                        "without --rdzv-endpoint (one node) it is not used: each launch draws an id of its own")
     g.add_argument("--max-restarts", type=int, default=0,
                    help="torchrun restarts the group this many times after a failure; the job resumes "
                         "from the latest checkpoint")
@@ -288,7 +297,7 @@ def check_options(args) -> None:
         if not isinstance(v, int) or v < lo:
             raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
 
-    for name in ("batch_size", "seq_len", "steps", "eval_batches"):
+    for name in ("batch_size", "seq_len", "steps", "eval_batches", "max_data_bytes"):
         positive(name)
     for name in ("warmup", "workers", "eval_every", "save_every", "seed", "max_restarts", "keep"):
         positive(name, 0)
@@ -325,6 +334,31 @@ def check_options(args) -> None:
     if args.model not in PRESETS and not _transformers_available():
         raise ConfigError(f"unknown model {args.model!r}: presets are {', '.join(PRESETS)} "
                           "(other names need the transformers package)")
+    _check_out_and_gpu_blocks(args)
+
+
+def _check_out_and_gpu_blocks(args) -> None:
+    """--out names a directory; a --gpu-blocks k above 0 that the command line (or its config) gives
+    needs CUDA: a run on the CPU would ignore it (one the checkpoint of a GPU run carries is kept, not
+    refused, so that a resume on the CPU goes on)."""
+    out = Path(str(args.out))
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} names a file, not a directory: give --out a directory (new, or a run's)")
+    k = args.gpu_blocks
+    if "gpu_blocks" not in getattr(args, "given", ()) or not isinstance(k, int) or k <= 0:
+        return
+    why = "--device cpu" if args.device == "cpu" else None
+    if args.device == "auto":
+        import hytrain
+
+        try:
+            usable = torch.cuda.is_available() and hytrain.cuda_available()
+        except ImportError:  # (no native build: the job says so when it needs it)
+            usable = False
+        why = None if usable else "no usable GPU, or hytrain built without CUDA"
+    if why:
+        raise ConfigError(f"--gpu-blocks {k} needs CUDA (the blocks it updates on a GPU), and this run trains on the "
+                          f"CPU ({why}): leave --gpu-blocks out, or pass --gpu-blocks 0")
 
 
 def _transformers_available() -> bool:

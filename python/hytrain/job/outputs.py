@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 from pathlib import Path
 
 import torch
@@ -131,7 +132,13 @@ def finish(out, opt, history, n_params, tokens_per_step, elapsed, energy, device
                "first_loss": history[0]["loss"] if history else None,
                "final_loss": history[-1]["loss"] if history else None,
                "final_val_loss": vals[-1] if vals else None, "tokens": tokens,
-               "tokens_per_s": tokens / elapsed if elapsed > 0 else None, "trace": str(trace), **pictures}
+               # the run's: its tokens over the loop's wall-clock (train_loop_s: from the first step to the
+               # last, the first step's set-up, validation and checkpoint saves included; not the start-up
+               # before, nor the export after); step_tokens_per_s: the median step's own (metrics.jsonl's,
+               # the progress bar's), without them
+               "tokens_per_s": tokens / elapsed if elapsed > 0 else None, "train_loop_s": elapsed,
+               "step_tokens_per_s": statistics.median(r["tokens_per_s"] for r in history) if history else None,
+               "trace": str(trace), **pictures}
     summary.update(startup or {})
     if failed:
         summary["export_error"] = failed
