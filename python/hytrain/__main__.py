@@ -71,6 +71,9 @@ def cmd_info(args) -> int:
     from hytrain.state_formats import FORMATS
 
     info = hytrain.build_info()
+    if not info.get("cuda_driver"):  # ("": the CUDA build found no driver; None: a build without CUDA)
+        info["cuda_driver"] = None if args.json else (
+            "none (no NVIDIA driver)" if info.get("cuda") else "none (a build without CUDA)")
     info["torch"] = torch.__version__
     info["torch_cuda_devices"] = (
         [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -123,8 +126,10 @@ def cmd_verify(args) -> int:
         t0 = time.perf_counter()
         meta = ckpt.verify(path)
     except ckpt.CheckpointError as e:
+        from .job.options import to_stderr
+
         hint = ckpt.after_damage(path) if path.name.startswith("step_") else ""  # a damaged checkpoint
-        print(f"hytrain verify: {e}{hint}", file=sys.stderr)
+        to_stderr(f"hytrain verify: {e}{hint}")  # (exit 2 with stderr closed too)
         return 2
     secs = time.perf_counter() - t0
     total = sum(f["bytes"] for f in meta["files"].values())
@@ -148,13 +153,13 @@ def cmd_export(args) -> int:
     """A run's checkpoint as a Hugging Face model directory (``from_pretrained`` loads it)."""
     from .checkpoint import CheckpointError
     from .job.hf import export_run, parameter_count
-    from .job.options import ConfigError
+    from .job.options import ConfigError, to_stderr
 
     try:
         out, source = export_run(args.run, args.to, checkpoint=args.checkpoint, with_source=True)
         n = parameter_count(out)
     except (ConfigError, CheckpointError, OSError) as e:  # (a full disk or I/O error: ConfigError, one line)
-        print(f"hytrain export: error: {e}", file=sys.stderr)
+        to_stderr(f"hytrain export: error: {e}")
         return 2
     print(f"{out}: a Hugging Face model directory of {n / 1e6:.2f} M parameters, from {source}")
     return 0

@@ -52,3 +52,44 @@ def test_info_params_take_k_m_g_in_powers_of_2_as_the_16m_default_does(capsys):
         assert e.value.code == 2 and err.count("\n") == 1, (bad, err)
         assert err.startswith("hytrain info: error: argument --params: expected a whole number, optionally with K, "
                               f"M or G (powers of 2: 16M is 16*2**20), got {bad!r}"), err
+
+
+def test_info_says_plainly_that_there_is_no_cuda_driver(capsys, monkeypatch):
+    # A CUDA build on a machine without a GPU's driver showed an empty cuda_driver field.
+    import hytrain
+    from hytrain.__main__ import main
+
+    built = hytrain.build_info()
+    for cuda, driver, said in (("13.0", "", "none (no NVIDIA driver)"), (None, None, "none (a build without CUDA)"),
+                               ("13.0", "13.0", "13.0")):
+        monkeypatch.setattr(hytrain, "build_info", lambda: dict(built, cuda=cuda, cuda_driver=driver))
+        assert main(["info", "--no-measure"]) == 0
+        fields = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+        assert fields["cuda_driver"] == said, fields
+        assert main(["info", "--no-measure", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["cuda_driver"] == (driver or None)  # (JSON: null, not "")
+
+
+def test_a_refusal_exits_2_with_stderr_closed(tmp_path, capsys, monkeypatch):
+    # `hytrain train --lr -1 2>&-` exited 1 where the interpreter found a descriptor 2 it cannot write
+    # (a launcher script's, left open read-only, as pyenv's shims do): writing the refusal's line raised
+    # EBADF, which replaced the status. Where none is open (stderr None), the line went to stdout. The
+    # line is lost now, on stdout too; the status (2) is not.
+    import os
+
+    def unwritable():
+        os.close(2)
+        os.open(os.devnull, os.O_RDONLY)  # (the lowest free descriptor: 2)
+
+    r = subprocess.run([sys.executable, "-m", "hytrain", "train", "--lr", "-1"], stdout=subprocess.PIPE, text=True,
+                       preexec_fn=unwritable)  # (the whole process: the interpreter's exit included)
+    assert r.returncode == 2 and r.stdout == "", (r.returncode, r.stdout)
+    from hytrain.__main__ import main
+
+    with open(os.devnull) as read_only:  # (in this process: no stderr, or one that cannot be written)
+        for argv in (["verify", str(tmp_path / "none")], ["train", "--lr", "-1"],
+                     ["export", str(tmp_path / "none"), "--to", str(tmp_path / "x")]):
+            for stderr in (None, read_only):
+                monkeypatch.setattr(sys, "stderr", stderr)
+                assert main(argv) == 2, argv
+                assert capsys.readouterr().out == "", argv

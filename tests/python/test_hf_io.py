@@ -375,6 +375,33 @@ def run(models, corpus, tmp_path_factory):
     return out
 
 
+def test_a_refused_fine_tuning_run_says_its_error_line_only(models, corpus, tmp_path, capsys, monkeypatch):
+    # The fine-tuning --lr default was announced before the data was read: a run the data then refused
+    # printed that line first. The run's notes come once nothing can refuse it any more.
+    from hytrain.job import main as train
+
+    small = tmp_path / "small.txt"
+    small.write_text("the quick brown fox\n")
+    model = str(models["untied"])
+    assert train(["--model", model, "--data", str(small), "--steps", "1", "--out", str(tmp_path / "a"), *FAST]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and len(said.err.strip().splitlines()) == 1, said
+    assert f"{small} has 20 bytes; at least 4096 are needed" in said.err, said.err
+    # (a step the host has no room for, refused once the data is read, as the model is built: the same)
+    from hytrain.job import models as job_models
+
+    monkeypatch.setattr(job_models, "available_memory_bytes", lambda: 3 << 20)  # its weights and state: 1.8 MB
+    assert train(["--model", model, "--data", corpus, "--steps", "1", "--out", str(tmp_path / "b"), *FAST,
+                  "--batch-size", "8"]) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and "does not fit this host on the CPU at --batch-size 8 x --seq-len 32" in said.err, said
+    monkeypatch.undo()
+    assert train(["--model", model, "--data", corpus, "--steps", "1", "--out", str(tmp_path / "c"), *FAST]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "hytrain train: lr 2e-05 (the fine-tuning default for a pretrained model; --lr to change)"
+    assert lines[1].startswith(f"hytrain train: {model} ("), lines
+
+
 def test_hytrain_export_writes_the_checkpoints_weights(run, models, tmp_path):
     from safetensors.torch import load_file
 
@@ -431,7 +458,7 @@ def test_hytrain_export_refuses_a_damaged_checkpoint_in_one_line(run, tmp_path, 
     assert code == 2 and f"{weights} is corrupted" in err and "export it with --checkpoint" in err
     assert "step_00000001" in err and not (tmp_path / "out").exists()
     code, err = export(str(tmp_path / "nowhere"), "--to", str(tmp_path / "out"))
-    assert (code, err) == (2, f"hytrain export: error: {tmp_path / 'nowhere'} is not a run directory (no config.json)")
+    assert (code, err) == (2, f"hytrain export: error: {tmp_path / 'nowhere'} does not exist")
     code, err = export(str(copy), "--to", str(tmp_path / "out"), "--checkpoint", "step_00000009")
     assert code == 2 and "step_00000009 does not exist" in err and "step_00000001" in err  # (those there)
     # A checkpoint's name as --help writes it (step_N), and the weights readable as the umask says

@@ -2,6 +2,7 @@
 checkpoints are refused, a kill in the middle of a save never harms the last good one, SIGTERM saves
 and exits cleanly, and bad options fail before training with a clear message."""
 
+import dataclasses
 import json
 import math
 import os
@@ -73,6 +74,39 @@ def test_a_model_the_host_cannot_hold_on_the_cpu_is_refused_before_it_is_built(t
     assert "8bit optimizer state" in err and "--state-format 8bit" not in err, err
     monkeypatch.setattr(models, "available_memory_bytes", lambda: 64 << 30)
     assert main(["--steps", "1", "--model", "tiny", "--eval-every", "0", "--out", str(tmp_path / "ok"), *fast]) == 0
+
+
+def test_a_step_whose_activations_the_host_cannot_hold_on_the_cpu_is_refused_before_it_is_built(tmp_path, fast,
+                                                                                                 capsys, monkeypatch):
+    # `--model tiny --seq-len 100000` grew to ~23 GB before anything said so: the check counted the
+    # weights, gradients and optimizer state (12 MiB for tiny) but not a step's activations.
+    from hytrain.job import models
+    from hytrain.job.plan import ModelPlan
+
+    plan = ModelPlan(model="tiny", init="random", tokenizer=None, precision=None, stream="off",
+                     activation_checkpointing=False, seq_len=100000, seed=0)
+    with pytest.raises(models.ConfigError) as e:  # (24 GiB: this machine's; the estimate is ~108 GiB)
+        models.check_host_fit(plan, torch.float32, available=24 << 30, batch_size=16)
+    msg = str(e.value)
+    assert "--batch-size 16 x --seq-len 100000" in msg and "activations need about 108." in msg, msg
+    assert "and 24.00 GiB is available: lower --seq-len or --batch-size" in msg and "\n" not in msg, msg
+    assert "--activation-checkpointing" in msg, msg  # (not on: it is named, with what it would need)
+    default = dataclasses.replace(plan, seq_len=128)  # the default job's: fits, as any test job does
+    models.check_host_fit(default, torch.float32, available=1 << 30, batch_size=16)
+    # The estimate: linear in the tokens of a step, smaller with checkpointing, larger in fp32.
+    shape = models._shape(models.LlamaConfig(**models.PRESETS["tiny"]))
+    one = models.activation_bytes(shape, 1, 128, torch.float32, False)
+    assert models.activation_bytes(shape, 16, 128, torch.float32, False) == 16 * one
+    assert models.activation_bytes(shape, 1, 128, torch.float32, True) < one
+    assert models.activation_bytes(shape, 1, 128, torch.bfloat16, False) < one
+    # A whole job: refused in one line (exit 2) before the model is built, where without the
+    # activations (12 MiB of weights and state, 20 MiB available) it trained.
+    monkeypatch.setattr(models, "available_memory_bytes", lambda: 20 << 20)
+    out = str(tmp_path / "run")
+    assert main(["--steps", "1", "--model", "tiny", "--eval-every", "0", "--out", out, *fast]) == 2
+    err = capsys.readouterr().err
+    assert "--batch-size 4 x --seq-len 64" in err and len(err.strip().splitlines()) == 1, err
+    assert not os.path.exists(out)
 
 
 def test_resume_is_bit_identical_on_cpu(tmp_path, fast):

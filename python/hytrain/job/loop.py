@@ -173,13 +173,11 @@ def _run(plan: RunPlan, ranks, say, out: Path, sig) -> int:
         return 0
     plan = resumed_plan(plan, resume, out, say)
     dtype = plan.model.dtype(device)  # (a resume's: --precision is fixed under a checkpoint)
-    for line, warning in plan.notes():  # (a GPU the build cannot use; the fine-tuning --lr)
-        say(line, file=sys.stderr if warning else sys.stdout, flush=True)
     data, val_batches = open_job_data(plan.model, plan.data, resume.cursor if resume is not None else None,
                                       say=lambda line: say(line, flush=True), eval_every=plan.schedule.eval_every)
     startup = Startup()  # (how long each phase took to end, from the process's start: summary.json)
     model = build_model(plan.model, device, dtype, ranks, weights=resumed_weights(resume, ranks),
-                        state_format=plan.optimizer.state_format)
+                        state_format=plan.optimizer.state_format, batch_size=plan.data.batch_size)
     startup.mark("model")
     updates = build_optimizer(plan.optimizer, plan.schedule, model, device, dtype, ranks)
     startup.mark("optimizer")
@@ -189,6 +187,9 @@ def _run(plan: RunPlan, ranks, say, out: Path, sig) -> int:
     if resume is not None:
         startup.mark("resume")
     config = run_config(out, plan, model, ranks)
+    # The notes once nothing can refuse the run any more (a refused run says its one error line only).
+    for line, warning in plan.notes():  # (a GPU the build cannot use; the fine-tuning --lr)
+        say(line, file=sys.stderr if warning else sys.stdout, flush=True)
     where = (f"{counted(ranks.world, 'process', 'processes')} ({device.type}, FSDP2)" if ranks.distributed
              else str(device))
     if model.window is not None and model.window.streamed:

@@ -8,6 +8,7 @@ import argparse
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -26,6 +27,21 @@ class ConfigError(ValueError):
 def first_line(e: BaseException) -> str:
     """An exception's message as one line for a ConfigError (its first line, at most 300 characters)."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def to_stderr(text: str) -> None:
+    """A refusal's line (or a failure's text) on stderr, flushed. A closed stderr (``2>&-``, a dead
+    log pipe) loses the line, not the exit status the caller returns: nothing is raised, and stderr
+    then writes to os.devnull (the interpreter's flush at exit would fail too)."""
+    if sys.stderr is None:  # (no descriptor 2 when the interpreter started: print would write to stdout)
+        return
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        try:
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115 -- for the rest of the process
+        except OSError:
+            pass
 
 
 def counted(n: int, noun: str, nouns: str | None = None) -> str:

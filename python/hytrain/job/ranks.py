@@ -19,7 +19,7 @@ import torch
 
 from .. import cuda_available, early_signals
 from ..blocks import repeated_layers
-from .options import ConfigError
+from .options import ConfigError, to_stderr
 from .processes import stop_when_orphaned
 
 
@@ -94,7 +94,7 @@ def report_failure(line: str, kind: str, exc: BaseException | None = None) -> No
     rank = int(os.environ.get("RANK", "0"))
     callstack = "".join(traceback.format_exception(exc)) if kind == "bug" and exc is not None else ""
     if tell_launcher(line, kind, rank, callstack):
-        print(callstack.rstrip() if callstack else line, file=sys.stderr, flush=True)
+        to_stderr(callstack.rstrip() if callstack else line)  # (a closed stderr: the status stays)
 
 
 def _collective(what, fn, rank):

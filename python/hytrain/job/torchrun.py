@@ -13,6 +13,7 @@ import signal
 import sys
 
 from .. import early_signals
+from .options import to_stderr
 from .processes import children, stop_when_orphaned
 
 
@@ -93,15 +94,14 @@ def main(argv: list[str]) -> int:
         if hung:  # a rank timed out waiting: the ranks the agent then had to kill are the hung ones
             gone = [r for r, f in sorted(e.failures.items()) if not _report(f) and f.exitcode < 0]
             who = f"rank(s) {', '.join(map(str, gone))} hung, " if gone else ""
-            print(f"hytrain train: error: {who}{_report(hung[0][1]).get('line', '').split('error: ', 1)[-1]}",
-                  file=sys.stderr, flush=True)
+            to_stderr(f"hytrain train: error: {who}{_report(hung[0][1]).get('line', '').split('error: ', 1)[-1]}")
             return 124
         rank, failure = first_failure(e.failures)
         text, code = describe(rank, failure)
         others = len(e.failures) - 1
         if others and _report(failure).get("kind") != "user":
             text += f" ({others} other rank(s) stopped with it)"
-        print(text, file=sys.stderr, flush=True)
+        to_stderr(text)
         return code if 0 < code < 256 else 1
     except SignalException as e:  # the launcher forwarded SIGTERM/SIGINT and the ranks were stopped
         return 128 + int(e.sigval)
