@@ -25,6 +25,7 @@ from .common import local
 AHEAD_SHARE = 0.5
 QUIET_STEPS = 4
 
+
 def fit(sizes, room) -> int:
     """How many leading blocks of these sizes fit in ``room`` bytes."""
     k, used = 0, 0

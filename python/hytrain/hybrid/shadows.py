@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import torch
 
@@ -51,7 +52,7 @@ class Shadows:
         self.lock_error = None  # why the last background reservation failed, if it did
         # (kind, start, end, bytes) of the pool work done for shadows, time.perf_counter() seconds:
         # "ahead" (the first step), "lock" and "trim" (in the background)
-        self.work_log = []
+        self.work_log = deque(maxlen=WORK_LOG)
         # The pool (our own) may hold wholly free slabs to give back, in the background, once the
         # plan has held (the planner's give_back_when_quiet): slabs locked ahead or for shadows that
         # were not all taken, or the host memory of states that went to the GPU.
@@ -220,7 +221,7 @@ class Shadows:
         return slabs * slab
 
     def _log(self, kind, began, nbytes) -> None:
-        self.work_log = [*self.work_log[-(WORK_LOG - 1):], (kind, began, time.perf_counter(), int(nbytes))]
+        self.work_log.append((kind, began, time.perf_counter(), int(nbytes)))
 
     def allocate(self, b) -> bool:
         """Block b's own shadows from the pool; False (and none) where its capacity is reached."""
