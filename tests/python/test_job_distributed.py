@@ -690,6 +690,27 @@ def test_a_rank_killed_without_restarts_is_named_once_and_the_others_stop(tmp_pa
     assert not [p for p in family if os.path.exists(f"/proc/{p}") and _is_worker(p)]
 
 
+def test_the_failure_shown_is_the_killed_rank_not_one_torchrun_stopped_after_it():
+    """kill -9 of rank 1: torchrun then stops rank 0 with SIGTERM, and the two failures' timestamps can
+    tie (or rank 0's come first). The one shown is the rank the signal came from outside for; where
+    every rank died of SIGTERM, the earliest; a rank's own report before any signal."""
+    import types
+
+    from hytrain.job.torchrun import describe, first_failure
+
+    def failure(sig=None, at=100.0, report=None, pid=1000):
+        return types.SimpleNamespace(exitcode=-sig if sig else 1, timestamp=at, pid=pid,
+                                     error_file_data={"hytrain": report} if report else {},
+                                     signal_name=lambda: signal.Signals(sig).name if sig else "")
+    for at0 in (100.0, 99.0):
+        rank, f = first_failure({0: failure(signal.SIGTERM, at0, pid=10), 1: failure(signal.SIGKILL, 100.0, pid=11)})
+        assert rank == 1 and describe(rank, f) == (
+            "hytrain train: error: rank 1 (pid 11) was killed by signal 9 (SIGKILL)", 128 + 9)
+    assert first_failure({0: failure(signal.SIGTERM, 101.0), 1: failure(signal.SIGTERM, 100.0)})[0] == 1
+    own = {"kind": "bug", "line": "hytrain train: error: boom", "time": 100.5}
+    assert first_failure({0: failure(report=own), 1: failure(signal.SIGKILL, 100.0)})[0] == 0
+
+
 def test_a_lost_peer_in_a_collective_of_torch_is_a_peer_failure():
     from hytrain.job.ranks import PeerFailure, as_peer_failure
 

@@ -26,10 +26,14 @@ def first_failure(failures: dict) -> tuple[int, object]:
     """The failure to show: a user's error as the lowest rank words it (every rank usually meets the
     same one, and rank 0 knows the most), else the earliest failure a rank reported itself that is not
     a lost peer (a rank that saw another die reports later, as a peer failure), else a rank killed by
-    a signal, else the earliest of all."""
+    a signal -- one not killed by SIGTERM first, which is how torchrun stops the others once one has
+    failed (their timestamps can tie with it, or come first) -- else the earliest of all."""
     def when(item):
         rank, f = item
         return (_report(f).get("time", float(f.timestamp)), rank)
+
+    def stopped_last(item):
+        return (item[1].exitcode == -signal.SIGTERM, *when(item))
 
     user = [(r, f) for r, f in failures.items() if _report(f).get("kind") == "user"]
     if user:
@@ -37,9 +41,11 @@ def first_failure(failures: dict) -> tuple[int, object]:
     own = [(r, f) for r, f in failures.items()
            if _report(f) and _report(f).get("kind") not in ("peer", "hung", "stopped")]
     killed = [(r, f) for r, f in failures.items() if f.exitcode < 0]
-    for pool in (own, killed, list(failures.items())):
-        if pool:
-            return min(pool, key=when)
+    if own:
+        return min(own, key=when)
+    if killed:
+        return min(killed, key=stopped_last)
+    return min(failures.items(), key=when)
     raise ValueError("no failure")
 
 
